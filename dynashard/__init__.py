@@ -1,0 +1,22 @@
+"""dynashard: compile-time tensor parallelism as a ``torch.compile`` backend.
+
+Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this package while
+``import torch`` is still running.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["backend", "explain", "__version__"]
+
+
+def backend(**options):
+    """Return the dynashard backend with ``options`` bound (see the README's options table)."""
+    from dynashard.entry import backend as _backend
+
+    return _backend(**options)
+
+
+def explain(model, *args, world_size=None, options=None, **kwargs):
+    """Plan ``model`` on example inputs and return a report (``str()`` is a table)."""
+    from dynashard.explain import explain as _explain
+
+    return _explain(model, *args, world_size=world_size, options=options, **kwargs)

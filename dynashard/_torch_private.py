@@ -1,0 +1,97 @@
+"""Every use of a private or semi-private torch API lives here, so a torch upgrade breaks one file.
+
+Each function says which torch behaviour it depends on; see NOTES.md for the measurements.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+_SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def fake_mode_of(example_inputs: Sequence[Any]):
+    """The fake mode Dynamo traced with (it owns the shape env, so guards land in Dynamo's)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(example_inputs)
+
+
+def placeholder_source_fqn(node: torch.fx.Node) -> tuple[str, str] | None:
+    """(module FQN, attribute name) of a parameter/buffer placeholder, from Dynamo's grapharg.
+
+    NOTE: Dynamo 2.13 names a parameter's source like
+    ``L['self']._modules['mlp']._modules['up']._parameters['weight']``.
+    """
+    grapharg = node.meta.get("grapharg")
+    if grapharg is None or grapharg.source is None:
+        return None
+    parts = _SOURCE_PART.findall(grapharg.source.name)
+    if not parts:
+        return None
+    return ".".join(parts[:-1]), parts[-1]
+
+
+def example_value(node: torch.fx.Node) -> Any:
+    """The fake value Dynamo recorded for a placeholder (a FakeTensor or a SymInt)."""
+    return node.meta["example_value"]
+
+
+def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.GraphModule:
+    """Retrace ``fn`` into an aten-level graph with Dynamo's symbolic sizes kept symbolic.
+
+    NOTE: ``make_fx(tracing_mode="symbolic")`` reuses the fake mode of its fake inputs, so sizes
+    stay the SymInts Dynamo created. ``torch.func.functionalize`` around it loses that tracking
+    and burns the example sizes into the graph as constants (measured): do not add it.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = fake_mode_of(fake_args)
+    with fake_mode:
+        return make_fx(fn, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
+
+
+def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths."""
+    if compiler == "eager":
+        return gm.forward
+    if compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def weak_id_dict() -> Any:
+    """A dictionary keyed by tensor identity that does not keep the tensor alive."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
+
+
+def init_fake_process_group(world_size: int) -> None:
+    """A single-process default group of ``world_size`` whose collectives move no data."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def is_fake_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "fake"
+
+
+def size_hint(x: Any) -> int:
+    """A concrete example value for a possibly symbolic size, without adding a guard."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint) if x.node.hint is not None else 0
+    return int(x)

@@ -1,0 +1,188 @@
+"""The Dynamo backend: options -> analysis (match, plan) -> weights -> rewrite -> compiler.
+
+Registered through the ``torch_dynamo_backends`` entry point as ``"dynashard"``; Dynamo calls
+``dynashard_backend(gm, example_inputs, options={...})`` once per captured graph and shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.collectives import group_name
+from dynashard.match import ParamInfo, find_linears
+from dynashard.options import Options, parse_options
+from dynashard.plan import Plan, make_plan
+from dynashard.report import GraphReport, format_table
+from dynashard.rewrite import rewrite
+from dynashard.weights import STORE, ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+def resolve_group(options: Options) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "dynashard: no process group is initialized. Expected torch.distributed to be set up "
+            "before the first call of the compiled model: call dist.init_process_group() (launched "
+            "with torchrun, e.g. `torchrun --nproc-per-node 2 app.py`), or use dynashard.explain() "
+            "to inspect a plan in a single process."
+        )
+    return options.group if options.group is not None else dist.group.WORLD
+
+
+@dataclasses.dataclass
+class Analysis:
+    """Everything decided about one captured graph, before any weight is touched."""
+
+    aten: torch.fx.GraphModule
+    params: dict[int, tuple[str, torch.fx.Node]]  # input index -> (param FQN, aten placeholder)
+    plan: Plan
+    world: int
+    rank: int
+
+    def sharded_inputs(self) -> dict[int, tuple[str, ShardSpec | None, Any]]:
+        """Input index -> (FQN, how to cut it, the linear) for every weight the plan shards."""
+        index = {node: i for i, (_, node) in self.params.items()}
+        out: dict[int, Any] = {}
+        for m in self.plan.sharded():
+            style = self.plan.decisions[m.node].style
+            dim = m.out_dim if style == "colwise" else m.in_dim
+            out[index[m.weight]] = (self.params[index[m.weight]][0], dim, m)
+        return out
+
+
+def analyse(gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int) -> Analysis:
+    aten_gm = private.trace_aten(gm, fake_args)
+    dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    params: dict[int, tuple[str, torch.fx.Node]] = {}
+    infos: dict[torch.fx.Node, ParamInfo] = {}
+    for i, (dyn, node) in enumerate(zip(dyn_phs, aten_phs, strict=True)):
+        source = private.placeholder_source_fqn(dyn)
+        if source is None:
+            continue
+        module_fqn, attr = source
+        fqn = f"{module_fqn}.{attr}" if module_fqn else attr
+        is_param = isinstance(private.example_value(dyn), torch.nn.Parameter) or "_parameters[" in str(
+            dyn.meta["grapharg"].source.name
+        )
+        infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param)
+        params[i] = (fqn, node)
+    linears, other_uses = find_linears(aten_gm.graph, infos)
+    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank)
+    return Analysis(aten_gm, params, plan, world, rank)
+
+
+def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
+    """``fake_args`` with every sharded weight replaced by a fake of this rank's shard shape."""
+    from dynashard.layout import shard_bounds
+
+    out = list(fake_args)
+    fake_mode = private.fake_mode_of(fake_args)
+    for i, (_, dim, _m) in analysis.sharded_inputs().items():
+        full = fake_args[i]
+        _, length, _ = shard_bounds(full.shape[dim], analysis.world, analysis.rank)
+        shape = list(full.shape)
+        shape[dim] = length
+        with fake_mode:
+            out[i] = torch.empty(shape, dtype=full.dtype, device=full.device)
+    return out
+
+
+class ShardedProgram:
+    """What Dynamo calls: swaps this rank's shards in for the (freed) full weights."""
+
+    def __init__(self, compiled: Callable[..., Any], shards: dict[int, torch.Tensor], fqns: list[str]) -> None:
+        self.compiled = compiled
+        self.shards = shards
+        self.fqns = fqns
+
+    def __call__(self, *args: Any) -> Any:
+        args = list(args)
+        for i, shard in self.shards.items():
+            args[i] = shard
+        if not torch.is_grad_enabled():
+            return self.compiled(*args)
+        with torch.no_grad():
+            outs = self.compiled(*args)
+        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not anchors:
+            return outs
+        return type(outs)(_NoBackward.apply(o, anchors[0], self.fqns) if _float(o) else o for o in outs)
+
+
+def _float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+class _NoBackward(torch.autograd.Function):
+    """Forward is the identity; backward explains that sharded training is not supported yet."""
+
+    @staticmethod
+    def forward(ctx, out, anchor, fqns):  # noqa: ARG004
+        ctx.fqns = fqns
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ARG004
+        raise RuntimeError(
+            "dynashard: backward through a tensor-parallel graph is not supported yet (sharded "
+            f"layers: {ctx.fqns[:4]}{'...' if len(ctx.fqns) > 4 else ''}); gradients would be wrong, "
+            "so none are computed. Run inference under torch.no_grad()/torch.inference_mode(), or "
+            "compile training code with options={'plan': {}} (everything replicated)."
+        )
+
+
+def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None):
+    opts = parse_options(options)
+    group = resolve_group(opts)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1 or rank < 0:  # rank < 0: this process is outside the group
+        log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
+        return private.compile_graph(opts.compiler, gm, example_inputs)
+    fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    analysis = analyse(gm, fake_args, opts, world, rank)
+    plan = analysis.plan
+    report = GraphReport.build(analysis, example_inputs)
+    log.info("dynashard plan (rank %d of %d):\n%s", rank, world, format_table([report]))
+    named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()]
+    shapes = [str(getattr(a, "shape", a)) for a in fake_args]
+    STORE.agree(named, plan.fingerprint(shapes), group, opts.weights)
+    grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+    sharded = analysis.sharded_inputs()
+    if not sharded:
+        with grad_guard:
+            return private.compile_graph(opts.compiler, gm, example_inputs)
+    name = group_name(group)
+    shards = {
+        i: STORE.shard(example_inputs[i], ShardSpec(dim, world, rank, name), fqn) for i, (fqn, dim, _) in sharded.items()
+    }
+    new_fakes = shard_fakes(analysis, fake_args)
+    sharded_gm = rewrite(analysis.aten, plan, new_fakes, name)
+    log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
+    with grad_guard:
+        compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
+    # Freed only once the sharded program compiled: a failed compile leaves the model usable.
+    keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
+    freed = STORE.free([example_inputs[i] for i in sharded], keep)
+    log.info("dynashard: rank %d freed %.1f MiB of full weights", rank, freed / 2**20)
+    return ShardedProgram(compiled, shards, sorted({fqn for fqn, _, _ in sharded.values()}))
+
+
+def backend(**options: Any) -> Callable[..., Any]:
+    """``torch.compile(model, backend=dynashard.backend(plan=..., ...))``: options bound up front."""
+    bound = parse_options(options)
+
+    def dynashard_with_options(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        return dynashard_backend(gm, example_inputs, bound)
+
+    return dynashard_with_options

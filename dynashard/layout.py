@@ -1,0 +1,234 @@
+"""Layout propagation: which values are sharded, and what each consumer must do to read them.
+
+A pure analysis over an aten graph and a set of per-linear styles; nothing is mutated. The
+rewrite emits exactly what this records, and the plan and ``explain`` read the same record.
+
+Before (styles only)::
+
+    up:   colwise      gelu      view     down: rowwise     output
+After (a layout per value, a conversion per edge)::
+
+    addmm_up -> Shard(4096)   gelu -> Shard   view -> Shard (last dim 4096 -> 2048)
+    mm_down: input used locally, output all_reduce'd -> Replicated; output: nothing to gather
+
+Rules. Values are Replicated (``None``) or a :class:`Shard` of their last dim, laid out like
+``torch.chunk`` (every rank ``ceil(N / world)`` wide, the tail short or empty):
+  * colwise linear: replicated input, output Shard(out_features); a bias is narrowed.
+  * rowwise linear: sharded input used locally, a replicated one narrowed; partial sums
+    all-reduced; the bias added once, after the reduction.
+  * pointwise ops (``torch.Tag.pointwise``) and dtype/copy ops keep a Shard when every tensor
+    operand is a Shard of the same size, broadcasts over the last dim, or can be narrowed.
+    In-place ops keep their ``self`` operand's layout.
+  * view/reshape keep a Shard when the last dim is untouched; its size constant is rewritten.
+  * anything else, and graph outputs, read a Shard only after it is gathered (one gather per
+    value, shared by its consumers). Correct by construction: unknown ops cost a gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from dynashard.match import LinearMatch
+
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)
+
+# How a consumer reads one producer.
+LOCAL = "local"  # use the value as it is (a shard, or replicated)
+GATHER = "gather"  # all-gather the producer's shards first
+NARROW = "narrow"  # slice this rank's part out of a replicated value
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A value sharded on its last dim: this rank holds ``[start, start + length)`` of ``size``."""
+
+    size: int
+    start: int
+    length: int
+    chunk: int  # the padded width every rank contributes to a gather
+    origins: frozenset[torch.fx.Node]  # the colwise linears this shard comes from
+
+
+def shard_bounds(size: int, world: int, rank: int) -> tuple[int, int, int]:
+    """``(start, length, chunk)`` of rank's part of ``size``, laid out like ``torch.chunk``."""
+    chunk = math.ceil(size / world)
+    start = min(rank * chunk, size)
+    return start, min(size, start + chunk) - start, chunk
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str  # "all_reduce" or "all_gather"
+    node: torch.fx.Node  # where it is inserted (the producer for a gather, the linear for a reduce)
+    origins: frozenset[torch.fx.Node]  # the linears it is charged to
+    reason: str
+
+
+@dataclasses.dataclass
+class LayoutMap:
+    world: int
+    rank: int
+    styles: dict[torch.fx.Node, str]  # linear node -> style
+    layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
+    reads: dict[tuple[torch.fx.Node, torch.fx.Node], str] = dataclasses.field(default_factory=dict)
+    view_last_dim: dict[torch.fx.Node, int] = dataclasses.field(default_factory=dict)
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    _gathered: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+
+    def shard(self, size: int, origins: frozenset[torch.fx.Node]) -> Shard:
+        start, length, chunk = shard_bounds(size, self.world, self.rank)
+        return Shard(size, start, length, chunk, origins)
+
+    def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: str) -> None:
+        self.reads[(consumer, producer)] = how
+        if how == GATHER and producer not in self._gathered:
+            self._gathered.add(producer)
+            origins = self.layouts[producer].origins
+            self.collectives.append(Collective("all_gather", producer, origins, _op_name(consumer)))
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return "output" if node.op == "output" else getattr(node.target, "__name__", str(node.target))
+
+
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _last_dim(node) -> int | None:
+    v = _val(node)
+    if v is None or v.dim() == 0 or not isinstance(v.shape[-1], int):
+        return None
+    return v.shape[-1]
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) if _val(a) is not None else None)
+    return list(dict.fromkeys(found))
+
+
+def _all_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return list(dict.fromkeys(found))
+
+
+def _mutates_self(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return bool(alias is not None and alias.is_write)
+
+
+StyleChooser = Callable[[LinearMatch, Shard | None], str]
+
+
+def propagate(
+    graph: torch.fx.Graph, linears: dict[torch.fx.Node, LinearMatch], choose: StyleChooser, world: int, rank: int
+) -> LayoutMap:
+    """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style."""
+    lm = LayoutMap(world=world, rank=rank, styles={})
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            lm.layouts[node] = None
+        elif node.op == "output":
+            _replicate_all(lm, node)
+        elif node in linears:
+            match = linears[node]
+            style = choose(match, lm.layouts.get(match.input))
+            lm.styles[node] = style
+            _linear(lm, match, style)
+        elif node.op == "call_function" and node.target in _VIEWS:
+            _view(lm, node)
+        elif node.op == "call_function" and (
+            node.target in _COPIES or torch.Tag.pointwise in getattr(node.target, "tags", ())
+        ):
+            _pointwise(lm, node)
+        else:
+            _replicate_all(lm, node)
+    return lm
+
+
+def _replicate_all(lm: LayoutMap, node: torch.fx.Node) -> None:
+    for arg in _all_args(node):
+        lm.read(node, arg, GATHER if lm.layouts.get(arg) is not None else LOCAL)
+    lm.layouts[node] = None
+
+
+def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
+    node = match.node
+    if style == "replicate":
+        _replicate_all(lm, node)
+        return
+    for arg in _all_args(node):
+        lm.read(node, arg, LOCAL)  # the weight's transpose reads the (already sharded) weight
+    src = lm.layouts.get(match.input)
+    if style == "colwise":
+        if src is not None:
+            lm.read(node, match.input, GATHER)
+        out = lm.shard(match.out_features, frozenset([node]))
+        if match.bias is not None:
+            _read_as_shard(lm, node, match.bias, out)
+        lm.layouts[node] = out
+    else:  # rowwise
+        lm.read(node, match.input, LOCAL if src is not None else NARROW)
+        if match.bias is not None and lm.layouts.get(match.bias) is not None:
+            lm.read(node, match.bias, GATHER)
+        lm.collectives.append(Collective("all_reduce", node, (src.origins if src else frozenset()) | {node}, ""))
+        lm.layouts[node] = None
+
+
+def _read_as_shard(lm: LayoutMap, consumer: torch.fx.Node, arg: torch.fx.Node, out: Shard) -> None:
+    """Read ``arg`` in a computation whose output is ``out`` (broadcast, slice or use a shard)."""
+    if lm.layouts.get(arg) is not None:
+        lm.read(consumer, arg, LOCAL)
+    elif _last_dim(arg) == out.size and out.size != 1:
+        lm.read(consumer, arg, NARROW)
+    else:
+        lm.read(consumer, arg, LOCAL)  # broadcasts over the sharded dim (size 1 or 0-d)
+
+
+def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, size: int) -> bool:
+    lay = lm.layouts.get(arg)
+    if lay is not None:
+        return lay.size == size and _last_dim(arg) == size
+    v = _val(arg)
+    return v.dim() == 0 or _last_dim(arg) in (1, size)
+
+
+def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
+    args = _tensor_args(node)
+    sharded = [a for a in args if lm.layouts.get(a) is not None]
+    size = _last_dim(node)
+    ok = bool(sharded) and size is not None and all(_can_read_as_shard(lm, a, size) for a in args)
+    if ok and _mutates_self(node):
+        ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole
+    if not ok:
+        _replicate_all(lm, node)
+        return
+    out = lm.shard(size, frozenset().union(*(lm.layouts[a].origins for a in sharded)))
+    for arg in _all_args(node):
+        _read_as_shard(lm, node, arg, out) if arg in args else lm.read(node, arg, LOCAL)
+    lm.layouts[node] = out
+
+
+def _view(lm: LayoutMap, node: torch.fx.Node) -> None:
+    src_node = node.args[0]
+    src = lm.layouts.get(src_node)
+    if src is None or _last_dim(node) != src.size or _last_dim(src_node) != src.size:
+        _replicate_all(lm, node)
+        return
+    for arg in _all_args(node):
+        lm.read(node, arg, LOCAL)
+    lm.layouts[node] = src
+    lm.view_last_dim[node] = src.length

@@ -1,0 +1,163 @@
+"""Plan: decide a style for every linear, with a reason, before anything is rewritten.
+
+Before: the matched linears of one graph. After: a :class:`Plan` (style + reason per linear)
+and the :class:`~dynashard.layout.LayoutMap` the rewrite will follow.
+
+``plan="auto"`` pairs linears Megatron-style from the graph alone: walking the graph in order,
+a shardable linear whose input arrives sharded (a colwise output, through pointwise ops and
+last-dim-preserving views) becomes rowwise; every other shardable linear is tentatively
+colwise. A colwise linear whose shard never reaches a rowwise partner is kept colwise (its
+output gathered) when that pays, else replicated. A user plan maps module FQN globs to styles;
+every key must match a linear, and a named linear that cannot be sharded is an error.
+
+Invariants: planning never mutates the graph; every linear gets exactly one decision and a
+reason; the final layout map is recomputed from the final styles, so what the rewrite emits is
+what the plan says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import hashlib
+
+import torch.fx
+
+from dynashard.layout import LayoutMap, Shard, propagate
+from dynashard.match import LinearMatch
+from dynashard.options import Options
+
+# An unpaired colwise linear pays for its all-gather when each gathered element saves at least
+# this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
+# multiply-adds of one core, so 256 leaves a margin for the collective's fixed latency.
+_GATHER_MIN_IN_FEATURES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    style: str  # "colwise" | "rowwise" | "replicate"
+    reason: str
+
+
+@dataclasses.dataclass
+class Plan:
+    linears: list[LinearMatch]
+    decisions: dict[torch.fx.Node, Decision]
+    layouts: LayoutMap
+
+    def sharded(self) -> list[LinearMatch]:
+        return [m for m in self.linears if self.decisions[m.node].style != "replicate"]
+
+    def fingerprint(self, shapes: list[str]) -> str:
+        """A hash every rank must agree on before the first collective."""
+        rows = [(m.fqn, m.node.name, self.decisions[m.node].style) for m in self.linears]
+        return hashlib.sha256(repr((rows, shapes)).encode()).hexdigest()[:16]
+
+
+def _why_unshardable(match: LinearMatch, other_uses: list[str], shared: int) -> str | None:
+    if other_uses:
+        return f"weight is also read by {', '.join(other_uses)}"
+    if shared > 1:
+        return f"weight is shared by {shared} linears"
+    return None
+
+
+def make_plan(
+    linears: list[LinearMatch],
+    other_uses: dict[torch.fx.Node, list[str]],
+    graph: torch.fx.Graph,
+    options: Options,
+    world: int,
+    rank: int,
+) -> Plan:
+    uses = {m.weight: sum(1 for n in linears if n.weight is m.weight) for m in linears}
+    blocked = {m.node: _why_unshardable(m, other_uses[m.weight], uses[m.weight]) for m in linears}
+    by_node = {m.node: m for m in linears}
+    if options.plan == "auto":
+        decisions = _auto(linears, blocked, graph, options, world, rank)
+    else:
+        decisions = _user(linears, blocked, options.plan_dict)
+    layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank)
+    return Plan(linears, decisions, layouts)
+
+
+def _auto(linears, blocked, graph, options: Options, world: int, rank: int) -> dict[torch.fx.Node, Decision]:
+    decisions: dict[torch.fx.Node, Decision] = {}
+    partners: dict[torch.fx.Node, list[str]] = {}
+
+    def choose(m: LinearMatch, src: Shard | None) -> str:
+        numel = m.in_features * m.out_features
+        if blocked[m.node]:
+            decisions[m.node] = Decision("replicate", blocked[m.node])
+        elif numel < options.min_shard_numel:
+            decisions[m.node] = Decision(
+                "replicate", f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
+            )
+        elif src is not None:
+            names = sorted(by_node[o].fqn for o in src.origins)
+            for o in src.origins:
+                partners.setdefault(o, []).append(m.fqn)
+            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one all_reduce")
+        else:
+            decisions[m.node] = Decision("colwise", "")
+        return decisions[m.node].style
+
+    by_node = {m.node: m for m in linears}
+    propagate(graph, by_node, choose, world, rank)
+    for m in linears:
+        d = decisions[m.node]
+        if d.style != "colwise":
+            continue
+        if m.node in partners:
+            decisions[m.node] = Decision("colwise", f"pairs with rowwise {', '.join(sorted(set(partners[m.node])))}")
+        elif m.in_features >= _GATHER_MIN_IN_FEATURES:
+            decisions[m.node] = Decision(
+                "colwise", f"no rowwise partner; output gathered (in_features {m.in_features} >= {_GATHER_MIN_IN_FEATURES})"
+            )
+        else:
+            decisions[m.node] = Decision(
+                "replicate", f"no rowwise partner and in_features {m.in_features} < {_GATHER_MIN_IN_FEATURES}: a gather would not pay"
+            )
+    return decisions
+
+
+def key_matches(key: str, fqn: str) -> bool:
+    """A plan key matches a module FQN in full, or a dotted suffix of it (HF base-model plans)."""
+    return fnmatch.fnmatchcase(fqn, key) or fnmatch.fnmatchcase(fqn, "*." + key)
+
+
+def _user(linears, blocked, plan: dict[str, str]) -> dict[torch.fx.Node, Decision]:
+    names = sorted({m.fqn for m in linears})
+    for key in plan:
+        if not any(key_matches(key, n) for n in names):
+            close = difflib.get_close_matches(key, names, n=5, cutoff=0.3) or names[:5]
+            raise ValueError(
+                f"dynashard: plan key {key!r} matches no linear layer in the compiled graph; "
+                f"closest linear FQNs: {close}. Fix the key (globs like 'layers.*.mlp.up' are "
+                "matched against module FQNs as in model.named_modules())."
+            )
+    decisions: dict[torch.fx.Node, Decision] = {}
+    dims: dict[torch.fx.Node, tuple[str, int]] = {}
+    for m in linears:
+        keys = [k for k in plan if key_matches(k, m.fqn)]
+        if not keys:
+            decisions[m.node] = Decision("replicate", "not named by the plan")
+            continue
+        style = plan[keys[-1]]
+        if style != "replicate" and blocked[m.node] and "shared by" not in blocked[m.node]:
+            raise ValueError(
+                f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "
+                "cannot be sharded. Expected a weight used only by linear layers; set its style to "
+                "'replicate' or remove it from the plan."
+            )
+        if style != "replicate":
+            dim = m.out_dim if style == "colwise" else m.in_dim
+            seen = dims.setdefault(m.weight, (style, dim))
+            if seen[1] != dim:
+                raise ValueError(
+                    f"dynashard: weight of {m.fqn!r} is used by two linears that need it split on "
+                    f"different dims ({seen[0]} and {style}). Mark it 'replicate' in the plan."
+                )
+        decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
+    return decisions

@@ -1,0 +1,138 @@
+"""Weights: agree across ranks, cut this rank's shards, and free the full tensors.
+
+A sharded parameter keeps its metadata (Dynamo guards on size, stride and dtype and re-traces
+it with fake tensors on a recompile) but its storage is resized to zero; the compiled program
+reads this rank's shard from :data:`STORE` instead (see NOTES.md, "Parameters, guards and
+memory"). Shards are keyed by parameter identity, so later graphs and recompiles reuse them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+
+from dynashard import _torch_private as private
+from dynashard.collectives import all_gather_objects, broadcast_from_first
+from dynashard.layout import shard_bounds
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    dim: int
+    world: int
+    rank: int
+    group_name: str
+
+
+@dataclasses.dataclass
+class _Entry:
+    spec: ShardSpec
+    shard: torch.Tensor
+    fqn: str
+
+
+class WeightStore:
+    """This process's shards, and which parameters were already checked across ranks."""
+
+    def __init__(self) -> None:
+        self._shards = private.weak_id_dict()
+        self._agreed = private.weak_id_dict()
+
+    def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        entry = self._shards.get(param)
+        return None if entry is None else entry.shard
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        return param in self._shards
+
+    def shard(self, param: torch.Tensor, spec: ShardSpec, fqn: str) -> torch.Tensor:
+        """This rank's shard of ``param`` (cut once; a second, different request is an error)."""
+        entry = self._shards.get(param)
+        if entry is not None:
+            if entry.spec != spec:
+                raise ValueError(
+                    f"dynashard: {fqn!r} was sharded as {entry.spec} by an earlier compile, and this "
+                    f"graph needs {spec}. Its full value was freed, so it cannot be re-split: use the "
+                    "same plan and group for every compile of a model."
+                )
+            return entry.shard
+        start, length, _ = shard_bounds(param.shape[spec.dim], spec.world, spec.rank)
+        shard = param.detach().narrow(spec.dim, start, length).clone(memory_format=torch.contiguous_format)
+        self._shards[param] = _Entry(spec, shard, fqn)
+        return shard
+
+    def free(self, params: list[torch.Tensor], keep: list[torch.Tensor]) -> int:
+        """Release the storage of sharded ``params`` unless something in ``keep`` shares it."""
+        kept = {t.untyped_storage().data_ptr() for t in keep}
+        freed = 0
+        for p in params:
+            storage = p.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            if storage.data_ptr() in kept:
+                log.debug("not freeing a sharded weight: its storage is shared with an unsharded tensor")
+                continue
+            freed += storage.nbytes()
+            storage.resize_(0)
+        return freed
+
+    def agree(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        fingerprint: str,
+        group: dist.ProcessGroup,
+        mode: str,
+    ) -> None:
+        """One collective: every rank has the same plan and (for "replicated") the same weights.
+
+        Raises the same error on every rank. With ``mode="rank0"`` the first rank's values then
+        overwrite every other rank's, like DDP's initial broadcast.
+        """
+        fresh = [(n, t) for n, t in named if t not in self._agreed and not self.is_sharded(t)]
+        sums = [_checksum(t) for _, t in fresh] if mode == "replicated" else []
+        everyone = all_gather_objects((fingerprint, sums), group)
+        prints = [p for p, _ in everyone]
+        if len(set(prints)) != 1:
+            raise RuntimeError(
+                "dynashard: ranks compiled different graphs or plans (plan fingerprints per rank: "
+                f"{prints}). Every rank must run the same model on inputs of the same shapes and the "
+                "same options; check for rank-dependent code or inputs."
+            )
+        if mode == "replicated":
+            for i, (name, _) in enumerate(fresh):
+                per_rank = [s[i] for _, s in everyone]
+                if any(not _close(per_rank[0], s) for s in per_rank[1:]):
+                    bad = [r for r, s in enumerate(per_rank) if not _close(per_rank[0], s)]
+                    raise ValueError(
+                        f"dynashard: parameter {name!r} differs across ranks (ranks {bad} differ from "
+                        "rank 0). Expected identical weights on every rank with weights='replicated'. "
+                        "Seed every rank the same before building the model, load the same checkpoint, "
+                        "or pass options={'weights': 'rank0'} to use rank 0's values."
+                    )
+        else:
+            broadcast_from_first([t for _, t in fresh], group)
+        for _, t in fresh:
+            self._agreed[t] = True
+
+
+def _checksum(t: torch.Tensor) -> tuple[float, float, float]:
+    """Cheap and position-sensitive enough to tell differently initialised weights apart."""
+    flat = t.detach().reshape(-1)
+    return (
+        float(flat.sum(dtype=torch.float64)),
+        float(flat.abs().sum(dtype=torch.float64)),
+        float(flat[1::3].sum(dtype=torch.float64)),
+    )
+
+
+def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    # Same data summed with another thread count may differ in the last bits only.
+    return all(abs(x - y) <= 1e-12 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
+
+
+STORE = WeightStore()
