@@ -17,6 +17,6 @@ def backend(**options):
 
 def explain(model, *args, world_size=None, options=None, **kwargs):
     """Plan ``model`` on example inputs and return a report (``str()`` is a table)."""
-    from dynashard.explain import explain as _explain
+    from dynashard.explainer import explain as _explain
 
     return _explain(model, *args, world_size=world_size, options=options, **kwargs)

@@ -184,7 +184,7 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
         lm.read(node, match.input, LOCAL if src is not None else NARROW)
         if match.bias is not None and lm.layouts.get(match.bias) is not None:
             lm.read(node, match.bias, GATHER)
-        lm.collectives.append(Collective("all_reduce", node, (src.origins if src else frozenset()) | {node}, ""))
+        lm.collectives.append(Collective("all_reduce", node, frozenset([node]), ""))
         lm.layouts[node] = None
 
 

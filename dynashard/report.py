@@ -37,7 +37,7 @@ class GraphReport:
             val = c.node.meta["val"]
             nbytes = math.prod(private.size_hint(s) for s in val.shape) * val.element_size()
             owners = sorted((o for o in c.origins if o in charged), key=lambda o: o.name)
-            label = c.kind if c.kind == "all_reduce" else f"all_gather (for {c.reason})"
+            label = c.kind if c.kind == "all_reduce" else f"all_gather (before {c.reason})"
             for o in owners:
                 charged[o].append((label, nbytes // max(1, len(owners))))
         rows = []

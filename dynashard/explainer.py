@@ -1,0 +1,81 @@
+"""``dynashard.explain``: the plan for a model on example inputs, without touching its weights.
+
+Runs Dynamo with a capture-only backend that performs the same analysis as the real backend
+(retrace, match, plan, layout propagation) and records a table; weights are neither checked,
+cut nor freed. Without an initialized process group it uses a single-process fake group of
+``world_size`` ranks and tears it down afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dynashard import _torch_private as private
+from dynashard.entry import analyse, resolve_group
+from dynashard.options import parse_options
+from dynashard.report import GraphReport, LayerRow, format_table
+
+
+@dataclasses.dataclass
+class Report:
+    graphs: list[GraphReport]
+    world: int
+    rank: int
+
+    @property
+    def rows(self) -> list[LayerRow]:
+        return [r for g in self.graphs for r in g.rows]
+
+    @property
+    def layers(self) -> dict[str, str]:
+        """Each linear's FQN mapped to its style ("colwise", "rowwise" or "replicate")."""
+        return {r.fqn: r.style for r in self.rows}
+
+    def __str__(self) -> str:
+        head = f"dynashard plan: world size {self.world}, shown for rank {self.rank}, {len(self.graphs)} graph(s)"
+        return head + "\n" + format_table(self.graphs)
+
+
+def explain(model, *args: Any, world_size: int | None = None, options: Any = None, **kwargs: Any) -> Report:
+    opts = parse_options(options)
+    own_group = False
+    if not (dist.is_available() and dist.is_initialized()):
+        if world_size is None:
+            raise ValueError(
+                "dynashard.explain: no process group is initialized and world_size is None. "
+                "Expected world_size=N to plan for N ranks in this process (a fake group is used)."
+            )
+        if world_size < 1:
+            raise ValueError(f"dynashard.explain: world_size must be >= 1, found {world_size}.")
+        private.init_fake_process_group(world_size)
+        own_group = True
+    try:
+        group = resolve_group(opts)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world_size is not None and world_size != world:
+            raise ValueError(
+                f"dynashard.explain: world_size={world_size} but the process group has {world} ranks. "
+                "Pass world_size=None to use the group, or call explain before init_process_group."
+            )
+        graphs: list[GraphReport] = []
+
+        def capture(gm, example_inputs):
+            fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+            graphs.append(GraphReport.build(analyse(gm, fake_args, opts, world, rank), example_inputs))
+            return gm.forward
+
+        # A fresh code object per call: Dynamo's cache for it never fills, whatever was explained before.
+        namespace: dict[str, Any] = {}
+        exec("def run(model, args, kwargs):\n    return model(*args, **kwargs)\n", namespace)  # noqa: S102
+        with torch.no_grad():
+            torch.compile(namespace["run"], backend=capture, dynamic=False)(model, args, kwargs)
+        if not graphs:
+            raise RuntimeError("dynashard.explain: Dynamo captured no graph for this model and inputs.")
+        return Report(graphs, world, rank)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
