@@ -101,10 +101,13 @@ def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
 class ShardedProgram:
     """What Dynamo calls: swaps this rank's shards in for the (freed) full weights."""
 
-    def __init__(self, compiled: Callable[..., Any], shards: dict[int, torch.Tensor], fqns: list[str]) -> None:
+    def __init__(
+        self, compiled: Callable[..., Any], shards: dict[int, torch.Tensor], fqns: list[str], graph: torch.fx.GraphModule
+    ) -> None:
         self.compiled = compiled
         self.shards = shards
         self.fqns = fqns
+        self.graph = graph  # this rank's rewritten aten graph, before the compiler
 
     def __call__(self, *args: Any) -> Any:
         args = list(args)
@@ -156,7 +159,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     log.info("dynashard plan (rank %d of %d):\n%s", rank, world, format_table([report]))
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()]
     shapes = [str(getattr(a, "shape", a)) for a in fake_args]
-    STORE.agree(named, plan.fingerprint(shapes), group, opts.weights)
+    if not private.is_fake_group(group):  # a fake group moves no data: nothing to agree on
+        STORE.agree(named, plan.fingerprint(shapes), group, opts.weights)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
     sharded = analysis.sharded_inputs()
     if not sharded:
@@ -175,7 +179,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
     freed = STORE.free([example_inputs[i] for i in sharded], keep)
     log.info("dynashard: rank %d freed %.1f MiB of full weights", rank, freed / 2**20)
-    return ShardedProgram(compiled, shards, sorted({fqn for fqn, _, _ in sharded.values()}))
+    return ShardedProgram(compiled, shards, sorted({fqn for fqn, _, _ in sharded.values()}), sharded_gm)
 
 
 def backend(**options: Any) -> Callable[..., Any]:

@@ -1,0 +1,101 @@
+"""Helpers shared by the benchmark scripts: process group, RSS, per-call timing, JSON records.
+
+Every function here is plain and stateless; the scripts own all configuration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init(threads: int = 1) -> tuple[int, int]:
+    """Join the gloo group torchrun describes; return (rank, world size)."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def gather(obj: Any) -> list[Any]:
+    """``obj`` from every rank, in rank order (on every rank)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def rss() -> dict[str, int]:
+    """This process's current (VmRSS) and peak (VmHWM) resident set size in bytes, from /proc."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024  # reported in kB
+    return out
+
+
+def time_calls(fn: Callable[[], Any], warmup: int, iters: int) -> dict[str, Any]:
+    """Time ``fn`` on this rank: first call (includes compilation), then ``iters`` calls after ``warmup``.
+
+    A barrier precedes every call so all ranks start together; only the call itself is timed.
+    """
+    def one() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    first = one()
+    for _ in range(warmup):
+        one()
+    times = [one() for _ in range(iters)]
+    return {"first_s": first, "median_s": statistics.median(times), "times_s": times}
+
+
+def hardware() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {
+        "processor": platform.processor(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def record(config: dict[str, Any], results: Any, world: int, threads: int) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "hardware": hardware(),
+        "world_size": world,
+        "threads_per_rank": threads,
+        "config": config,
+        "results": results,
+    }
+
+
+def write_json(path: str, rec: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=2)
+        f.write("\n")
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"

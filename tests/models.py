@@ -1,0 +1,121 @@
+"""Small models written in the ways users write linear layers; shared by the test tiers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    """``down(gelu(up(x)))`` with nn.Linear: the canonical colwise -> rowwise pair."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 96, bias: bool = True) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn, bias=bias)
+        self.down = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, hidden: int = 32, ffn: int = 96, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MLP(hidden, ffn) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class ResidualBlock(nn.Module):
+    """Pre-norm residual SwiGLU block: ``x + down(silu(gate(ln(x))) * up(ln(x)))``."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 80) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class FunctionalLinear(nn.Module):
+    """``F.linear`` on bare parameters."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 96) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(ffn, hidden) / hidden**0.5)
+        self.b1 = nn.Parameter(torch.randn(ffn) / 10)
+        self.w2 = nn.Parameter(torch.randn(hidden, ffn) / ffn**0.5)
+
+    def forward(self, x):
+        return F.linear(torch.relu(F.linear(x, self.w1, self.b1)), self.w2)
+
+
+class MatmulTranspose(nn.Module):
+    """``x @ W.t() + b`` then ``torch.matmul(h, W.T)`` (no bias)."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 96) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(ffn, hidden) / hidden**0.5)
+        self.b1 = nn.Parameter(torch.randn(ffn) / 10)
+        self.w2 = nn.Parameter(torch.randn(hidden, ffn) / ffn**0.5)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w1.t() + self.b1)
+        return torch.matmul(h, self.w2.T)
+
+
+class Conv1D(nn.Module):
+    """HF GPT-2's Conv1D: weight stored [in, out], ``torch.addmm(b, x2d, W)``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(torch.randn(nf) / 10)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, hidden: int = 32, ffn: int = 96) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(ffn, hidden)
+        self.c_proj = Conv1D(hidden, ffn)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Head(nn.Module):
+    """A lone linear (no rowwise partner) whose output feeds a reduction: colwise + gather."""
+
+    def __init__(self, hidden: int = 32, out: int = 90) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, out)
+
+    def forward(self, x):
+        return self.proj(x).softmax(-1)
+
+
+def build(name: str, hidden: int, ffn: int) -> nn.Module:
+    return {
+        "mlp": lambda: MLP(hidden, ffn),
+        "mlp_nobias": lambda: MLP(hidden, ffn, bias=False),
+        "mlp_stack": lambda: MLPStack(hidden, ffn),
+        "residual": lambda: ResidualBlock(hidden, ffn),
+        "functional": lambda: FunctionalLinear(hidden, ffn),
+        "matmul": lambda: MatmulTranspose(hidden, ffn),
+        "conv1d": lambda: GPT2MLP(hidden, ffn),
+        "head": lambda: Head(hidden, ffn),
+    }[name]()
