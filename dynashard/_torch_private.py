@@ -76,12 +76,12 @@ def weak_id_dict() -> Any:
     return WeakIdKeyDictionary()
 
 
-def init_fake_process_group(world_size: int) -> None:
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     """A single-process default group of ``world_size`` whose collectives move no data."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def is_fake_group(group: Any) -> bool:

@@ -1,0 +1,207 @@
+"""Graph goldens: the rewritten aten graph for each linear form and style, single process.
+
+Runs on torch's ``fake`` process group (collectives move no data), so only graph shape is
+checked here; numerics live in test_numerics.py. Printed graphs are normalised (no liveness
+comments, group names replaced) and every golden is backed by structural asserts: counts of
+collective nodes and the shard shapes of the weight placeholders.
+"""
+
+from __future__ import annotations
+
+import re
+
+import expecttest
+import torch
+import torch.distributed as dist
+
+from dynashard import _torch_private as private
+from dynashard.entry import dynashard_backend
+from tests import models
+
+
+def _normalise(code: str) -> str:
+    lines = []
+    for line in code.strip().splitlines():
+        line = re.sub(r";\s+[\w, =]+None$", "", line.rstrip())
+        line = re.sub(r"(_c10d_functional\.\w+\.default\(.*)'[^']+'\)", r"\1'G')", line)
+        if line.strip():
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _count(gm: torch.fx.GraphModule, name: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
+
+
+def rewritten(model, x, world=2, rank=0, **options) -> torch.fx.GraphModule:
+    """This rank's rewritten graph for ``model(x)`` with a fake group of ``world`` ranks."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        program = dynashard_backend(gm, example_inputs, {"compiler": "eager", "min_shard_numel": 0, **options})
+        graphs.append(program.graph)
+        return program
+
+    torch._dynamo.reset()
+    private.init_fake_process_group(world, rank)
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend, dynamic=True)(x)
+    finally:
+        dist.destroy_process_group()
+    assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
+    return graphs[0]
+
+
+def weight_shapes(gm: torch.fx.GraphModule) -> list[tuple[int, ...]]:
+    """Static 2-D placeholders: the weights (inputs have a symbolic batch dim under dynamic=True)."""
+    shapes = [getattr(n.meta["val"], "shape", ()) for n in gm.graph.nodes if n.op == "placeholder"]
+    return [tuple(s) for s in shapes if len(s) == 2 and all(isinstance(d, int) for d in s)]
+
+
+class TestRewrittenGraphs(expecttest.TestCase):
+    def test_linear_pair_3d(self):
+        torch.manual_seed(0)
+        gm = rewritten(models.MLP(32, 96), torch.randn(2, 3, 32))
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        self.assertEqual(_count(gm, "all_gather"), 0)
+        self.assertEqual(weight_shapes(gm), [(48, 32), (32, 48)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
+    mul = arg2_1 * arg3_1
+    view = torch.ops.aten.view.default(arg4_1, [mul, 32])
+    t = torch.ops.aten.t.default(arg0_1)
+    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 0, 48)
+    addmm = torch.ops.aten.addmm.default(slice_1, view, t)
+    view_1 = torch.ops.aten.view.default(addmm, [arg2_1, arg3_1, 48])
+    gelu = torch.ops.aten.gelu.default(view_1)
+    view_2 = torch.ops.aten.view.default(gelu, [mul, 48])
+    t_1 = torch.ops.aten.t.default(arg5_1)
+    mm = torch.ops.aten.mm.default(view_2, t_1)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    add = torch.ops.aten.add.Tensor(wait_tensor, arg6_1)
+    view_3 = torch.ops.aten.view.default(add, [arg2_1, arg3_1, 32])
+    return (view_3,)""")
+
+    def test_functional_linear_2d(self):
+        gm = rewritten(models.FunctionalLinear(32, 96), torch.randn(4, 32))
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        self.assertEqual(weight_shapes(gm), [(48, 32), (32, 48)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
+    t = torch.ops.aten.t.default(arg0_1)
+    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 0, 48)
+    addmm = torch.ops.aten.addmm.default(slice_1, arg3_1, t)
+    relu = torch.ops.aten.relu.default(addmm)
+    t_1 = torch.ops.aten.t.default(arg4_1)
+    mm = torch.ops.aten.mm.default(relu, t_1)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    return (wait_tensor,)""")
+
+    def test_matmul_transpose_bias_add(self):
+        gm = rewritten(models.MatmulTranspose(32, 96), torch.randn(2, 3, 32))
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        self.assertEqual(_count(gm, "all_gather"), 0)
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
+    t = torch.ops.aten.t.default(arg0_1)
+    mul = arg1_1 * arg2_1
+    view = torch.ops.aten.view.default(arg3_1, [mul, 32])
+    mm = torch.ops.aten.mm.default(view, t)
+    _unsafe_view = torch.ops.aten._unsafe_view.default(mm, [arg1_1, arg2_1, 48])
+    slice_1 = torch.ops.aten.slice.Tensor(arg4_1, -1, 0, 48)
+    add = torch.ops.aten.add.Tensor(_unsafe_view, slice_1)
+    tanh = torch.ops.aten.tanh.default(add)
+    permute = torch.ops.aten.permute.default(arg5_1, [1, 0])
+    view_1 = torch.ops.aten.view.default(tanh, [mul, 48])
+    mm_1 = torch.ops.aten.mm.default(view_1, permute)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm_1, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    _unsafe_view_1 = torch.ops.aten._unsafe_view.default(wait_tensor, [arg1_1, arg2_1, 32])
+    return (_unsafe_view_1,)""")
+
+    def test_conv1d_weight_in_out(self):
+        gm = rewritten(models.GPT2MLP(32, 96), torch.randn(2, 3, 32), rank=1)
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        # Conv1D stores [in, out]: colwise splits dim 1, rowwise dim 0.
+        self.assertEqual(weight_shapes(gm), [(32, 48), (48, 32)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
+    view = torch.ops.aten.view.default(arg2_1, [-1, 32])
+    slice_1 = torch.ops.aten.slice.Tensor(arg3_1, -1, 48, 96)
+    addmm = torch.ops.aten.addmm.default(slice_1, view, arg4_1)
+    view_1 = torch.ops.aten.view.default(addmm, [arg0_1, arg1_1, 48])
+    gelu = torch.ops.aten.gelu.default(view_1, approximate = 'tanh')
+    view_2 = torch.ops.aten.view.default(gelu, [-1, 48])
+    mm = torch.ops.aten.mm.default(view_2, arg6_1)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    add = torch.ops.aten.add.Tensor(wait_tensor, arg5_1)
+    view_3 = torch.ops.aten.view.default(add, [arg0_1, arg1_1, 32])
+    return (view_3,)""")
+
+    def test_colwise_gather_uneven(self):
+        # 90 outputs on 4 ranks: 23, 23, 23, 21. Rank 3 pads to 23 before the gather.
+        gm = rewritten(models.Head(32, 90), torch.randn(5, 32), world=4, rank=3, plan={"proj": "colwise"})
+        self.assertEqual(_count(gm, "all_gather_into_tensor"), 1)
+        self.assertEqual(_count(gm, "all_reduce"), 0)
+        self.assertEqual(weight_shapes(gm), [(21, 32)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    t = torch.ops.aten.t.default(arg0_1)
+    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 69, 90)
+    addmm = torch.ops.aten.addmm.default(slice_1, arg3_1, t)
+    constant_pad_nd = torch.ops.aten.constant_pad_nd.default(addmm, [0, 2], 0.0)
+    all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(constant_pad_nd, 4, 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor)
+    view = torch.ops.aten.view.default(wait_tensor, [4, arg2_1, 23])
+    permute = torch.ops.aten.permute.default(view, [1, 0, 2])
+    clone = torch.ops.aten.clone.default(permute, memory_format = torch.contiguous_format)
+    _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [arg2_1, 92])
+    slice_2 = torch.ops.aten.slice.Tensor(_unsafe_view, -1, 0, 90)
+    _softmax = torch.ops.aten._softmax.default(slice_2, -1, False)
+    return (_softmax,)""")
+
+    def test_rowwise_narrows_replicated_input(self):
+        gm = rewritten(models.MLP(32, 96), torch.randn(4, 32), rank=1, plan={"up": "rowwise"})
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        self.assertEqual(_count(gm, "slice"), 1)
+        self.assertEqual(weight_shapes(gm), [(96, 16), (32, 96)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
+    t = torch.ops.aten.t.default(arg0_1)
+    slice_1 = torch.ops.aten.slice.Tensor(arg3_1, -1, 16, 32)
+    mm = torch.ops.aten.mm.default(slice_1, t)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    add = torch.ops.aten.add.Tensor(wait_tensor, arg1_1)
+    gelu = torch.ops.aten.gelu.default(add)
+    t_1 = torch.ops.aten.t.default(arg4_1)
+    addmm = torch.ops.aten.addmm.default(arg5_1, gelu, t_1)
+    return (addmm,)""")
+
+    def test_replicate_plan_leaves_graph_alone(self):
+        torch._dynamo.reset()
+        private.init_fake_process_group(2, 0)
+        seen = []
+
+        def backend(gm, example_inputs):
+            out = dynashard_backend(gm, example_inputs, {"compiler": "eager", "plan": {"up": "replicate"}})
+            seen.append(out)
+            return out
+
+        try:
+            with torch.no_grad():
+                torch.compile(models.MLP(32, 96), backend=backend)(torch.randn(4, 32))
+        finally:
+            dist.destroy_process_group()
+        # Nothing sharded: the compiler gets Dynamo's graph unchanged (a bound forward, no program).
+        self.assertFalse(hasattr(seen[0], "shards"))
+
+
+if __name__ == "__main__":
+    from torch.testing._internal.common_utils import run_tests
+
+    run_tests()
