@@ -98,6 +98,18 @@ def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
     return out
 
 
+def _check_no_freed_weight_is_read(analysis: Analysis, example_inputs: list[Any], sharded: dict[int, Any]) -> None:
+    """A weight an earlier compile sharded (and freed) must be sharded by this plan too."""
+    for i, (fqn, _) in analysis.params.items():
+        if i not in sharded and STORE.is_sharded(example_inputs[i]):
+            raise ValueError(
+                f"dynashard: {fqn!r} was sharded by an earlier dynashard compile of this model and its "
+                "full value freed, but this compile's plan replicates it (were the options different?). "
+                "Expected the same options for every compile of a model: compile it once and reuse "
+                "the compiled module, or rebuild the model to change the plan."
+            )
+
+
 class ShardedProgram:
     """What Dynamo calls: swaps this rank's shards in for the (freed) full weights."""
 
@@ -163,6 +175,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         STORE.agree(named, plan.fingerprint(shapes), group, opts.weights)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
     sharded = analysis.sharded_inputs()
+    _check_no_freed_weight_is_read(analysis, example_inputs, sharded)
     if not sharded:
         with grad_guard:
             return private.compile_graph(opts.compiler, gm, example_inputs)

@@ -81,3 +81,83 @@ def run_case(case: str, compiler: str, dtype: torch.dtype) -> dict:
 def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict:
     dtype = getattr(torch, dtype_name)
     return {case: run_case(case, compiler, dtype) for case in cases}
+
+
+def _compile_mlp(seed: int, **options):
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model = models.MLP(32, 96)
+    return model, torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0, **options})
+
+
+def _error_of(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return type(e).__name__, str(e)
+    return None
+
+
+def scenarios(rank: int, world: int) -> dict:
+    """Behaviours and bad inputs that must act the same on every rank."""
+    import dynashard
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    with torch.no_grad():
+        # Weights that differ across ranks (each rank seeds itself): an error naming the parameter.
+        _, bad = _compile_mlp(seed=rank)
+        out["mismatch"] = _error_of(lambda: bad(x))
+        # The same models with weights="rank0": every rank computes rank 0's model.
+        torch.manual_seed(0)
+        ref = models.MLP(32, 96)(x)
+        model, fixed = _compile_mlp(seed=rank, weights="rank0")
+        out["rank0_err"] = float((fixed(x) - ref).abs().max())
+        # A plan key that matches no linear lists the closest names.
+        _, typo = _compile_mlp(seed=0, plan={"upp": "colwise", "down": "rowwise"})
+        out["typo"] = _error_of(lambda: typo(x))
+        # A plan naming a layer whose weight is also read by something else.
+        out["unknown_style"] = _error_of(lambda: _compile_mlp(seed=0, plan={"up": "diagonal"})[1](x))
+        out["unknown_option"] = _error_of(lambda: _compile_mlp(seed=0, shard_everything=True)[1](x))
+        out["bad_compiler"] = _error_of(lambda: _compile_mlp(seed=0, compiler="tvm")[1](x))
+        # dynashard.backend(**options) binds options up front.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = models.MLP(32, 96)
+        y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(x)
+        out["bound_backend_err"] = float((y - ref).abs().max())
+        out["bound_backend_sharded"] = model.up.weight.untyped_storage().nbytes() == 0
+    # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.ResidualBlock(32, 80)
+    shapes = [(b, t, 32) for b, t in ((2, 3), (3, 5), (4, 7), (5, 2), (6, 9), (7, 4), (2, 11), (3, 13))]
+    inputs = [torch.randn(s) for s in shapes]
+    with torch.no_grad():
+        refs = [model(i) for i in inputs]
+        graphs: list[int] = []
+
+        def counting(gm, example_inputs):
+            from dynashard.entry import dynashard_backend
+
+            graphs.append(len(gm.graph.nodes))
+            return dynashard_backend(gm, example_inputs, {"compiler": "eager", "min_shard_numel": 0})
+
+        compiled = torch.compile(model, backend=counting)
+        out["dynamic_err"] = max(float((compiled(i) - r).abs().max()) for i, r in zip(inputs, refs))
+    out["dynamic_compiles"] = graphs
+    # Grad enabled: the forward is still right; a backward raises instead of giving wrong grads.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.MLP(32, 96)
+    ref = model(x).detach()
+    y = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(x)
+    out["grad_forward_err"] = float((y.detach() - ref).abs().max())
+    out["grad_backward"] = _error_of(lambda: y.sum().backward())
+    with torch.inference_mode():
+        again = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})
+        out["inference_mode_err"] = float((again(x) - ref).abs().max())
+        # Compiling the now-sharded model with a plan that needs its full weights: a clear error.
+        torch._dynamo.reset()
+        out["other_options_later"] = _error_of(lambda: torch.compile(model, backend="dynashard")(x))
+    return out

@@ -1,0 +1,124 @@
+"""Errors and behaviours that must be identical on every rank (real gloo groups, one spawn)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.battery import scenarios
+from tests.multiproc import run_ranks
+
+# float32 sharded vs unsharded MLP(32, 96): sums of <= 96 O(1) terms in another order, a few ulps.
+ATOL = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int) -> list[dict]:
+    return run_ranks(scenarios, world, timeout=600)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def per_rank(request):
+    return _results(request.param)
+
+
+def test_weights_differing_across_ranks_raise_on_every_rank(per_rank):
+    for r in per_rank:
+        kind, msg = r["mismatch"]
+        assert kind == "BackendCompilerFailed" and "ValueError" in msg, msg
+        assert "differs across ranks" in msg and "'up.weight'" in msg and "weights': 'rank0'" in msg, msg
+
+
+def test_rank0_weights_use_rank_zero_values(per_rank):
+    for r in per_rank:
+        assert r["rank0_err"] <= ATOL
+
+
+def test_plan_key_matching_nothing_lists_closest(per_rank):
+    for r in per_rank:
+        kind, msg = r["typo"]
+        assert "plan key 'upp' matches no linear" in msg and "['up'" in msg, msg
+
+
+def test_unknown_style_option_and_compiler(per_rank):
+    for r in per_rank:
+        assert "expected one of ['colwise', 'rowwise', 'replicate']" in r["unknown_style"][1]
+        assert "unknown option(s) ['shard_everything']" in r["unknown_option"][1]
+        assert "valid options are ['plan', 'group', 'compiler', 'weights', 'min_shard_numel']" in r["unknown_option"][1]
+        assert "expected one of ['inductor', 'aot_eager', 'eager']" in r["bad_compiler"][1]
+
+
+def test_bound_backend(per_rank):
+    for r in per_rank:
+        assert r["bound_backend_err"] <= ATOL and r["bound_backend_sharded"]
+
+
+def test_dynamic_shapes_one_recompile_same_on_every_rank(per_rank):
+    compiles = [r["dynamic_compiles"] for r in per_rank]
+    assert len(compiles[0]) <= 2, compiles
+    assert all(c == compiles[0] for c in compiles), f"ranks compiled differently: {compiles}"
+    for r in per_rank:
+        assert r["dynamic_err"] <= ATOL
+
+
+def test_grad_enabled_forward_right_backward_refused(per_rank):
+    for r in per_rank:
+        assert r["grad_forward_err"] <= ATOL
+        kind, msg = r["grad_backward"]
+        assert kind == "RuntimeError" and "backward through a tensor-parallel graph is not supported" in msg
+        assert r["inference_mode_err"] <= ATOL
+        assert "sharded by an earlier dynashard compile" in r["other_options_later"][1]
+
+
+def test_no_process_group_is_a_clear_error():
+    from tests.models import MLP
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="no process group is initialized.*init_process_group.*torchrun"):
+        torch.compile(MLP(), backend="dynashard")(torch.randn(2, 32))
+
+
+def _run_world1(code: str) -> str:
+    script = textwrap.dedent(
+        """
+        import sys, tempfile, torch, torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+        x = torch.randn(3, 16)
+        ref = m(x)
+        """
+    ) + textwrap.dedent(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_entry_point_without_import_and_world_size_one():
+    out = _run_world1(
+        """
+        assert "dynashard" not in sys.modules
+        y = torch.compile(m, backend="dynashard", options={"compiler": "eager"})(x)
+        print("imported", "dynashard" in sys.modules, "err", float((y - ref).abs().max()))
+        """
+    )
+    assert "imported True err 0.0" in out, out
+
+
+def test_entry_point_after_import_no_double_registration():
+    out = _run_world1(
+        """
+        import dynashard
+        y = torch.compile(m, backend="dynashard", options={"compiler": "eager"})(x)
+        z = torch.compile(m, backend=dynashard.backend(compiler="eager"))(x)
+        print("err", float((y - ref).abs().max()), float((z - ref).abs().max()))
+        """
+    )
+    assert "err 0.0 0.0" in out, out
