@@ -1,0 +1,106 @@
+"""Pure tests, no process group: options, shard arithmetic, explain's plans and table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dynashard
+from dynashard.layout import shard_bounds
+from dynashard.options import Options, parse_options
+from tests import models
+
+
+def test_shard_bounds_cover_the_dim_like_torch_chunk():
+    for size in (1, 6, 7, 50, 90, 96):
+        for world in (1, 2, 3, 4):
+            parts = [shard_bounds(size, world, r) for r in range(world)]
+            chunks = torch.arange(size).chunk(world)
+            lengths = [c.numel() for c in chunks] + [0] * (world - len(chunks))
+            assert [p[1] for p in parts] == lengths
+            assert [p[0] for p in parts] == [min(r * parts[0][2], size) for r in range(world)]
+
+
+def test_options_validation():
+    assert parse_options(None) == Options()
+    opts = parse_options({"plan": {"a.*": "colwise"}, "compiler": "eager", "weights": "rank0"})
+    assert opts.plan_dict == {"a.*": "colwise"} and opts.compiler == "eager"
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['nope'\]; valid options are \['plan'"):
+        parse_options({"nope": 1})
+    with pytest.raises(ValueError, match=r"plan\['x'\] is 'sideways'; expected one of"):
+        parse_options({"plan": {"x": "sideways"}})
+    with pytest.raises(TypeError, match="option 'plan' is a list"):
+        parse_options({"plan": ["x"]})
+    with pytest.raises(TypeError, match="min_shard_numel"):
+        parse_options({"min_shard_numel": "big"})
+    with pytest.raises(TypeError, match="expected a ProcessGroup or a 1-D DeviceMesh"):
+        parse_options({"group": 3})
+
+
+def test_dtensor_styles_accepted():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    opts = parse_options({"plan": {"up": ColwiseParallel(), "down": RowwiseParallel()}})
+    assert opts.plan_dict == {"up": "colwise", "down": "rowwise"}
+
+
+def test_explain_without_process_group_leaves_weights_and_no_group():
+    torch.manual_seed(0)
+    model = models.ResidualBlock(512, 1024)
+    report = dynashard.explain(model, torch.randn(2, 8, 512), world_size=4)
+    assert report.layers == {"gate": "colwise", "up": "colwise", "down": "rowwise"}
+    assert not dist.is_initialized()
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    text = str(report)
+    for column in ("layer", "weight", "style", "collectives", "comm/call", "weight/rank", "reason"):
+        assert column in text
+    down = next(r for r in report.rows if r.fqn == "down")
+    assert down.collectives == "all_reduce" and down.comm_bytes == 2 * 8 * 512 * 4
+    assert down.weight_bytes == 512 * 1024 * 4 // 4
+
+
+def test_explain_auto_plan_reasons():
+    torch.manual_seed(0)
+    model = models.Head(32, 90)  # a lone small linear: replicated, and the reason says why
+    report = dynashard.explain(model, torch.randn(3, 32), world_size=2)
+    assert report.layers == {"proj": "replicate"}
+    assert "min_shard_numel" in report.rows[0].reason
+    report = dynashard.explain(model, torch.randn(3, 32), world_size=2, options={"min_shard_numel": 0})
+    assert report.layers == {"proj": "replicate"} and "a gather would not pay" in report.rows[0].reason
+    report = dynashard.explain(model, torch.randn(3, 32), world_size=4, options={"plan": {"proj": "colwise"}})
+    row = report.rows[0]
+    assert row.style == "colwise" and row.collectives.startswith("all_gather") and row.comm_bytes == 3 * 90 * 4
+
+
+def test_explain_hf_style_plan_and_errors():
+    torch.manual_seed(0)
+    model = models.MLPStack(64, 256, depth=2)
+    plan = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+    report = dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": plan})
+    assert set(report.layers.values()) == {"colwise", "rowwise"} and len(report.layers) == 4
+    # Keys relative to a base model (HF base_model_tp_plan) match as a dotted suffix.
+    report = dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": {"*.up": "colwise", "down": "rowwise"}})
+    assert report.layers["layers.1.down"] == "rowwise"
+    with pytest.raises(Exception, match="plan key 'layers.*.upp' matches no linear"):
+        dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": {"layers.*.upp": "colwise"}})
+    with pytest.raises(ValueError, match="world_size"):
+        dynashard.explain(model, torch.randn(4, 64))
+
+
+class _WeightAlsoReadElsewhere(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(512, 512)
+
+    def forward(self, x):
+        return self.proj(x) * self.proj.weight.sum()
+
+
+def test_weight_read_by_other_ops_is_replicated_or_refused():
+    model = _WeightAlsoReadElsewhere()
+    x = torch.randn(3, 512)
+    report = dynashard.explain(model, x, world_size=2)
+    assert report.layers == {"proj": "replicate"} and "also read by aten.sum" in report.rows[0].reason
+    with pytest.raises(Exception, match="plan asks for colwise on 'proj', but its weight is also read by aten.sum"):
+        dynashard.explain(model, x, world_size=2, options={"plan": {"proj": "colwise"}})
