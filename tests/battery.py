@@ -25,6 +25,7 @@ CASES = {
     "uneven": ("mlp", 30, 50, [(2, 3, 30), (4, 5, 30)], {}),
     "uneven_empty_rank": ("mlp", 16, 6, [(2, 3, 16), (4, 5, 16)], {}),
     "user_plan_dtensor_styles": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": "dtensor"}),
+    "inplace": ("inplace", 32, 96, [(2, 3, 32), (4, 5, 32)], {}),
     "inverted_plan": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": {"up": "rowwise", "down": "colwise"}}),
 }
 
@@ -38,6 +39,7 @@ SHARDED = {
     "matmul": {"w1", "w2"},
     "conv1d": {"c_fc.weight", "c_proj.weight"},
     "head": {"proj.weight"},
+    "inplace": {"up.weight", "down.weight"},
 }
 
 
@@ -130,7 +132,7 @@ def scenarios(rank: int, world: int) -> dict:
     # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = models.ResidualBlock(32, 80)
+    model = models.ResidualBlock(32, 70)  # 70 does not divide by 4: uneven shards
     shapes = [(b, t, 32) for b, t in ((2, 3), (3, 5), (4, 7), (5, 2), (6, 9), (7, 4), (2, 11), (3, 13))]
     inputs = [torch.randn(s) for s in shapes]
     with torch.no_grad():

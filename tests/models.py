@@ -108,6 +108,23 @@ class Head(nn.Module):
         return self.proj(x).softmax(-1)
 
 
+class InPlace(nn.Module):
+    """In-place ops on a sharded value (``relu_``, ``mul_``) and on a replicated one (``+=``)."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 96) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        h.relu_()
+        h.mul_(0.5)
+        y = x.clone()
+        y += self.down(h)
+        return y
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -118,4 +135,5 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "matmul": lambda: MatmulTranspose(hidden, ffn),
         "conv1d": lambda: GPT2MLP(hidden, ffn),
         "head": lambda: Head(hidden, ffn),
+        "inplace": lambda: InPlace(hidden, ffn),
     }[name]()
