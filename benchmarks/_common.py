@@ -9,7 +9,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,22 +42,12 @@ def rss() -> dict[str, int]:
     return out
 
 
-def time_calls(fn: Callable[[], Any], warmup: int, iters: int) -> dict[str, Any]:
-    """Time ``fn`` on this rank: first call (includes compilation), then ``iters`` calls after ``warmup``.
-
-    A barrier precedes every call so all ranks start together; only the call itself is timed.
-    """
-    def one() -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    first = one()
-    for _ in range(warmup):
-        one()
-    times = [one() for _ in range(iters)]
-    return {"first_s": first, "median_s": statistics.median(times), "times_s": times}
+def time_call(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes on this rank; a barrier first so all ranks start together."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def hardware() -> dict[str, Any]:

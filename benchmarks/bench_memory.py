@@ -13,11 +13,14 @@ built from the same seed on every rank. For each compiler (a fresh model each ti
    shards the weights and frees the full ones; RSS is read after ``gc.collect()``, then again
    after glibc's ``malloc_trim(0)`` (glibc may keep freed heap memory instead of returning it);
 4. a call with the second batch size (a recompile after the weights were freed) is checked
-   against its reference, and RSS is read once more.
+   against its reference, and RSS is read once more;
+5. the model and compiled model are deleted and ``torch._dynamo.reset()`` is called: RSS should
+   return to where the phase started, and the shards should be gone (checked with a weakref).
 
 The peak (VmHWM) is reset before each phase through /proc/self/clear_refs where the kernel
 allows it. Expected drop per rank: (1 - 1/N) of the linear weight bytes; "held" counts the
-parameter bytes this rank still has (its shards plus anything not sharded).
+parameter bytes this rank still has (its shards plus anything not sharded). Exits 1 when a
+max abs diff exceeds --tol (so --smoke doubles as a CI check).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -111,10 +115,16 @@ def phase(args: argparse.Namespace, compiler: str, world: int) -> dict:
     out["max_abs_diff"] = [(y - r).abs().max().item() for y, r in zip((y1, y2), refs)]
     out["expected_freed"] = (1 - 1 / world) * out["weight_bytes"]
 
-    del compiled, model, refs, y1, y2
+    from dynashard.weights import STORE
+
+    shard = STORE.shard_of(linears[0].weight)
+    shard_ref = weakref.ref(shard) if shard is not None else None
+    del compiled, model, linears, refs, y1, y2, shard
     torch._dynamo.reset()
     gc.collect()
     trim()
+    out["rss_end"] = rss()
+    out["shards_freed_after_del"] = shard_ref is None or shard_ref() is None
     return out
 
 
@@ -128,6 +138,7 @@ def main() -> None:
     ap.add_argument("--compilers", default="eager,inductor", help="comma-separated dynashard compilers")
     ap.add_argument("--min-shard-numel", type=int, default=1 << 16, help="dynashard option (its default: 65536)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tol", type=float, default=1e-3, help="exit 1 if any max abs diff exceeds this")
     ap.add_argument("--out", default="benchmarks/results/memory.json")
     ap.add_argument("--smoke", action="store_true", help="CI sizes: 2 blocks of hidden 64, ffn 256")
     args = ap.parse_args()
@@ -163,6 +174,12 @@ def main() -> None:
             r["rss_built"]["VmRSS"] - r["rss_first"]["VmRSS"] >= 0.5 * r["expected_freed"]
             for res in results for r in res["per_rank"]
         )
+        print("\n| compiler | rank | RSS at phase start | RSS after del model + dynamo reset | shards freed |")
+        print("|---|---:|---:|---:|---|")
+        for res in results:
+            for r in res["per_rank"]:
+                start, end = mib(r["rss_start"]["VmRSS"]), mib(r["rss_end"]["VmRSS"])
+                print(f"| {res['compiler']} | {r['rank']} | {start} | {end} | {r['shards_freed_after_del']} |")
         print(f"\nRSS dropped by at least half the expected amount before malloc_trim: {dropped_without_trim}")
         print(f"peak reset through /proc/self/clear_refs: {r0['peak_reset']} (if False, peak is process-lifetime)")
         keys = ("hidden", "ffn", "blocks", "tokens", "tokens2", "compilers", "min_shard_numel", "smoke")
@@ -172,6 +189,9 @@ def main() -> None:
         print(f"wrote {args.out}")
     dist.barrier()
     dist.destroy_process_group()
+    worst = max(d for res in results for r in res["per_rank"] for d in r["max_abs_diff"])
+    if worst > args.tol:
+        raise SystemExit(f"max abs diff {worst:.3g} exceeds --tol {args.tol:g}")
 
 
 if __name__ == "__main__":

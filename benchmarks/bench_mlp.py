@@ -12,25 +12,28 @@ its own deep copy of the model (dynashard frees the full weights of the model it
 - dynashard eager / dynashard inductor: ``torch.compile(model, backend="dynashard",
   options={"compiler": ..., "min_shard_numel": ...})`` with plan "auto".
 
-Timing (all under torch.no_grad()): a barrier before every call and only the call is timed;
-the first call (which includes compilation; Inductor's on-disk cache may make it warm) is
-reported on its own, then ``warmup`` untimed calls, then the median of ``iters`` calls. Each
-rank times itself and the slowest rank's median is reported. Correctness: max abs difference
+Timing (all under torch.no_grad()): a barrier before every call and only the call is timed.
+Every system is built and called once first (that first call includes compilation; Inductor's
+on-disk cache may make it warm), then the systems are timed interleaved, one call each per
+round: ``warmup`` untimed rounds, then ``iters`` timed ones, so load drift on a shared machine
+hits every system alike. Each rank times itself; the slowest rank's median (and min) is reported. Correctness: max abs difference
 to the unsharded eager output (worst rank). Memory: parameter bytes each rank still holds
 (DTensor local shards / dynashard shards) and process RSS (VmRSS, VmHWM) after each system.
+Exits 1 when any max abs diff exceeds --tol (so --smoke doubles as a CI check).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _common import gather, init, mib, record, rss, time_calls, write_json
+from _common import gather, init, mib, record, rss, time_call, write_json
 
 SYSTEMS = (
     "unsharded eager",
@@ -54,7 +57,6 @@ class MLP(nn.Module):
 
 def build(system: str, base: nn.Module, world: int, min_shard_numel: int) -> tuple[nn.Module, nn.Module]:
     """(the module whose parameters to inspect, the callable to time) for one system."""
-    torch._dynamo.reset()  # fresh Dynamo caches per system: no recompile-limit carry-over
     model = copy.deepcopy(base)
     kind, compiler = system.split()
     if kind == "dtensor":
@@ -94,6 +96,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tol", type=float, default=1e-3, help="exit 1 if any max abs diff exceeds this")
     ap.add_argument("--min-shard-numel", type=int, default=1 << 16, help="dynashard option (its default: 65536)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ", ".join(SYSTEMS))
     ap.add_argument("--out", default="benchmarks/results/mlp.json")
@@ -116,24 +119,36 @@ def main() -> None:
     with torch.no_grad():
         ref = base(x)
 
-    results = []
+    # Build every system and make its first (compiling) call, then time them interleaved: each
+    # round calls every system once, so drift on a shared 2-core machine hits all systems alike.
+    built, first, diffs, mem = {}, {}, {}, {}
     for system in systems:
         model, fn = build(system, base, world, args.min_shard_numel)
         with torch.no_grad():
-            timing = time_calls(lambda: fn(x), args.warmup, args.iters)  # noqa: B023
-            diff = (fn(x) - ref).abs().max().item()
-        mine = {"rank": rank, **timing, "max_abs_diff": diff, "held_param_bytes": held_bytes(model), **rss()}
+            first[system] = time_call(lambda: fn(x))  # noqa: B023
+            diffs[system] = (fn(x) - ref).abs().max().item()
+        built[system] = fn
+        mem[system] = {"held_param_bytes": held_bytes(model), **rss()}
+    times = {s: [] for s in systems}
+    with torch.no_grad():
+        for i in range(args.warmup + args.iters):
+            for system in systems:
+                t = time_call(lambda: built[system](x))  # noqa: B023
+                if i >= args.warmup:
+                    times[system].append(t)
+    results = []
+    for system in systems:
+        mine = {"rank": rank, "first_s": first[system], "median_s": statistics.median(times[system]),
+                "min_s": min(times[system]), "times_s": times[system], "max_abs_diff": diffs[system], **mem[system]}
         per_rank = gather(mine)
         results.append({
             "system": system,
             "median_ms": 1e3 * max(r["median_s"] for r in per_rank),
+            "min_ms": 1e3 * max(r["min_s"] for r in per_rank),
             "first_call_s": max(r["first_s"] for r in per_rank),
             "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
             "per_rank": per_rank,
         })
-        if rank == 0:
-            print(f"{system}: {results[-1]['median_ms']:.2f} ms, max abs diff {diff:.3g}", flush=True)
-        del model, fn
 
     if rank == 0:
         by_name = {r["system"]: r["median_ms"] for r in results}
@@ -144,12 +159,13 @@ def main() -> None:
         print(f"\nMLP hidden={args.hidden} ffn={args.ffn} tokens={args.tokens}, world {world}, "
               f"{args.threads} thread(s)/rank, median of {args.iters} after {args.warmup} warm-up (slowest rank)")
         print("ratio = this system's median / the baseline's (lower is faster)\n")
-        print("| system | median ms (slowest rank) | ratio vs DTensor compiled | ratio vs unsharded eager "
-              "| first-call (compile) s | max abs diff |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| system | median ms (slowest rank) | min ms | ratio vs DTensor compiled | ratio vs DTensor eager "
+              "| ratio vs unsharded eager | first-call (compile) s | max abs diff |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in results:
             ms = r["median_ms"]
-            print(f"| {r['system']} | {ms:.2f} | {ratio(ms, 'dtensor inductor')} | {ratio(ms, 'unsharded eager')} "
+            print(f"| {r['system']} | {ms:.2f} | {r['min_ms']:.2f} | {ratio(ms, 'dtensor inductor')} "
+                  f"| {ratio(ms, 'dtensor eager')} | {ratio(ms, 'unsharded eager')} "
                   f"| {r['first_call_s']:.2f} | {r['max_abs_diff']:.3g} |")
         rss_cols = " | ".join(f"rank {i} RSS / peak MiB" for i in range(world))
         print(f"\n| system | params held MiB/rank | {rss_cols} |")
@@ -165,6 +181,9 @@ def main() -> None:
         print(f"\nwrote {args.out}")
     dist.barrier()
     dist.destroy_process_group()
+    worst = max(r["max_abs_diff"] for r in results)
+    if worst > args.tol:
+        raise SystemExit(f"max abs diff {worst:.3g} exceeds --tol {args.tol:g}")
 
 
 if __name__ == "__main__":

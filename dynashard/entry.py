@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -111,19 +112,26 @@ def _check_no_freed_weight_is_read(analysis: Analysis, example_inputs: list[Any]
 
 
 class ShardedProgram:
-    """What Dynamo calls: swaps this rank's shards in for the (freed) full weights."""
+    """What Dynamo calls: swaps this rank's shards in for the (freed) full weights.
+
+    Holds the shards weakly: Dynamo keeps compiled functions alive past ``torch._dynamo.reset()``,
+    and the shards must die with the model's parameters (the store is keyed by them).
+    """
 
     def __init__(
         self, compiled: Callable[..., Any], shards: dict[int, torch.Tensor], fqns: list[str], graph: torch.fx.GraphModule
     ) -> None:
         self.compiled = compiled
-        self.shards = shards
+        self.shards = {i: weakref.ref(t) for i, t in shards.items()}
         self.fqns = fqns
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
 
     def __call__(self, *args: Any) -> Any:
         args = list(args)
-        for i, shard in self.shards.items():
+        for i, ref in self.shards.items():
+            shard = ref()
+            if shard is None:
+                raise RuntimeError("dynashard: the model this program was compiled for has been deleted.")
             args[i] = shard
         if not torch.is_grad_enabled():
             return self.compiled(*args)
@@ -169,28 +177,30 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     plan = analysis.plan
     report = GraphReport.build(analysis, example_inputs)
     log.info("dynashard plan (rank %d of %d):\n%s", rank, world, format_table([report]))
+    sharded = analysis.sharded_inputs()
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()]
     shapes = [str(getattr(a, "shape", a)) for a in fake_args]
     if not private.is_fake_group(group):  # a fake group moves no data: nothing to agree on
-        STORE.agree(named, plan.fingerprint(shapes), group, opts.weights)
+        STORE.agree(named, plan.fingerprint(shapes), group, opts.weights, check_values=bool(sharded))
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
-    sharded = analysis.sharded_inputs()
     _check_no_freed_weight_is_read(analysis, example_inputs, sharded)
     if not sharded:
         with grad_guard:
             return private.compile_graph(opts.compiler, gm, example_inputs)
     name = group_name(group)
-    shards = {
-        i: STORE.shard(example_inputs[i], ShardSpec(dim, world, rank, name), fqn) for i, (fqn, dim, _) in sharded.items()
-    }
     new_fakes = shard_fakes(analysis, fake_args)
     sharded_gm = rewrite(analysis.aten, plan, new_fakes, name)
     log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
     with grad_guard:
         compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
-    # Freed only once the sharded program compiled: a failed compile leaves the model usable.
+    # Cut and free one weight at a time, only once the sharded program compiled: a failed
+    # compile leaves the model whole, and the peak is the model plus one shard.
     keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
-    freed = STORE.free([example_inputs[i] for i in sharded], keep)
+    freed = 0
+    shards = {}
+    for i, (fqn, dim, _) in sorted(sharded.items()):
+        shards[i] = STORE.shard(example_inputs[i], ShardSpec(dim, world, rank, name), fqn)
+        freed += STORE.free([example_inputs[i]], keep)
     log.info("dynashard: rank %d freed %.1f MiB of full weights", rank, freed / 2**20)
     return ShardedProgram(compiled, shards, sorted({fqn for fqn, _, _ in sharded.values()}), sharded_gm)
 

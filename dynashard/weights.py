@@ -87,13 +87,18 @@ class WeightStore:
         fingerprint: str,
         group: dist.ProcessGroup,
         mode: str,
+        check_values: bool,
     ) -> None:
         """One collective: every rank has the same plan and (for "replicated") the same weights.
 
         Raises the same error on every rank. With ``mode="rank0"`` the first rank's values then
-        overwrite every other rank's, like DDP's initial broadcast.
+        overwrite every other rank's, like DDP's initial broadcast. Values are only checked
+        (``check_values``) when the graph shards something: a graph left whole computes each
+        rank's own model, whatever its weights.
         """
         fresh = [(n, t) for n, t in named if t not in self._agreed and not self.is_sharded(t)]
+        if not check_values and mode == "replicated":
+            fresh = []
         sums = [_checksum(t) for _, t in fresh] if mode == "replicated" else []
         everyone = all_gather_objects((fingerprint, sums), group)
         prints = [p for p, _ in everyone]

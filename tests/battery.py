@@ -129,6 +129,17 @@ def scenarios(rank: int, world: int) -> dict:
         y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(x)
         out["bound_backend_err"] = float((y - ref).abs().max())
         out["bound_backend_sharded"] = model.up.weight.untyped_storage().nbytes() == 0
+        # The shards die with the model, although Dynamo keeps compiled functions alive.
+        import gc
+        import weakref
+
+        from dynashard.weights import STORE
+
+        shard = weakref.ref(STORE.shard_of(model.up.weight))
+        del model
+        torch._dynamo.reset()
+        gc.collect()
+        out["shard_freed_with_model"] = shard() is None
     # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
     torch._dynamo.reset()
     torch.manual_seed(0)

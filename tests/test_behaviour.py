@@ -57,6 +57,7 @@ def test_unknown_style_option_and_compiler(per_rank):
 def test_bound_backend(per_rank):
     for r in per_rank:
         assert r["bound_backend_err"] <= ATOL and r["bound_backend_sharded"]
+        assert r["shard_freed_with_model"]
 
 
 def test_dynamic_shapes_one_recompile_same_on_every_rank(per_rank):
