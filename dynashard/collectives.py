@@ -36,6 +36,62 @@ def all_gather_last_dim(x: torch.Tensor, size: int, chunk: int, world: int, grou
     return gathered
 
 
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Every rank's rows, rank-major (inputs="per_rank": a colwise input)."""
+    return funcol.all_gather_single(x.contiguous(), 0, group_name)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum every rank's partial ``[world * rows, ...]`` and keep this rank's rows."""
+    return funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group_name)
+
+
+def shard_to_own_rows(x: torch.Tensor, size: int, chunk: int, world: int, group_name: str) -> torch.Tensor:
+    """``[world * rows, ..., my cols]`` -> ``[rows, ..., all cols]``: one all-to-all over rows."""
+    x = _pad_last(x, chunk)
+    y = funcol.all_to_all_single(x.contiguous(), None, None, group_name)  # block j: my rows, rank j's cols
+    y = y.view(world, -1, *x.shape[1:]).movedim(0, -2).reshape(-1, *x.shape[1:-1], world * chunk)
+    return y.narrow(-1, 0, size) if world * chunk != size else y
+
+
+def own_rows_to_shard(x: torch.Tensor, start: int, length: int, chunk: int, world: int, group_name: str) -> torch.Tensor:
+    """``[rows, ..., all cols]`` -> ``[world * rows, ..., my cols]``: one all-to-all of feature blocks."""
+    x = _pad_last(x, world * chunk)
+    blocks = x.view(*x.shape[:-1], world, chunk).movedim(-2, 0)  # [world, rows, ..., chunk]
+    y = funcol.all_to_all_single(blocks.contiguous().flatten(0, 1), None, None, group_name)
+    return y.narrow(-1, 0, length) if length != chunk else y
+
+
+def exchange_blocks(t: torch.Tensor, dim: int, world: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """weights="per_rank": ``[world, *block]`` holding this rank's block of every rank's ``t``."""
+    from dynashard.layout import shard_bounds
+
+    _, length, chunk = shard_bounds(t.shape[dim], world, rank)
+    moved = t.detach().movedim(dim, -1)
+    send = _pad_last(moved, world * chunk).reshape(*moved.shape[:-1], world, chunk).movedim(-2, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.narrow(-1, 0, length).movedim(-1, dim + 1).contiguous()
+
+
+def check_same_shapes(shapes: list[int], group: dist.ProcessGroup) -> None:
+    """inputs="per_rank": every rank must pass inputs of the same shape in one call."""
+    local = torch.tensor(shapes + [-d for d in shapes], dtype=torch.int64)
+    agreed = local.clone()
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    if torch.equal(agreed, local):
+        return
+    everyone = all_gather_objects(shapes, group)
+    raise ValueError(
+        "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call "
+        f"(the batch size may change between calls); input sizes per rank: {everyone}."
+    )
+
+
 def group_name(group: dist.ProcessGroup) -> str:
     return group.group_name
 

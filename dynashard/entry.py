@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard.collectives import group_name
+from dynashard.collectives import check_same_shapes, group_name
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
 from dynashard.plan import Plan, make_plan
@@ -49,20 +49,46 @@ class Analysis:
     plan: Plan
     world: int
     rank: int
+    stacked: bool  # weights="per_rank"
 
-    def sharded_inputs(self) -> dict[int, tuple[str, ShardSpec | None, Any]]:
-        """Input index -> (FQN, how to cut it, the linear) for every weight the plan shards."""
+    def sharded_inputs(self) -> dict[int, tuple[str, int]]:
+        """Input index -> (FQN, dim to split) for every parameter the plan shards.
+
+        Weights always; with ``weights="per_rank"`` colwise biases too (every rank's differ).
+        """
         index = {node: i for i, (_, node) in self.params.items()}
-        out: dict[int, Any] = {}
+        out: dict[int, tuple[str, int]] = {}
         for m in self.plan.sharded():
             style = self.plan.decisions[m.node].style
             dim = m.out_dim if style == "colwise" else m.in_dim
-            out[index[m.weight]] = (self.params[index[m.weight]][0], dim, m)
+            out[index[m.weight]] = (self.params[index[m.weight]][0], dim)
+            if self.stacked and style == "colwise" and m.bias in index:
+                out[index[m.bias]] = (self.params[index[m.bias]][0], 0)
         return out
+
+
+def _merge_duplicate_views(gm: torch.fx.GraphModule) -> None:
+    """One node per distinct view of a value: ``nn.Linear`` on one input twice (q/k/v, gate/up)
+    traces one ``view`` each, and a sharded layout would gather each of them separately.
+
+    Views alias their input, so merging identical ones is safe even next to in-place ops.
+    """
+    seen: dict[tuple, torch.fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.view.default, torch.ops.aten.t.default):
+            continue
+        key = (node.target, node.args[0], tuple(node.args[1]) if len(node.args) > 1 else ())
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(node)
+        else:
+            seen[key] = node
+    gm.recompile()
 
 
 def analyse(gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int) -> Analysis:
     aten_gm = private.trace_aten(gm, fake_args)
+    _merge_duplicate_views(aten_gm)
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     params: dict[int, tuple[str, torch.fx.Node]] = {}
@@ -79,8 +105,10 @@ def analyse(gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, wo
         infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param)
         params[i] = (fqn, node)
     linears, other_uses = find_linears(aten_gm.graph, infos)
-    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank)
-    return Analysis(aten_gm, params, plan, world, rank)
+    stacked = options.weights == "per_rank"
+    uniform = frozenset() if stacked else frozenset(infos)
+    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform)
+    return Analysis(aten_gm, params, plan, world, rank, stacked)
 
 
 def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
@@ -89,11 +117,13 @@ def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
 
     out = list(fake_args)
     fake_mode = private.fake_mode_of(fake_args)
-    for i, (_, dim, _m) in analysis.sharded_inputs().items():
+    for i, (_, dim) in analysis.sharded_inputs().items():
         full = fake_args[i]
         _, length, _ = shard_bounds(full.shape[dim], analysis.world, analysis.rank)
         shape = list(full.shape)
         shape[dim] = length
+        if analysis.stacked:
+            shape = [analysis.world, *shape]
         with fake_mode:
             out[i] = torch.empty(shape, dtype=full.dtype, device=full.device)
     return out
@@ -119,14 +149,23 @@ class ShardedProgram:
     """
 
     def __init__(
-        self, compiled: Callable[..., Any], shards: dict[int, torch.Tensor], fqns: list[str], graph: torch.fx.GraphModule
+        self,
+        compiled: Callable[..., Any],
+        shards: dict[int, torch.Tensor],
+        fqns: list[str],
+        graph: torch.fx.GraphModule,
+        per_rank_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.compiled = compiled
         self.shards = {i: weakref.ref(t) for i, t in shards.items()}
         self.fqns = fqns
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
+        self.per_rank_group = per_rank_group  # inputs="per_rank": check shapes agree on every call
 
     def __call__(self, *args: Any) -> Any:
+        if self.per_rank_group is not None:
+            shapes = [int(d) for i, a in enumerate(args) if i not in self.shards and torch.is_tensor(a) for d in a.shape]
+            check_same_shapes(shapes, self.per_rank_group)
         args = list(args)
         for i, ref in self.shards.items():
             shard = ref()
@@ -198,11 +237,14 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
     freed = 0
     shards = {}
-    for i, (fqn, dim, _) in sorted(sharded.items()):
-        shards[i] = STORE.shard(example_inputs[i], ShardSpec(dim, world, rank, name), fqn)
+    for i, (fqn, dim) in sorted(sharded.items()):
+        spec = ShardSpec(dim, world, rank, name, stacked=analysis.stacked)
+        shards[i] = STORE.shard(example_inputs[i], spec, fqn, group)
         freed += STORE.free([example_inputs[i]], keep)
     log.info("dynashard: rank %d freed %.1f MiB of full weights", rank, freed / 2**20)
-    return ShardedProgram(compiled, shards, sorted({fqn for fqn, _, _ in sharded.values()}), sharded_gm)
+    fqns = sorted({fqn for fqn, _ in sharded.values()})
+    per_rank_group = group if opts.inputs == "per_rank" else None
+    return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group)
 
 
 def backend(**options: Any) -> Callable[..., Any]:

@@ -22,6 +22,16 @@ Rules. Values are Replicated (``None``) or a :class:`Shard` of their last dim, l
   * view/reshape keep a Shard when the last dim is untouched; its size constant is rewritten.
   * anything else, and graph outputs, read a Shard only after it is gathered (one gather per
     value, shared by its consumers). Correct by construction: unknown ops cost a gather.
+
+With ``inputs="per_rank"`` every rank computes its own batch, so a replicated value is this
+rank's rows only, while a Shard holds the rows of *all* ranks (concatenated, rank-major) and
+this rank's columns -- Megatron's sequence-parallel layout. Conversions change accordingly:
+a colwise input is all-gathered along rows (``GLOBAL``), a rowwise linear reduce-scatters its
+partial sums back to each rank's rows, reading a Shard as a replicated value is an all-to-all
+(``GATHER``), a rowwise linear's replicated input is an all-to-all of feature blocks
+(``GLOBAL_NARROW``), and a view of a Shard scales its first size by the world size. Only
+rank-uniform values (parameters and what is computed from them alone) may be broadcast into a
+Shard's rows; anything else meets it after a gather.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ _COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.d
 LOCAL = "local"  # use the value as it is (a shard, or replicated)
 GATHER = "gather"  # all-gather the producer's shards first
 NARROW = "narrow"  # slice this rank's part out of a replicated value
+GLOBAL = "global"  # every rank's rows, all columns (a colwise input; replicated mode: as GATHER/LOCAL)
+GLOBAL_NARROW = "global_narrow"  # every rank's rows, this rank's columns (a rowwise input)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +88,13 @@ class LayoutMap:
     world: int
     rank: int
     styles: dict[torch.fx.Node, str]  # linear node -> style
+    per_rank: bool = False  # inputs="per_rank": replicated values are this rank's rows only
+    stacked: bool = False  # weights="per_rank": sharded weights hold one block of every rank's weight
+    uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
     layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
     reads: dict[tuple[torch.fx.Node, torch.fx.Node], str] = dataclasses.field(default_factory=dict)
     view_last_dim: dict[torch.fx.Node, int] = dataclasses.field(default_factory=dict)
+    view_rows_scaled: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # per_rank: first size x world
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     _gathered: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 
@@ -88,10 +104,19 @@ class LayoutMap:
 
     def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: str) -> None:
         self.reads[(consumer, producer)] = how
-        if how == GATHER and producer not in self._gathered:
-            self._gathered.add(producer)
-            origins = self.layouts[producer].origins
-            self.collectives.append(Collective("all_gather", producer, origins, _op_name(consumer)))
+        if how in (LOCAL, NARROW) or (how, producer) in self._gathered:
+            return
+        self._gathered.add((how, producer))
+        lay = self.layouts[producer]
+        if how == GATHER:
+            kind = "all_to_all" if self.per_rank else "all_gather"
+            self.collectives.append(Collective(kind, producer, lay.origins, _op_name(consumer)))
+        elif how == GLOBAL and lay is not None:
+            self.collectives.append(Collective("all_gather", producer, lay.origins, _op_name(consumer)))
+        elif how == GLOBAL:
+            self.collectives.append(Collective("all_gather_rows", producer, frozenset([consumer]), _op_name(consumer)))
+        else:  # GLOBAL_NARROW of a replicated value
+            self.collectives.append(Collective("all_to_all", producer, frozenset([consumer]), _op_name(consumer)))
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -134,14 +159,30 @@ StyleChooser = Callable[[LinearMatch, Shard | None], str]
 
 
 def propagate(
-    graph: torch.fx.Graph, linears: dict[torch.fx.Node, LinearMatch], choose: StyleChooser, world: int, rank: int
+    graph: torch.fx.Graph,
+    linears: dict[torch.fx.Node, LinearMatch],
+    choose: StyleChooser,
+    world: int,
+    rank: int,
+    per_rank: bool = False,
+    uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
+    stacked: bool = False,
 ) -> LayoutMap:
-    """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style."""
-    lm = LayoutMap(world=world, rank=rank, styles={})
+    """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
+
+    ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
+    under replicated weights); they matter only with ``per_rank``.
+    """
+    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked)
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             lm.layouts[node] = None
-        elif node.op == "output":
+            if node.op == "get_attr" or node in uniform_inputs:
+                lm.uniform.add(node)
+            continue
+        if node.op == "call_function" and all(a in lm.uniform for a in _all_args(node)):
+            lm.uniform.add(node)
+        if node.op == "output":
             _replicate_all(lm, node)
         elif node in linears:
             match = linears[node]
@@ -174,17 +215,35 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
         lm.read(node, arg, LOCAL)  # the weight's transpose reads the (already sharded) weight
     src = lm.layouts.get(match.input)
     if style == "colwise":
-        if src is not None:
+        if lm.per_rank:
+            lm.read(node, match.input, GLOBAL)
+        elif src is not None:
             lm.read(node, match.input, GATHER)
         out = lm.shard(match.out_features, frozenset([node]))
         if match.bias is not None:
+            bias = _val(match.bias)
+            if lm.stacked:
+                if match.bias.op != "placeholder" or bias.dim() != 1:
+                    raise ValueError(
+                        f"dynashard: colwise {match.fqn!r} with weights='per_rank' needs its bias to be a "
+                        "1-D parameter (it is exchanged like the weight). Mark it 'replicate' in the plan."
+                    )
+                lm.read(node, match.bias, LOCAL)  # the rewrite adds every rank's bias block itself
+                lm.layouts[node] = out
+                return
+            if lm.per_rank and not (match.bias in lm.uniform and bias.dim() <= 1):
+                raise ValueError(
+                    f"dynashard: colwise {match.fqn!r} with inputs='per_rank' needs a 1-D bias that is the "
+                    f"same on every rank; found a {bias.dim()}-D bias. Mark it 'replicate' in the plan."
+                )
             _read_as_shard(lm, node, match.bias, out)
         lm.layouts[node] = out
     else:  # rowwise
-        lm.read(node, match.input, LOCAL if src is not None else NARROW)
+        lm.read(node, match.input, LOCAL if src is not None else GLOBAL_NARROW if lm.per_rank else NARROW)
         if match.bias is not None and lm.layouts.get(match.bias) is not None:
             lm.read(node, match.bias, GATHER)
-        lm.collectives.append(Collective("all_reduce", node, frozenset([node]), ""))
+        kind = "reduce_scatter" if lm.per_rank else "all_reduce"
+        lm.collectives.append(Collective(kind, node, frozenset([node]), ""))
         lm.layouts[node] = None
 
 
@@ -198,11 +257,13 @@ def _read_as_shard(lm: LayoutMap, consumer: torch.fx.Node, arg: torch.fx.Node, o
         lm.read(consumer, arg, LOCAL)  # broadcasts over the sharded dim (size 1 or 0-d)
 
 
-def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, size: int) -> bool:
+def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, size: int, out_ndim: int) -> bool:
     lay = lm.layouts.get(arg)
     if lay is not None:
         return lay.size == size and _last_dim(arg) == size
     v = _val(arg)
+    if lm.per_rank and not (arg in lm.uniform and (v.dim() < out_ndim or v.shape[0] == 1)):
+        return False  # a Shard's rows are every rank's: only rank-uniform, row-broadcast values fit
     return v.dim() == 0 or _last_dim(arg) in (1, size)
 
 
@@ -210,7 +271,7 @@ def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
     args = _tensor_args(node)
     sharded = [a for a in args if lm.layouts.get(a) is not None]
     size = _last_dim(node)
-    ok = bool(sharded) and size is not None and all(_can_read_as_shard(lm, a, size) for a in args)
+    ok = bool(sharded) and size is not None and all(_can_read_as_shard(lm, a, size, _val(node).dim()) for a in args)
     if ok and _mutates_self(node):
         ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole
     if not ok:
@@ -232,3 +293,5 @@ def _view(lm: LayoutMap, node: torch.fx.Node) -> None:
         lm.read(node, arg, LOCAL)
     lm.layouts[node] = src
     lm.view_last_dim[node] = src.length
+    if lm.per_rank:
+        lm.view_rows_scaled.add(node)

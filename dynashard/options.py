@@ -12,7 +12,8 @@ from typing import Any
 
 STYLES = ("colwise", "rowwise", "replicate")
 COMPILERS = ("inductor", "aot_eager", "eager")
-WEIGHTS = ("replicated", "rank0")
+WEIGHTS = ("replicated", "rank0", "per_rank")
+INPUTS = ("replicated", "per_rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Options:
     group: Any = None  # ProcessGroup, 1-D DeviceMesh, or None for the world group
     compiler: str = "inductor"
     weights: str = "replicated"
+    inputs: str = "replicated"
     # A weight with fewer elements than this stays replicated under plan="auto": below
     # 64K elements the collective it needs (tens of microseconds on gloo) costs about what
     # the halved matmul saves.
@@ -91,6 +93,13 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
         kwargs["compiler"] = _check_choice("compiler", raw["compiler"], COMPILERS)
     if "weights" in raw:
         kwargs["weights"] = _check_choice("weights", raw["weights"], WEIGHTS)
+    if "inputs" in raw:
+        kwargs["inputs"] = _check_choice("inputs", raw["inputs"], INPUTS)
+    if kwargs.get("weights") == "per_rank" and kwargs.get("inputs") != "per_rank":
+        raise ValueError(
+            "dynashard: weights='per_rank' (every rank its own model) needs inputs='per_rank' (every "
+            "rank its own batch); found inputs='replicated'. Pass options={'inputs': 'per_rank', ...}."
+        )
     if "min_shard_numel" in raw:
         value = raw["min_shard_numel"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

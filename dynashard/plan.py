@@ -70,19 +70,25 @@ def make_plan(
     options: Options,
     world: int,
     rank: int,
+    uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
 ) -> Plan:
     uses = {m.weight: sum(1 for n in linears if n.weight is m.weight) for m in linears}
     blocked = {m.node: _why_unshardable(m, other_uses[m.weight], uses[m.weight]) for m in linears}
     by_node = {m.node: m for m in linears}
+    modes = {
+        "per_rank": options.inputs == "per_rank",
+        "uniform_inputs": uniform_inputs,
+        "stacked": options.weights == "per_rank",
+    }
     if options.plan == "auto":
-        decisions = _auto(linears, blocked, graph, options, world, rank)
+        decisions = _auto(linears, blocked, graph, options, world, rank, modes)
     else:
         decisions = _user(linears, blocked, options.plan_dict)
-    layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank)
+    layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, **modes)
     return Plan(linears, decisions, layouts)
 
 
-def _auto(linears, blocked, graph, options: Options, world: int, rank: int) -> dict[torch.fx.Node, Decision]:
+def _auto(linears, blocked, graph, options: Options, world: int, rank: int, modes: dict) -> dict[torch.fx.Node, Decision]:
     decisions: dict[torch.fx.Node, Decision] = {}
     partners: dict[torch.fx.Node, list[str]] = {}
 
@@ -98,13 +104,14 @@ def _auto(linears, blocked, graph, options: Options, world: int, rank: int) -> d
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
                 partners.setdefault(o, []).append(m.fqn)
-            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one all_reduce")
+            reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one {reduce}")
         else:
             decisions[m.node] = Decision("colwise", "")
         return decisions[m.node].style
 
     by_node = {m.node: m for m in linears}
-    propagate(graph, by_node, choose, world, rank)
+    propagate(graph, by_node, choose, world, rank, **modes)
     for m in linears:
         d = decisions[m.node]
         if d.style != "colwise":

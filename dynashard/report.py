@@ -36,8 +36,10 @@ class GraphReport:
         for c in lm.collectives:
             val = c.node.meta["val"]
             nbytes = math.prod(private.size_hint(s) for s in val.shape) * val.element_size()
+            if c.kind in ("all_gather_rows", "reduce_scatter"):
+                nbytes *= analysis.world  # the payload holds every rank's rows
             owners = sorted((o for o in c.origins if o in charged), key=lambda o: o.name)
-            label = c.kind if c.kind == "all_reduce" else f"all_gather (before {c.reason})"
+            label = c.kind if c.kind in ("all_reduce", "reduce_scatter") else f"{c.kind} (before {c.reason})"
             for o in owners:
                 charged[o].append((label, nbytes // max(1, len(owners))))
         rows = []
@@ -48,6 +50,7 @@ class GraphReport:
             if d.style != "replicate":
                 dim = m.out_dim if d.style == "colwise" else m.in_dim
                 numel = numel // val.shape[dim] * shard_bounds(val.shape[dim], analysis.world, analysis.rank)[1]
+                numel *= analysis.world if analysis.stacked else 1
             comms = charged[m.node]
             rows.append(
                 LayerRow(

@@ -11,6 +11,11 @@ After (this rank's graph; ``w_up``/``w_down`` placeholders now carry shards)::
     ar = _c10d_functional.all_reduce(down, "sum", group); down = _c10d_functional.wait_tensor(ar)
     out = aten.add(down, b_down)
 
+With ``inputs="per_rank"`` the colwise input is first all-gathered along rows and the rowwise
+output reduce-scattered back (see layout.py). With ``weights="per_rank"`` a sharded weight
+placeholder holds ``[world, *block]`` (this rank's block of every rank's weight) and each
+linear becomes a ``bmm`` over the rank-major row blocks.
+
 The rewrite is an ``fx.Interpreter`` run under ``make_fx``: each node is re-executed on fake
 tensors with its arguments converted as recorded (gather / narrow / local), so the new graph
 is traced, not spliced, and every node has true shard shapes in ``meta["val"]``. A rewrite
@@ -28,7 +33,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import collectives
-from dynashard.layout import GATHER, NARROW, LayoutMap, Shard
+from dynashard.layout import GATHER, GLOBAL, GLOBAL_NARROW, NARROW, LayoutMap, Shard
 from dynashard.plan import Plan
 
 aten = torch.ops.aten
@@ -37,51 +42,83 @@ aten = torch.ops.aten
 class _Sharder(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, plan: Plan, group_name: str) -> None:
         super().__init__(gm)
-        self.plan = plan
         self.lm: LayoutMap = plan.layouts
         self.group_name = group_name
-        self.by_node = {m.node: m for m in plan.linears}
-        self.gathered: dict[torch.fx.Node, Any] = {}
+        self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
+        # weights="per_rank": a stacked weight's own transpose is never evaluated (bmm reads it).
+        self.skipped = {m.transpose for m in self.by_node.values() if self.lm.stacked and m.transpose is not None}
+        self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
 
-    def _read(self, consumer: torch.fx.Node, producer: torch.fx.Node, out: Shard | None) -> Any:
-        value = self.env[producer]
-        how = self.lm.reads.get((consumer, producer))
-        if how == GATHER:
-            if producer not in self.gathered:
-                lay = self.lm.layouts[producer]
-                self.gathered[producer] = collectives.all_gather_last_dim(
-                    value, lay.size, lay.chunk, self.lm.world, self.group_name
-                )
-            return self.gathered[producer]
+    def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None) -> Any:
+        lm, group = self.lm, self.group_name
+        lay = lm.layouts[producer]
         if how == NARROW:
             assert out is not None, f"narrow of {producer} without a sharded output"
             return aten.narrow(value, -1, out.start, out.length)
-        return value
+        if how == GLOBAL_NARROW:
+            if not lm.per_rank:
+                return aten.narrow(value, -1, out.start, out.length)
+            return collectives.own_rows_to_shard(value, out.start, out.length, out.chunk, lm.world, group)
+        if how == GLOBAL and lay is None:
+            return collectives.all_gather_rows(value, group) if lm.per_rank else value
+        if how == GATHER and lm.per_rank:
+            return collectives.shard_to_own_rows(value, lay.size, lay.chunk, lm.world, group)
+        return collectives.all_gather_last_dim(value, lay.size, lay.chunk, lm.world, group)  # GATHER / GLOBAL of a Shard
 
-    def _args(self, node: torch.fx.Node, out: Shard | None) -> tuple[tuple, dict]:
-        args = torch.fx.node.map_arg(node.args, lambda p: self._read(node, p, out))
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda p: self._read(node, p, out))
-        return args, kwargs
+    def _read(self, consumer: torch.fx.Node, producer: torch.fx.Node, out: Shard | None) -> Any:
+        how = self.lm.reads.get((consumer, producer))
+        value = self.env[producer]
+        if how is None or how == "local":
+            return value
+        if how in (NARROW, GLOBAL_NARROW):  # cheap or consumer-specific: not shared
+            return self._convert(how, producer, value, out)
+        key = (how, producer)
+        if key not in self.converted:
+            self.converted[key] = self._convert(how, producer, value, out)
+        return self.converted[key]
 
     def run_node(self, node: torch.fx.Node) -> Any:
         if node.op in ("placeholder", "get_attr"):
             return super().run_node(node)
+        if node in self.skipped:
+            return self.env[node.args[0]]  # stands for the stacked weight (the bmm transposes it)
+        if node in self.by_node and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
+            return self._linear(node)
         out = self.lm.layouts.get(node)
-        if node in self.by_node and self.lm.styles[node] == "rowwise":
-            return self._rowwise(node)
-        # A rowwise linear narrows its replicated input to the input's shard.
-        args, kwargs = self._args(node, out)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._read(node, p, out))
         if node in self.lm.view_last_dim and args[1][-1] != -1:
-            args = (args[0], [*args[1][:-1], self.lm.view_last_dim[node]], *args[2:])
+            shape = [*args[1][:-1], self.lm.view_last_dim[node]]
+            if node in self.lm.view_rows_scaled and shape[0] != -1:
+                shape[0] = shape[0] * self.lm.world
+            args = (args[0], shape, *args[2:])
         return getattr(self, node.op)(node.target, args, kwargs)
 
-    def _rowwise(self, node: torch.fx.Node) -> Any:
-        m = self.by_node[node]
-        src = self.lm.layouts.get(m.input)
-        in_shard = src if src is not None else self.lm.shard(m.in_features, frozenset())
+    def _matmul(self, m, x: Any) -> Any:
+        """``x @ W'`` for this rank's part of the weight (a bmm over row blocks when stacked)."""
+        if not self.lm.stacked:
+            return aten.mm(x, self.env[m.transpose if m.transpose is not None else m.weight])
+        w = self.env[m.transpose if m.transpose is not None else m.weight]  # [world, *block]
+        w = w.transpose(1, 2) if m.weight_form == "out_in" else w
+        y = aten.bmm(x.view(self.lm.world, -1, x.shape[-1]), w)
+        return y, y.reshape(-1, y.shape[-1])
+
+    def _linear(self, node: torch.fx.Node) -> Any:
+        m, lm = self.by_node[node], self.lm
+        if lm.styles[node] == "colwise":  # only reached with stacked weights
+            x = self._read(node, m.input, None)
+            y3, y = self._matmul(m, x)
+            if m.bias is not None:
+                y = (y3 + self.env[m.bias].unsqueeze(1)).reshape(-1, y3.shape[-1])
+            return y
+        src = lm.layouts.get(m.input)
+        in_shard = src if src is not None else lm.shard(m.in_features, frozenset())
         x = self._read(node, m.input, in_shard)
-        mat2 = self.env[m.transpose if m.transpose is not None else m.weight]
-        y = collectives.all_reduce_sum(aten.mm(x, mat2), self.group_name)
+        y = self._matmul(m, x)
+        y = y[1] if lm.stacked else y
+        if lm.per_rank:
+            y = collectives.reduce_scatter_rows(y, self.group_name)
+        else:
+            y = collectives.all_reduce_sum(y, self.group_name)
         if m.bias is not None:
             y = aten.add(y, self._read(node, m.bias, None))
         return y

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
-from dynashard.collectives import all_gather_objects, broadcast_from_first
+from dynashard.collectives import all_gather_objects, broadcast_from_first, exchange_blocks
 from dynashard.layout import shard_bounds
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class ShardSpec:
     world: int
     rank: int
     group_name: str
+    stacked: bool = False  # weights="per_rank": this rank's block of every rank's tensor, [world, *block]
 
 
 @dataclasses.dataclass
@@ -50,8 +51,11 @@ class WeightStore:
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
 
-    def shard(self, param: torch.Tensor, spec: ShardSpec, fqn: str) -> torch.Tensor:
-        """This rank's shard of ``param`` (cut once; a second, different request is an error)."""
+    def shard(self, param: torch.Tensor, spec: ShardSpec, fqn: str, group: dist.ProcessGroup) -> torch.Tensor:
+        """This rank's shard of ``param`` (cut once; a second, different request is an error).
+
+        A stacked shard is a collective: every rank must ask for the same tensors in the same order.
+        """
         entry = self._shards.get(param)
         if entry is not None:
             if entry.spec != spec:
@@ -61,8 +65,11 @@ class WeightStore:
                     "same plan and group for every compile of a model."
                 )
             return entry.shard
-        start, length, _ = shard_bounds(param.shape[spec.dim], spec.world, spec.rank)
-        shard = param.detach().narrow(spec.dim, start, length).clone(memory_format=torch.contiguous_format)
+        if spec.stacked:
+            shard = exchange_blocks(param, spec.dim, spec.world, spec.rank, group)
+        else:
+            start, length, _ = shard_bounds(param.shape[spec.dim], spec.world, spec.rank)
+            shard = param.detach().narrow(spec.dim, start, length).clone(memory_format=torch.contiguous_format)
         self._shards[param] = _Entry(spec, shard, fqn)
         return shard
 
@@ -97,8 +104,8 @@ class WeightStore:
         rank's own model, whatever its weights.
         """
         fresh = [(n, t) for n, t in named if t not in self._agreed and not self.is_sharded(t)]
-        if not check_values and mode == "replicated":
-            fresh = []
+        if (not check_values and mode == "replicated") or mode == "per_rank":
+            fresh = []  # per_rank: every rank's weights are its own by design
         sums = [_checksum(t) for _, t in fresh] if mode == "replicated" else []
         everyone = all_gather_objects((fingerprint, sums), group)
         prints = [p for p, _ in everyone]
@@ -119,7 +126,7 @@ class WeightStore:
                         "Seed every rank the same before building the model, load the same checkpoint, "
                         "or pass options={'weights': 'rank0'} to use rank 0's values."
                     )
-        else:
+        elif mode == "rank0":
             broadcast_from_first([t for _, t in fresh], group)
         for _, t in fresh:
             self._agreed[t] = True

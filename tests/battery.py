@@ -11,6 +11,8 @@ import torch
 
 from tests import models
 
+_PER_RANK = {"inputs": "per_rank", "weights": "per_rank"}
+
 # (case name, model name, hidden, ffn, input shapes, extra options)
 CASES = {
     "mlp_2d": ("mlp", 32, 96, [(3, 32), (5, 32), (8, 32)], {}),
@@ -26,6 +28,14 @@ CASES = {
     "uneven_empty_rank": ("mlp", 16, 6, [(2, 3, 16), (4, 5, 16)], {}),
     "user_plan_dtensor_styles": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": "dtensor"}),
     "inplace": ("inplace", 32, 96, [(2, 3, 32), (4, 5, 32)], {}),
+    # inputs="per_rank": every rank its own batch; weights="per_rank": every rank its own model too.
+    "pr_seed": ("seed", 64, 24, [(100, 64), (37, 64), (5, 64)], {**_PER_RANK, "plan": {"*": "rowwise"}}),
+    "pr_seed_colwise": ("seed", 64, 24, [(100, 64), (37, 64), (5, 64)], {**_PER_RANK, "plan": {"*": "colwise"}}),
+    "pr_mlp_3d": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32), (3, 7, 32)], {"inputs": "per_rank"}),
+    "pr_mlp_own_weights": ("mlp_stack", 32, 90, [(2, 3, 32), (4, 5, 32), (3, 2, 32)], _PER_RANK),
+    "pr_residual": ("residual", 32, 70, [(6, 32), (9, 32), (4, 32)], {"inputs": "per_rank"}),
+    "pr_matmul": ("matmul", 32, 96, [(2, 3, 32), (4, 5, 32)], {"inputs": "per_rank"}),
+    "pr_conv1d_own_weights": ("conv1d", 32, 96, [(2, 3, 32), (4, 5, 32)], _PER_RANK),
     "inverted_plan": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": {"up": "rowwise", "down": "colwise"}}),
 }
 
@@ -40,6 +50,13 @@ SHARDED = {
     "conv1d": {"c_fc.weight", "c_proj.weight"},
     "head": {"proj.weight"},
     "inplace": {"up.weight", "down.weight"},
+    "seed": {"weight"},
+}
+# weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
+SHARDED_BY_CASE = {
+    "pr_seed_colwise": {"weight", "bias"},
+    "pr_mlp_own_weights": SHARDED["mlp_stack"] | {f"layers.{i}.up.bias" for i in range(3)},
+    "pr_conv1d_own_weights": SHARDED["conv1d"] | {"c_fc.bias"},
 }
 
 
@@ -52,11 +69,13 @@ def _options(extra: dict, compiler: str) -> dict:
     return opts
 
 
-def run_case(case: str, compiler: str, dtype: torch.dtype) -> dict:
+def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
+    """Compile one case; with per-rank inputs/weights the reference is this rank's own model."""
     model_name, hidden, ffn, shapes, extra = CASES[case]
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch.manual_seed(rank if extra.get("weights") == "per_rank" else 0)
     model = models.build(model_name, hidden, ffn).to(dtype)
+    torch.manual_seed(100 + (rank if extra.get("inputs") == "per_rank" else 0))
     inputs = [torch.randn(s, dtype=dtype) for s in shapes]
     compiles = []
 
@@ -82,7 +101,7 @@ def run_case(case: str, compiler: str, dtype: torch.dtype) -> dict:
 
 def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict:
     dtype = getattr(torch, dtype_name)
-    return {case: run_case(case, compiler, dtype) for case in cases}
+    return {case: run_case(case, compiler, dtype, rank) for case in cases}
 
 
 def _compile_mlp(seed: int, **options):
@@ -140,6 +159,19 @@ def scenarios(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         gc.collect()
         out["shard_freed_with_model"] = shard() is None
+    # inputs="per_rank": batch sizes that differ across ranks within a call are an error, not a hang.
+    per_rank = {"inputs": "per_rank", "compiler": "eager", "min_shard_numel": 0}
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
+        out["pr_first_call_mismatch"] = _error_of(lambda: compiled(torch.randn(3 + rank, 32)))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
+        compiled(torch.randn(3, 32))
+        compiled(torch.randn(5, 32))  # now dynamic: a rank-dependent size passes Dynamo's guards
+        out["pr_later_call_mismatch"] = _error_of(lambda: compiled(torch.randn(6 + rank, 32)))
     # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
     torch._dynamo.reset()
     torch.manual_seed(0)

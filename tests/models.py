@@ -136,4 +136,5 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "conv1d": lambda: GPT2MLP(hidden, ffn),
         "head": lambda: Head(hidden, ffn),
         "inplace": lambda: InPlace(hidden, ffn),
+        "seed": lambda: nn.Linear(hidden, ffn),
     }[name]()

@@ -50,7 +50,7 @@ def test_unknown_style_option_and_compiler(per_rank):
     for r in per_rank:
         assert "expected one of ['colwise', 'rowwise', 'replicate']" in r["unknown_style"][1]
         assert "unknown option(s) ['shard_everything']" in r["unknown_option"][1]
-        assert "valid options are ['plan', 'group', 'compiler', 'weights', 'min_shard_numel']" in r["unknown_option"][1]
+        assert "valid options are ['plan', 'group', 'compiler', 'weights', 'inputs', 'min_shard_numel']" in r["unknown_option"][1]
         assert "expected one of ['inductor', 'aot_eager', 'eager']" in r["bad_compiler"][1]
 
 
@@ -75,6 +75,24 @@ def test_grad_enabled_forward_right_backward_refused(per_rank):
         assert kind == "RuntimeError" and "backward through a tensor-parallel graph is not supported" in msg
         assert r["inference_mode_err"] <= ATOL
         assert "sharded by an earlier dynashard compile" in r["other_options_later"][1]
+
+
+def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(per_rank):
+    for r in per_rank:
+        assert "ranks compiled different graphs" in r["pr_first_call_mismatch"][1]
+        kind, msg = r["pr_later_call_mismatch"]
+        assert kind == "ValueError" and "inputs='per_rank' needs every rank to pass inputs of the same shape" in msg
+
+
+def test_seed_example_on_four_ranks():
+    """The seed prototype's scenario, ported (examples/seed_scenario.py), as a user runs it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(root, "examples", "seed_scenario.py")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for rank in range(4):
+        assert f"[RANK {rank}] PASSED (batches 100, 37, 5; full weight still held: False)" in done.stdout
 
 
 def test_no_process_group_is_a_clear_error():
