@@ -95,3 +95,14 @@ def size_hint(x: Any) -> int:
     if isinstance(x, torch.SymInt):
         return int(x.node.hint) if x.node.hint is not None else 0
     return int(x)
+
+
+def log_artifact(name: str, gm: torch.fx.GraphModule) -> None:
+    """A structured-trace artifact (``TORCH_TRACE=dir``; view with tlparse) of a graph's code."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=lambda: gm.print_readable(print_output=False),
+    )

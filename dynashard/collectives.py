@@ -102,6 +102,34 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     return out
 
 
+def exchange_status(payload: Any, error: BaseException | None, group: dist.ProcessGroup, stage: str) -> list[Any]:
+    """Every rank's ``payload``, or the same error on every rank if any rank failed at ``stage``.
+
+    A rank that failed still joins this collective, so the others learn which rank failed and
+    why instead of waiting for it in a later collective. A rank that died or hangs surfaces as
+    the process group's timeout, reported here with what was being waited for.
+    """
+    status = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        everyone = all_gather_objects((payload, status), group)
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
+        raise RuntimeError(
+            f"dynashard: not every rank reached the {stage} step within the process group's timeout: "
+            "a rank died, hangs, or runs different code. The process group said: "
+            f"{type(e).__name__}: {e}"
+        ) from (error or e)
+    failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
+    if failed:
+        if error is not None:
+            raise error
+        rank, msg = failed[0]
+        raise RuntimeError(
+            f"dynashard: rank {rank} failed during {stage}: {msg}\nThis rank stops too rather than "
+            "wait for it in a collective."
+        )
+    return [p for p, _ in everyone]
+
+
 def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite ``tensors`` in place with the group's first rank's values."""
     src = dist.get_global_rank(group, 0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard.collectives import check_same_shapes, group_name
+from dynashard.collectives import check_same_shapes, exchange_status, group_name
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
 from dynashard.plan import Plan, make_plan
@@ -129,8 +129,16 @@ def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
     return out
 
 
-def _check_no_freed_weight_is_read(analysis: Analysis, example_inputs: list[Any], sharded: dict[int, Any]) -> None:
-    """A weight an earlier compile sharded (and freed) must be sharded by this plan too."""
+def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[int, Any]) -> None:
+    """Real weights only, and a weight an earlier compile sharded (and freed) is sharded again."""
+    for i, (fqn, _) in analysis.params.items():
+        if example_inputs[i].is_meta:
+            raise ValueError(
+                f"dynashard: parameter {fqn!r} is on the meta device. Expected materialised weights "
+                "(dynashard checks and cuts real values at compile time). Materialise the model first: "
+                "model.to_empty(device=...) and load a checkpoint on every rank, or load it on rank 0 "
+                "and pass options={'weights': 'rank0'}."
+            )
     for i, (fqn, _) in analysis.params.items():
         if i not in sharded and STORE.is_sharded(example_inputs[i]):
             raise ValueError(
@@ -207,31 +215,50 @@ class _NoBackward(torch.autograd.Function):
 def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None):
     opts = parse_options(options)
     group = resolve_group(opts)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world == 1 or rank < 0:  # rank < 0: this process is outside the group
+    outside = group is dist.GroupMember.NON_GROUP_MEMBER
+    world, rank = (1, -1) if outside else (dist.get_world_size(group), dist.get_rank(group))
+    if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
         return private.compile_graph(opts.compiler, gm, example_inputs)
+    real = not private.is_fake_group(group)  # a fake group moves no data: nothing to agree on
+    # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
+    # error on all of them instead of a hang in the next collective.
     fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    analysis = analyse(gm, fake_args, opts, world, rank)
-    plan = analysis.plan
-    report = GraphReport.build(analysis, example_inputs)
-    log.info("dynashard plan (rank %d of %d):\n%s", rank, world, format_table([report]))
-    sharded = analysis.sharded_inputs()
-    named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()]
-    shapes = [str(getattr(a, "shape", a)) for a in fake_args]
-    if not private.is_fake_group(group):  # a fake group moves no data: nothing to agree on
-        STORE.agree(named, plan.fingerprint(shapes), group, opts.weights, check_values=bool(sharded))
+    analysis, sharded, fingerprint, error = None, {}, None, None
+    try:
+        analysis = analyse(gm, fake_args, opts, world, rank)
+        if log.isEnabledFor(logging.INFO):
+            table = format_table([GraphReport.build(analysis, example_inputs)])
+            log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
+            log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
+        sharded = analysis.sharded_inputs()
+        _check_weights(analysis, example_inputs, sharded)
+        fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args])
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
+        error = e
+    named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
+    if real:
+        STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
+    elif error is not None:
+        raise error
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
-    _check_no_freed_weight_is_read(analysis, example_inputs, sharded)
     if not sharded:
         with grad_guard:
             return private.compile_graph(opts.compiler, gm, example_inputs)
     name = group_name(group)
-    new_fakes = shard_fakes(analysis, fake_args)
-    sharded_gm = rewrite(analysis.aten, plan, new_fakes, name)
-    log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
-    with grad_guard:
-        compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
+    try:
+        new_fakes = shard_fakes(analysis, fake_args)
+        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, name)
+        log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
+        private.log_artifact("dynashard_rewritten_graph", sharded_gm)
+        with grad_guard:
+            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    if real:
+        exchange_status(None, error, group, "compiling")
+    elif error is not None:
+        raise error
     # Cut and free one weight at a time, only once the sharded program compiled: a failed
     # compile leaves the model whole, and the peak is the model plus one shard.
     keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]

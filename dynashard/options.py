@@ -113,8 +113,8 @@ def _check_group(group: Any) -> Any:
         return None
     import torch.distributed as dist
 
-    if isinstance(group, dist.ProcessGroup):
-        return group
+    if isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return group  # NON_GROUP_MEMBER: what new_group() returns on ranks outside it
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
-from dynashard.collectives import all_gather_objects, broadcast_from_first, exchange_blocks
+from dynashard.collectives import broadcast_from_first, exchange_blocks, exchange_status
 from dynashard.layout import shard_bounds
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class WeightStore:
         group: dist.ProcessGroup,
         mode: str,
         check_values: bool,
+        error: BaseException | None = None,
     ) -> None:
         """One collective: every rank has the same plan and (for "replicated") the same weights.
 
@@ -106,8 +107,10 @@ class WeightStore:
         fresh = [(n, t) for n, t in named if t not in self._agreed and not self.is_sharded(t)]
         if (not check_values and mode == "replicated") or mode == "per_rank":
             fresh = []  # per_rank: every rank's weights are its own by design
+        if error is not None:
+            fresh = []
         sums = [_checksum(t) for _, t in fresh] if mode == "replicated" else []
-        everyone = all_gather_objects((fingerprint, sums), group)
+        everyone = exchange_status((fingerprint, sums), error, group, "planning")
         prints = [p for p, _ in everyone]
         if len(set(prints)) != 1:
             raise RuntimeError(

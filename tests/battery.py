@@ -206,3 +206,63 @@ def scenarios(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         out["other_options_later"] = _error_of(lambda: torch.compile(model, backend="dynashard")(x))
     return out
+
+
+def faults(rank: int, world: int, which: str) -> dict:
+    """One fault per spawn (the group may not survive it); returns what this rank saw."""
+    import os
+    import time
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    opts = {"compiler": "eager", "min_shard_numel": 0}
+    torch.manual_seed(0)
+    model = models.MLP(32, 96)
+    start = time.monotonic()
+    with torch.no_grad():
+        if which == "rank1_plan_typo":
+            plan = {"up": "colwise", "down": "rowwise"} if rank != 1 else {"upp": "colwise"}
+            err = _error_of(lambda: torch.compile(model, backend="dynashard", options={**opts, "plan": plan})(x))
+        elif which == "rank1_dies_before_compile":
+            if rank == 1:
+                os._exit(3)
+            err = _error_of(lambda: torch.compile(model, backend="dynashard", options=opts)(x))
+        elif which == "rank1_dies_after_compile":
+            compiled = torch.compile(model, backend="dynashard", options=opts)
+            compiled(x)
+            torch.distributed.barrier()
+            if rank == 1:
+                os._exit(3)
+            time.sleep(1)
+            start = time.monotonic()
+            err = _error_of(lambda: [compiled(x) for _ in range(3)])
+        elif which == "meta":
+            with torch.device("meta"):
+                meta_model = models.MLP(32, 96)
+            err = _error_of(lambda: torch.compile(meta_model, backend="dynashard", options=opts)(x.to("meta")))
+        else:
+            raise ValueError(which)
+    return {"error": err, "seconds": time.monotonic() - start}
+
+
+def special_cases(rank: int, world: int) -> dict:
+    """Shared weights, a linear called twice, mixed dtypes and a sub-group, against unsharded."""
+    import torch.distributed as dist
+
+    out = {}
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+    cases = {
+        "called_twice_auto": (models.CalledTwice, {}),
+        "called_twice_plan": (models.CalledTwice, {"plan": {"up": "colwise", "down": "rowwise"}}),
+        "mixed_dtypes": (models.MixedDtypes, {}),
+        "sub_group": (models.MLP, {"group": dist.new_group([0, 1])}),
+    }
+    for name, (cls, extra) in cases.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = cls()
+        with torch.no_grad():
+            ref = model(x)
+            got = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0, **extra})(x)
+        freed = sorted(n for n, p in model.named_parameters() if p.untyped_storage().nbytes() == 0)
+        out[name] = {"err": float((got.float() - ref.float()).abs().max()), "dtype_ok": got.dtype == ref.dtype, "freed": freed}
+    return out

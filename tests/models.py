@@ -125,6 +125,25 @@ class InPlace(nn.Module):
         return y
 
 
+class CalledTwice(MLP):
+    """The same linears applied to two inputs: each weight feeds two matmuls."""
+
+    def forward(self, x):
+        return super().forward(x) + super().forward(x * 2)
+
+
+class MixedDtypes(nn.Module):
+    """A float32 pair feeding a bfloat16 pair."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 96) -> None:
+        super().__init__()
+        self.first = MLP(hidden, ffn)
+        self.second = MLP(hidden, ffn).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.second(self.first(x).to(torch.bfloat16)).float()
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -76,13 +78,21 @@ def run_ranks_outcomes(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rank, status, payload = queue.get(timeout=timeout)
-            results[rank] = payload if status == "ok" else RankError(rank, *payload)
-    except Exception as e:  # queue.Empty: a rank hung or died without reporting
-        missing = sorted(set(range(world)) - set(results))
-        raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (results so far: {results})") from e
+        while len(results) < world:
+            try:
+                rank, status, payload = queue.get(timeout=1)
+                results[rank] = payload if status == "ok" else RankError(rank, *payload)
+                continue
+            except queue_module.Empty:
+                pass
+            for r, p in enumerate(procs):  # a rank that exited without reporting died
+                if r not in results and p.exitcode is not None and queue.empty():
+                    results[r] = RankError(r, "Died", f"exit code {p.exitcode}", "")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(results))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (results so far: {results})")
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -1,0 +1,67 @@
+"""The error catalogue's faults: each raises on every surviving rank, at compile time, no hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.battery import faults, special_cases
+from tests.multiproc import RankError, run_ranks, run_ranks_outcomes
+
+GLOO_TIMEOUT = 15  # seconds: a dead rank must surface as an error within about this long
+
+
+def _outcome(which: str, world: int = 2) -> list:
+    return run_ranks_outcomes(faults, world, which, timeout=180, gloo_timeout=GLOO_TIMEOUT)
+
+
+def test_a_rank_failing_to_plan_fails_every_rank_naming_it():
+    rank0, rank1 = _outcome("rank1_plan_typo")
+    assert "plan key 'upp' matches no linear" in rank1["error"][1]
+    kind, msg = rank0["error"]
+    assert "rank 1 failed during planning" in msg and "plan key 'upp'" in msg, msg
+
+
+def test_a_rank_dying_before_compile_is_a_timeout_error_not_a_hang():
+    rank0, rank1 = _outcome("rank1_dies_before_compile")
+    assert isinstance(rank1, RankError) and rank1.exc_type == "Died"
+    kind, msg = rank0["error"]
+    assert "not every rank reached the planning step" in msg, msg
+    assert rank0["seconds"] < 3 * GLOO_TIMEOUT
+
+
+def test_a_rank_dying_after_compile_fails_the_next_call():
+    rank0, rank1 = _outcome("rank1_dies_after_compile")
+    assert isinstance(rank1, RankError) and rank1.exc_type == "Died"
+    assert rank0["error"] is not None, "rank 0 ran a collective against a dead rank without an error"
+    assert rank0["seconds"] < 3 * GLOO_TIMEOUT
+
+
+def test_meta_device_model_is_refused_on_every_rank():
+    for r in _outcome("meta"):
+        kind, msg = r["error"]
+        assert "is on the meta device" in msg and "to_empty" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def special():
+    return run_ranks(special_cases, 4, timeout=300)
+
+
+# float32 (and bfloat16 for MixedDtypes's second pair): see test_numerics.TOLERANCE.
+def test_linear_called_twice(special):
+    for r in special:
+        assert r["called_twice_auto"]["err"] <= 1e-5 and r["called_twice_auto"]["freed"] == []  # shared: replicated
+        assert r["called_twice_plan"]["err"] <= 1e-5
+        assert r["called_twice_plan"]["freed"] == ["down.weight", "up.weight"]
+
+
+def test_mixed_dtypes(special):
+    for r in special:
+        assert r["mixed_dtypes"]["dtype_ok"] and r["mixed_dtypes"]["err"] <= 5e-2
+        assert len(r["mixed_dtypes"]["freed"]) == 4
+
+
+def test_sub_group_leaves_other_ranks_untouched(special):
+    for rank, r in enumerate(special):
+        assert r["sub_group"]["err"] <= 1e-5
+        assert r["sub_group"]["freed"] == (["down.weight", "up.weight"] if rank < 2 else [])
