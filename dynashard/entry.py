@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard.collectives import check_same_shapes, exchange_status, group_name
+from dynashard.collectives import check_same_shapes, exchange_status, group_name, reduce_scatter_is_slow
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
 from dynashard.plan import Plan, make_plan
@@ -248,7 +248,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     name = group_name(group)
     try:
         new_fakes = shard_fakes(analysis, fake_args)
-        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, name)
+        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, name, reduce_scatter_is_slow(group))
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         with grad_guard:
@@ -270,7 +270,10 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         freed += STORE.free([example_inputs[i]], keep)
     log.info("dynashard: rank %d freed %.1f MiB of full weights", rank, freed / 2**20)
     fqns = sorted({fqn for fqn, _ in sharded.values()})
-    per_rank_group = group if opts.inputs == "per_rank" else None
+    # A graph with static sizes only runs on the shapes every rank agreed on at compile time
+    # (Dynamo's guards send other shapes back through the agreement); a dynamic one checks per call.
+    dynamic = any(isinstance(d, torch.SymInt) for a in fake_args for d in getattr(a, "shape", [a]))
+    per_rank_group = group if opts.inputs == "per_rank" and dynamic else None
     return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group)
 
 

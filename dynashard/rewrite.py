@@ -40,8 +40,9 @@ aten = torch.ops.aten
 
 
 class _Sharder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, group_name: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool) -> None:
         super().__init__(gm)
+        self.a2a_reduce = a2a_reduce
         self.lm: LayoutMap = plan.layouts
         self.group_name = group_name
         self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
@@ -116,7 +117,7 @@ class _Sharder(torch.fx.Interpreter):
         y = self._matmul(m, x)
         y = y[1] if lm.stacked else y
         if lm.per_rank:
-            y = collectives.reduce_scatter_rows(y, self.group_name)
+            y = collectives.reduce_scatter_rows(y, lm.world, self.group_name, self.a2a_reduce)
         else:
             y = collectives.all_reduce_sum(y, self.group_name)
         if m.bias is not None:
@@ -124,7 +125,12 @@ class _Sharder(torch.fx.Interpreter):
         return y
 
 
-def rewrite(gm: torch.fx.GraphModule, plan: Plan, fake_args: list[Any], group_name: str) -> torch.fx.GraphModule:
-    """This rank's sharded graph. ``fake_args`` carry shard shapes for sharded weights."""
-    sharder = _Sharder(gm, plan, group_name)
+def rewrite(
+    gm: torch.fx.GraphModule, plan: Plan, fake_args: list[Any], group_name: str, a2a_reduce: bool = False
+) -> torch.fx.GraphModule:
+    """This rank's sharded graph. ``fake_args`` carry shard shapes for sharded weights.
+
+    ``a2a_reduce``: reduce-scatter as all-to-all + local sum (cheaper on gloo).
+    """
+    sharder = _Sharder(gm, plan, group_name, a2a_reduce)
     return private.trace_aten(lambda *args: sharder.run(*args), fake_args)
