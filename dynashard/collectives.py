@@ -55,14 +55,15 @@ def reduce_scatter_rows(x: torch.Tensor, world: int, group_name: str, via_all_to
     if not via_all_to_all:
         return funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group_name)
     y = funcol.all_to_all_single(x.contiguous(), None, None, group_name)  # block j: rank j's partial
-    return y.view(world, -1, *x.shape[1:]).sum(0)
+    return y.view(world, x.shape[0] // world, *x.shape[1:]).sum(0)
 
 
 def shard_to_own_rows(x: torch.Tensor, size: int, chunk: int, world: int, group_name: str) -> torch.Tensor:
     """``[world * rows, ..., my cols]`` -> ``[rows, ..., all cols]``: one all-to-all over rows."""
     x = _pad_last(x, chunk)
     y = funcol.all_to_all_single(x.contiguous(), None, None, group_name)  # block j: my rows, rank j's cols
-    y = y.view(world, -1, *x.shape[1:]).movedim(0, -2).reshape(-1, *x.shape[1:-1], world * chunk)
+    rows = x.shape[0] // world
+    y = y.view(world, rows, *x.shape[1:]).movedim(0, -2).reshape(rows, *x.shape[1:-1], world * chunk)
     return y.narrow(-1, 0, size) if world * chunk != size else y
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
+from dynashard import simulate
 from dynashard.entry import analyse, resolve_group
 from dynashard.options import parse_options
 from dynashard.report import GraphReport, LayerRow, format_table
@@ -40,7 +41,13 @@ class Report:
         return head + "\n" + format_table(self.graphs)
 
 
-def explain(model, *args: Any, world_size: int | None = None, options: Any = None, **kwargs: Any) -> Report:
+def explain(
+    model, *args: Any, world_size: int | None = None, options: Any = None, verify: bool = False, **kwargs: Any
+) -> Report:
+    """The plan per linear; with ``verify=True`` also every rank simulated and checked (see simulate.py).
+
+    A verified mismatch beyond the dtype's tolerance raises ``RuntimeError`` with the table.
+    """
     opts = parse_options(options)
     own_group = False
     if not (dist.is_available() and dist.is_initialized()):
@@ -65,7 +72,12 @@ def explain(model, *args: Any, world_size: int | None = None, options: Any = Non
 
         def capture(gm, example_inputs):
             fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-            graphs.append(GraphReport.build(analyse(gm, fake_args, opts, world, rank), example_inputs))
+            report = GraphReport.build(analyse(gm, fake_args, opts, world, rank), example_inputs)
+            if verify and world > 1:
+                analyses = [analyse(gm, fake_args, opts, world, r) for r in range(world)]
+                per_layer, out_err = simulate.verify(analyses, example_inputs)
+                report = report.with_errors(per_layer, out_err)
+            graphs.append(report)
             return gm.forward
 
         # A fresh code object per call: Dynamo's cache for it never fills, whatever was explained before.
@@ -75,7 +87,10 @@ def explain(model, *args: Any, world_size: int | None = None, options: Any = Non
             torch.compile(namespace["run"], backend=capture, dynamic=False)(model, args, kwargs)
         if not graphs:
             raise RuntimeError("dynashard.explain: Dynamo captured no graph for this model and inputs.")
-        return Report(graphs, world, rank)
+        report = Report(graphs, world, rank)
+        if verify and not all(g.verified_ok for g in graphs):
+            raise RuntimeError(f"dynashard.explain(verify=True): the sharded computation differs from the model\n{report}")
+        return report
     finally:
         if own_group:
             dist.destroy_process_group()

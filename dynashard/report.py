@@ -21,6 +21,13 @@ class LayerRow:
     collectives: str  # e.g. "all_reduce" / "all_gather (before sum)" / "-"
     comm_bytes: int  # collective payload per call at the example shape, charged to this layer
     weight_bytes: int  # bytes of this weight held by this rank
+    dtype: torch.dtype = torch.float32
+    verify_err: float | None = None  # explain(verify=True): max abs error of this layer's output
+
+
+# Verification tolerance by dtype, relative to the reference's magnitude: a sharded matmul sums
+# the same products in another order (and bf16/fp16 round each rank's partial sum first).
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 4e-3}
 
 
 @dataclasses.dataclass
@@ -28,6 +35,16 @@ class GraphReport:
     rows: list[LayerRow]
     world: int
     rank: int
+    output_err: float | None = None
+    verified_ok: bool = True
+
+    def with_errors(self, per_layer: dict[str, float], output_err: float) -> GraphReport:
+        rows = [dataclasses.replace(r, verify_err=per_layer.get(r.fqn)) for r in self.rows]
+        rtol = max((_RTOL.get(r.dtype, 1e-4) for r in rows), default=1e-4)
+        # Absolute floor 1e-5 (fp32 outputs of O(1)); errors are compared as absolute values
+        # against rtol: the test models and the fuzz keep activations O(1) by construction.
+        ok = all(e <= 1e-5 + rtol * 10 for e in [output_err, *per_layer.values()])
+        return GraphReport(rows, self.world, self.rank, output_err, ok)
 
     @classmethod
     def build(cls, analysis: Any, example_inputs: list[Any]) -> GraphReport:
@@ -61,6 +78,7 @@ class GraphReport:
                     collectives=", ".join(sorted({c for c, _ in comms})) or "-",
                     comm_bytes=sum(b for _, b in comms),
                     weight_bytes=numel * val.element_size(),
+                    dtype=val.dtype,
                 )
             )
         return cls(rows, analysis.world, analysis.rank)
@@ -75,10 +93,14 @@ def _human(n: int) -> str:
 
 
 def format_table(graphs: list[GraphReport]) -> str:
-    header = ("layer", "weight", "style", "collectives", "comm/call", "weight/rank", "reason")
+    verified = any(g.output_err is not None for g in graphs)
+    header = ("layer", "weight", "style", "collectives", "comm/call", "weight/rank") + (
+        ("max err",) if verified else ()
+    ) + ("reason",)
     lines = []
     for gi, g in enumerate(graphs):
         for r in g.rows:
+            err = ("-" if r.verify_err is None else f"{r.verify_err:.1e}",) if verified else ()
             lines.append(
                 (
                     r.fqn if len(graphs) == 1 else f"[g{gi}] {r.fqn}",
@@ -87,9 +109,12 @@ def format_table(graphs: list[GraphReport]) -> str:
                     r.collectives,
                     _human(r.comm_bytes),
                     _human(r.weight_bytes),
+                    *err,
                     r.reason,
                 )
             )
+        if g.output_err is not None:
+            lines.append((f"[g{gi}] outputs", "", "", "", "", "", f"{g.output_err:.1e}", "all ranks simulated"))
     if not lines:
         return "(no linear layers on parameters found)"
     widths = [max(len(h), *(len(str(row[i])) for row in lines)) for i, h in enumerate(header)]

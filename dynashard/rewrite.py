@@ -40,9 +40,10 @@ aten = torch.ops.aten
 
 
 class _Sharder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool, comm: Any = None) -> None:
         super().__init__(gm)
         self.a2a_reduce = a2a_reduce
+        self.comm = comm if comm is not None else collectives  # explain(verify=True) simulates them
         self.lm: LayoutMap = plan.layouts
         self.group_name = group_name
         self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
@@ -59,12 +60,12 @@ class _Sharder(torch.fx.Interpreter):
         if how == GLOBAL_NARROW:
             if not lm.per_rank:
                 return aten.narrow(value, -1, out.start, out.length)
-            return collectives.own_rows_to_shard(value, out.start, out.length, out.chunk, lm.world, group)
+            return self.comm.own_rows_to_shard(value, out.start, out.length, out.chunk, lm.world, group)
         if how == GLOBAL and lay is None:
-            return collectives.all_gather_rows(value, group) if lm.per_rank else value
+            return self.comm.all_gather_rows(value, group) if lm.per_rank else value
         if how == GATHER and lm.per_rank:
-            return collectives.shard_to_own_rows(value, lay.size, lay.chunk, lm.world, group)
-        return collectives.all_gather_last_dim(value, lay.size, lay.chunk, lm.world, group)  # GATHER / GLOBAL of a Shard
+            return self.comm.shard_to_own_rows(value, lay.size, lay.chunk, lm.world, group)
+        return self.comm.all_gather_last_dim(value, lay.size, lay.chunk, lm.world, group)  # GATHER / GLOBAL of a Shard
 
     def _read(self, consumer: torch.fx.Node, producer: torch.fx.Node, out: Shard | None) -> Any:
         how = self.lm.reads.get((consumer, producer))
@@ -100,8 +101,9 @@ class _Sharder(torch.fx.Interpreter):
             return aten.mm(x, self.env[m.transpose if m.transpose is not None else m.weight])
         w = self.env[m.transpose if m.transpose is not None else m.weight]  # [world, *block]
         w = w.transpose(1, 2) if m.weight_form == "out_in" else w
-        y = aten.bmm(x.view(self.lm.world, -1, x.shape[-1]), w)
-        return y, y.reshape(-1, y.shape[-1])
+        rows = x.shape[0]  # every rank's rows, rank-major; explicit sizes: a shard may be 0 wide
+        y = aten.bmm(x.view(self.lm.world, rows // self.lm.world, x.shape[-1]), w)
+        return y, y.reshape(rows, y.shape[-1])
 
     def _linear(self, node: torch.fx.Node) -> Any:
         m, lm = self.by_node[node], self.lm
@@ -109,7 +111,7 @@ class _Sharder(torch.fx.Interpreter):
             x = self._read(node, m.input, None)
             y3, y = self._matmul(m, x)
             if m.bias is not None:
-                y = (y3 + self.env[m.bias].unsqueeze(1)).reshape(-1, y3.shape[-1])
+                y = (y3 + self.env[m.bias].unsqueeze(1)).reshape(y.shape)
             return y
         src = lm.layouts.get(m.input)
         in_shard = src if src is not None else lm.shard(m.in_features, frozenset())
@@ -117,9 +119,9 @@ class _Sharder(torch.fx.Interpreter):
         y = self._matmul(m, x)
         y = y[1] if lm.stacked else y
         if lm.per_rank:
-            y = collectives.reduce_scatter_rows(y, lm.world, self.group_name, self.a2a_reduce)
+            y = self.comm.reduce_scatter_rows(y, lm.world, self.group_name, self.a2a_reduce)
         else:
-            y = collectives.all_reduce_sum(y, self.group_name)
+            y = self.comm.all_reduce_sum(y, self.group_name)
         if m.bias is not None:
             y = aten.add(y, self._read(node, m.bias, None))
         return y
