@@ -213,6 +213,7 @@ class _NoBackward(torch.autograd.Function):
 
 
 def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None):
+    """The Dynamo backend: plan, agree, rewrite and compile one captured graph for this rank."""
     opts = parse_options(options)
     group = resolve_group(opts)
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
@@ -220,24 +221,15 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
         return private.compile_graph(opts.compiler, gm, example_inputs)
-    real = not private.is_fake_group(group)  # a fake group moves no data: nothing to agree on
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
-    # error on all of them instead of a hang in the next collective.
+    # error on all of them instead of a hang in the next collective. A fake group moves no data.
+    agree = not private.is_fake_group(group)
     fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    analysis, sharded, fingerprint, error = None, {}, None, None
-    try:
-        analysis = analyse(gm, fake_args, opts, world, rank)
-        if log.isEnabledFor(logging.INFO):
-            table = format_table([GraphReport.build(analysis, example_inputs)])
-            log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
-            log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
-        sharded = analysis.sharded_inputs()
-        _check_weights(analysis, example_inputs, sharded)
-        fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args])
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
-        error = e
+    analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
+    sharded = analysis.sharded_inputs() if analysis else {}
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
-    if real:
+    fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
+    if agree:
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
     elif error is not None:
         raise error
@@ -245,36 +237,56 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     if not sharded:
         with grad_guard:
             return private.compile_graph(opts.compiler, gm, example_inputs)
-    name = group_name(group)
+    sharded_gm = compiled = None
     try:
         new_fakes = shard_fakes(analysis, fake_args)
-        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, name, reduce_scatter_is_slow(group))
+        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group))
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         with grad_guard:
             compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
         error = e
-    if real:
+    if agree:
         exchange_status(None, error, group, "compiling")
     elif error is not None:
         raise error
-    # Cut and free one weight at a time, only once the sharded program compiled: a failed
-    # compile leaves the model whole, and the peak is the model plus one shard.
-    keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
-    freed = 0
-    shards = {}
-    for i, (fqn, dim) in sorted(sharded.items()):
-        spec = ShardSpec(dim, world, rank, name, stacked=analysis.stacked)
-        shards[i] = STORE.shard(example_inputs[i], spec, fqn, group)
-        freed += STORE.free([example_inputs[i]], keep)
-    log.info("dynashard: rank %d freed %.1f MiB of full weights", rank, freed / 2**20)
-    fqns = sorted({fqn for fqn, _ in sharded.values()})
+    shards = _cut_and_free(analysis, example_inputs, sharded, group)
     # A graph with static sizes only runs on the shapes every rank agreed on at compile time
     # (Dynamo's guards send other shapes back through the agreement); a dynamic one checks per call.
     dynamic = any(isinstance(d, torch.SymInt) for a in fake_args for d in getattr(a, "shape", [a]))
     per_rank_group = group if opts.inputs == "per_rank" and dynamic else None
+    fqns = sorted({fqn for fqn, _ in sharded.values()})
     return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group)
+
+
+def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -> tuple[Analysis | None, Exception | None]:
+    """This rank's analysis, or the error it raised (to be shared with every rank)."""
+    try:
+        analysis = analyse(gm, fake_args, opts, world, rank)
+        if log.isEnabledFor(logging.INFO):
+            table = format_table([GraphReport.build(analysis, example_inputs)])
+            log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
+            log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
+        _check_weights(analysis, example_inputs, analysis.sharded_inputs())
+        return analysis, None
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement
+        return None, e
+
+
+def _cut_and_free(analysis: Analysis, example_inputs: list[Any], sharded: dict, group) -> dict[int, torch.Tensor]:
+    """Cut this rank's shards and free the full weights, one at a time (peak: model + one shard).
+
+    Runs only once the sharded program compiled on every rank: a failed compile leaves the model whole.
+    """
+    keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
+    freed, shards = 0, {}
+    for i, (fqn, dim) in sorted(sharded.items()):
+        spec = ShardSpec(dim, analysis.world, analysis.rank, group_name(group), stacked=analysis.stacked)
+        shards[i] = STORE.shard(example_inputs[i], spec, fqn, group)
+        freed += STORE.free([example_inputs[i]], keep)
+    log.info("dynashard: rank %d freed %.1f MiB of full weights", analysis.rank, freed / 2**20)
+    return shards
 
 
 def backend(**options: Any) -> Callable[..., Any]:

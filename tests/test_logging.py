@@ -1,0 +1,52 @@
+"""Logging through torch's system: silent by default, the plan with TORCH_LOGS, an artifact for tlparse."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from dynashard import _torch_private as private
+    from tests.models import MLP
+    private.init_fake_process_group(2)   # single process; only graph shapes matter here
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.compile(MLP(32, 96), backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(
+            torch.randn(4, 32))
+    print("done")
+    """
+)
+
+
+def _run(tmp_path, **env):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
+    full_env.update(env, PYTHONPATH=root)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=full_env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_silent_by_default(tmp_path):
+    done = _run(tmp_path)
+    assert done.stdout.strip() == "done"
+    assert "dynashard" not in done.stderr, done.stderr
+
+
+def test_torch_logs_shows_plan_and_graphs(tmp_path):
+    info = _run(tmp_path, TORCH_LOGS="dynashard").stderr
+    assert "dynashard plan (rank 0 of 2)" in info and "pairs with rowwise down" in info
+    assert "rewritten graph" not in info  # graphs are debug level
+    debug = _run(tmp_path, TORCH_LOGS="+dynashard").stderr
+    assert "aten graph before the rewrite" in debug and "_c10d_functional.all_reduce" in debug
+
+
+def test_structured_trace_artifact(tmp_path):
+    _run(tmp_path, TORCH_TRACE=str(tmp_path))
+    text = "".join(open(f).read() for f in glob.glob(str(tmp_path / "*")))
+    assert "dynashard_rewritten_graph" in text and "all_reduce" in text
