@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,38 @@ def time_call(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, iters: int) -> dict[str, list[float]]:
+    """Seconds per call of each system, one call of every system per round, after ``warmup`` rounds.
+
+    Interleaving makes load drift on a shared machine hit every system alike.
+    """
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(warmup + iters):
+        for name, fn in calls.items():
+            t = time_call(fn)
+            if i >= warmup:
+                times[name].append(t)
+    return times
+
+
+def summarize(rank: int, per_system: dict[str, dict[str, Any]], times: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """One result per system across ranks (a collective): the slowest rank's median and min."""
+    results = []
+    for name, mine in per_system.items():
+        mine = {"rank": rank, **mine, "median_s": statistics.median(times[name]), "min_s": min(times[name]),
+                "times_s": times[name]}
+        per_rank = gather(mine)
+        results.append({
+            "system": name,
+            "median_ms": 1e3 * max(r["median_s"] for r in per_rank),
+            "min_ms": 1e3 * max(r["min_s"] for r in per_rank),
+            "first_call_s": max(r["first_s"] for r in per_rank),
+            "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
+            "per_rank": per_rank,
+        })
+    return results
 
 
 def hardware() -> dict[str, Any]:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _common import gather, init, mib, record, rss, time_call, write_json
+from _common import init, mib, record, rss, summarize, time_call, time_interleaved, write_json
 
 SYSTEMS = (
     "unsharded eager",
@@ -129,26 +128,10 @@ def main() -> None:
             diffs[system] = (fn(x) - ref).abs().max().item()
         built[system] = fn
         mem[system] = {"held_param_bytes": held_bytes(model), **rss()}
-    times = {s: [] for s in systems}
     with torch.no_grad():
-        for i in range(args.warmup + args.iters):
-            for system in systems:
-                t = time_call(lambda: built[system](x))  # noqa: B023
-                if i >= args.warmup:
-                    times[system].append(t)
-    results = []
-    for system in systems:
-        mine = {"rank": rank, "first_s": first[system], "median_s": statistics.median(times[system]),
-                "min_s": min(times[system]), "times_s": times[system], "max_abs_diff": diffs[system], **mem[system]}
-        per_rank = gather(mine)
-        results.append({
-            "system": system,
-            "median_ms": 1e3 * max(r["median_s"] for r in per_rank),
-            "min_ms": 1e3 * max(r["min_s"] for r in per_rank),
-            "first_call_s": max(r["first_s"] for r in per_rank),
-            "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
-            "per_rank": per_rank,
-        })
+        times = time_interleaved({s: (lambda fn=built[s]: fn(x)) for s in systems}, args.warmup, args.iters)
+    per_system = {s: {"first_s": first[s], "max_abs_diff": diffs[s], **mem[s]} for s in systems}
+    results = summarize(rank, per_system, times)
 
     if rank == 0:
         by_name = {r["system"]: r["median_ms"] for r in results}

@@ -26,14 +26,13 @@ Exits 1 when any max abs diff exceeds --tol.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from torch.fx import replace_pattern, symbolic_trace
 
-from _common import gather, init, record, rss, time_call, write_json
+from _common import gather, init, record, rss, summarize, time_interleaved, write_json
 
 SYSTEMS = ("unsharded", "seed algorithm", "dynashard eager", "dynashard inductor")
 OPTIONS = {"inputs": "per_rank", "weights": "per_rank", "plan": {"*": "rowwise"}}
@@ -150,29 +149,12 @@ def main() -> None:
             assert STORE.is_sharded(model.weight), f"{system}: weight was not sharded"
         built[system], diffs[system], mem[system] = fn, (y - ref).abs().max().item(), rss()
 
-    times = {s: [] for s in SYSTEMS}
     with torch.no_grad():
-        for i in range(args.warmup + args.iters):
-            for system in SYSTEMS:
-                t = time_call(lambda: built[system](x))  # noqa: B023
-                if i >= args.warmup:
-                    times[system].append(t)
+        times = time_interleaved({s: (lambda fn=built[s]: fn(x)) for s in SYSTEMS}, args.warmup, args.iters)
         for system in SYSTEMS:
             diffs[system] = max(diffs[system], (built[system](x) - ref).abs().max().item())
-
-    results = []
-    for system in SYSTEMS:
-        mine = {"rank": rank, "first_s": first[system], "median_s": statistics.median(times[system]),
-                "min_s": min(times[system]), "times_s": times[system], "max_abs_diff": diffs[system], **mem[system]}
-        per_rank = gather(mine)
-        results.append({
-            "system": system,
-            "median_ms": 1e3 * max(r["median_s"] for r in per_rank),
-            "min_ms": 1e3 * max(r["min_s"] for r in per_rank),
-            "first_call_s": max(r["first_s"] for r in per_rank),
-            "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
-            "per_rank": per_rank,
-        })
+    per_system = {s: {"first_s": first[s], "max_abs_diff": diffs[s], **mem[s]} for s in SYSTEMS}
+    results = summarize(rank, per_system, times)
 
     if rank == 0:
         ms = {r["system"]: r["median_ms"] for r in results}

@@ -69,28 +69,29 @@ class SimulatedCollectives:
         return torch.cat([a.narrow(-1, start, length) for a in self._all(x)], 0)
 
 
-class _Recording(_Sharder):
+class _RecordsLinears:
+    """Mixin for an fx.Interpreter: keep each linear's output (the interpreter frees dead values)."""
+
+    linears: set
+    seen: dict
+
+    def run_node(self, node):
+        value = super().run_node(node)
+        if node in self.linears:
+            self.seen[node] = value
+        return value
+
+
+class _Recording(_RecordsLinears, _Sharder):
     def __init__(self, *args, linears=(), **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.linears, self.seen = set(linears), {}
 
-    def run_node(self, node):
-        value = super().run_node(node)
-        if node in self.linears:
-            self.seen[node] = value
-        return value
 
-
-class _Reference(torch.fx.Interpreter):
+class _Reference(_RecordsLinears, torch.fx.Interpreter):
     def __init__(self, gm, linears) -> None:
         super().__init__(gm)
         self.linears, self.seen = set(linears), {}
-
-    def run_node(self, node):
-        value = super().run_node(node)
-        if node in self.linears:
-            self.seen[node] = value
-        return value
 
 
 def _cut(full: torch.Tensor, dim: int, world: int, rank: int, stacked: bool) -> torch.Tensor:
