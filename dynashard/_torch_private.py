@@ -106,3 +106,13 @@ def log_artifact(name: str, gm: torch.fx.GraphModule) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "string"},
         payload_fn=lambda: gm.print_readable(print_output=False),
     )
+
+
+def default_store() -> Any:
+    """The key-value store the default process group was created with (None if unavailable)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store is a missing diagnostic, never an error
+        return None

@@ -8,6 +8,7 @@ directly: they run once, outside any trace.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -115,21 +116,65 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     return out
 
 
+_SEQUENCE: dict[str, int] = {}  # per group: how many agreements this process has joined
+
+
+class RollCall:
+    """Names the ranks that did not reach a point, through the group's key-value store.
+
+    Each rank marks itself present under a key that is the same on every rank (group, a sequence
+    number, the point's name); after a failure, the ranks without a mark are the missing ones.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, point: str) -> None:
+        from dynashard import _torch_private as private
+
+        name = group.group_name
+        _SEQUENCE[name] = _SEQUENCE.get(name, 0) + 1
+        self.key = f"dynashard/{name}/{_SEQUENCE[name]}/{point}"
+        self.store, self.world = private.default_store(), dist.get_world_size(group)
+        self.mark(dist.get_rank(group))
+
+    def mark(self, rank: int) -> None:
+        if self.store is not None:
+            self.store.set(f"{self.key}/{rank}", "1")
+
+    def missing(self, wait_s: float = 0.0) -> list[int] | None:
+        """Ranks that have not marked themselves (after waiting up to ``wait_s``); None if unknown."""
+        if self.store is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                gone = [r for r in range(self.world) if not self.store.check([f"{self.key}/{r}"])]
+                if not gone or time.monotonic() >= deadline:
+                    return gone
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store may have died with its host rank
+            return None
+
+
+def describe_missing(missing: list[int] | None) -> str:
+    if missing is None:
+        return "which rank is missing is unknown (no store)"
+    return f"ranks {missing} did not get there (died, hang, or run different code)" if missing else "every rank got there"
+
+
 def exchange_status(payload: Any, error: BaseException | None, group: dist.ProcessGroup, stage: str) -> list[Any]:
     """Every rank's ``payload``, or the same error on every rank if any rank failed at ``stage``.
 
     A rank that failed still joins this collective, so the others learn which rank failed and
     why instead of waiting for it in a later collective. A rank that died or hangs surfaces as
-    the process group's timeout, reported here with what was being waited for.
+    the process group's timeout, reported here with the ranks that never arrived.
     """
     status = None if error is None else f"{type(error).__name__}: {error}"
+    roll = RollCall(group, stage)
     try:
         everyone = all_gather_objects((payload, status), group)
     except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
         raise RuntimeError(
             f"dynashard: not every rank reached the {stage} step within the process group's timeout: "
-            "a rank died, hangs, or runs different code. The process group said: "
-            f"{type(e).__name__}: {e}"
+            f"{describe_missing(roll.missing())}. The process group said: {type(e).__name__}: {e}"
         ) from (error or e)
     failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
     if failed:

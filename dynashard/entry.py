@@ -18,7 +18,14 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard.collectives import check_same_shapes, exchange_status, group_name, reduce_scatter_is_slow
+from dynashard.collectives import (
+    RollCall,
+    check_same_shapes,
+    describe_missing,
+    exchange_status,
+    group_name,
+    reduce_scatter_is_slow,
+)
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
 from dynashard.plan import Plan, make_plan
@@ -163,12 +170,15 @@ class ShardedProgram:
         fqns: list[str],
         graph: torch.fx.GraphModule,
         per_rank_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.compiled = compiled
         self.shards = {i: weakref.ref(t) for i, t in shards.items()}
         self.fqns = fqns
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
         self.per_rank_group = per_rank_group  # inputs="per_rank": check shapes agree on every call
+        self.group = group  # for naming missing ranks after a failed call
+        self.failures = 0
 
     def __call__(self, *args: Any) -> Any:
         if self.per_rank_group is not None:
@@ -180,14 +190,31 @@ class ShardedProgram:
             if shard is None:
                 raise RuntimeError("dynashard: the model this program was compiled for has been deleted.")
             args[i] = shard
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            try:
+                outs = self.compiled(*args)
+            except RuntimeError as e:
+                self._diagnose(e)
+                raise
         if not torch.is_grad_enabled():
-            return self.compiled(*args)
-        with torch.no_grad():
-            outs = self.compiled(*args)
+            return outs
         anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if not anchors:
             return outs
         return type(outs)(_NoBackward.apply(o, anchors[0], self.fqns) if _float(o) else o for o in outs)
+
+
+    def _diagnose(self, error: RuntimeError) -> None:
+        """After a failed call, name the ranks that did not fail with us (dead or hung ones)."""
+        if self.group is None or private.is_fake_group(self.group):
+            return
+        self.failures += 1
+        roll = RollCall(self.group, f"failed-call-{self.failures}")
+        missing = roll.missing(wait_s=5.0)
+        raise RuntimeError(
+            f"dynashard: the sharded program failed on rank {dist.get_rank(self.group)}: "
+            f"{describe_missing(missing)}. The process group said: {error}"
+        ) from error
 
 
 def _float(x: Any) -> bool:
@@ -257,7 +284,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     dynamic = any(isinstance(d, torch.SymInt) for a in fake_args for d in getattr(a, "shape", [a]))
     per_rank_group = group if opts.inputs == "per_rank" and dynamic else None
     fqns = sorted({fqn for fqn, _ in sharded.values()})
-    return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group)
+    return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group, group)
 
 
 def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -> tuple[Analysis | None, Exception | None]:

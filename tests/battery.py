@@ -146,6 +146,7 @@ def scenarios(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = models.MLP(32, 96)
         y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(x)
+        out["explain_in_group"] = dynashard.explain(model, x).layers
         out["bound_backend_err"] = float((y - ref).abs().max())
         out["bound_backend_sharded"] = model.up.weight.untyped_storage().nbytes() == 0
         # The shards die with the model, although Dynamo keeps compiled functions alive.
@@ -221,6 +222,9 @@ def faults(rank: int, world: int, which: str) -> dict:
     with torch.no_grad():
         if which == "rank1_plan_typo":
             plan = {"up": "colwise", "down": "rowwise"} if rank != 1 else {"upp": "colwise"}
+            err = _error_of(lambda: torch.compile(model, backend="dynashard", options={**opts, "plan": plan})(x))
+        elif which == "rank_dependent_plan":  # valid on each rank, but not the same plan
+            plan = {"up": "colwise", "down": "rowwise"} if rank == 0 else {"up": "colwise"}
             err = _error_of(lambda: torch.compile(model, backend="dynashard", options={**opts, "plan": plan})(x))
         elif which == "rank1_dies_before_compile":
             if rank == 1:

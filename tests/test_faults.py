@@ -21,11 +21,17 @@ def test_a_rank_failing_to_plan_fails_every_rank_naming_it():
     assert "rank 1 failed during planning" in msg and "plan key 'upp'" in msg, msg
 
 
+def test_ranks_with_different_plans_are_told_so():
+    for r in _outcome("rank_dependent_plan"):
+        kind, msg = r["error"]
+        assert "ranks compiled different graphs or plans" in msg, msg
+
+
 def test_a_rank_dying_before_compile_is_a_timeout_error_not_a_hang():
     rank0, rank1 = _outcome("rank1_dies_before_compile")
     assert isinstance(rank1, RankError) and rank1.exc_type == "Died"
     kind, msg = rank0["error"]
-    assert "not every rank reached the planning step" in msg, msg
+    assert "not every rank reached the planning step" in msg and "ranks [1] did not get there" in msg, msg
     assert rank0["seconds"] < 3 * GLOO_TIMEOUT
 
 
@@ -33,6 +39,7 @@ def test_a_rank_dying_after_compile_fails_the_next_call():
     rank0, rank1 = _outcome("rank1_dies_after_compile")
     assert isinstance(rank1, RankError) and rank1.exc_type == "Died"
     assert rank0["error"] is not None, "rank 0 ran a collective against a dead rank without an error"
+    assert "ranks [1] did not get there" in rank0["error"][1], rank0["error"]
     assert rank0["seconds"] < 3 * GLOO_TIMEOUT
 
 

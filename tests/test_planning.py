@@ -104,3 +104,13 @@ def test_weight_read_by_other_ops_is_replicated_or_refused():
     assert report.layers == {"proj": "replicate"} and "also read by aten.sum" in report.rows[0].reason
     with pytest.raises(Exception, match="plan asks for colwise on 'proj', but its weight is also read by aten.sum"):
         dynashard.explain(model, x, world_size=2, options={"plan": {"proj": "colwise"}})
+
+
+def test_explain_per_rank_layout():
+    torch.manual_seed(0)
+    report = dynashard.explain(models.ResidualBlock(512, 1024), torch.randn(2, 8, 512), world_size=2,
+                               options={"inputs": "per_rank"})
+    rows = {r.fqn: r for r in report.rows}
+    # gate and up read the same normalised input: one row all-gather, charged once.
+    assert rows["gate"].collectives.startswith("all_gather_rows") and rows["up"].collectives == "-"
+    assert rows["down"].collectives == "reduce_scatter" and rows["down"].comm_bytes == 2 * 2 * 8 * 512 * 4
