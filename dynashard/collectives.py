@@ -8,6 +8,7 @@ directly: they run once, outside any trace.
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any
 
@@ -111,9 +112,21 @@ def reduce_scatter_is_slow(group: dist.ProcessGroup) -> bool:
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    """Every rank's picklable ``obj``.
+
+    NOTE: ``dist.all_gather_object`` needs NumPy in torch 2.13 ("Numpy is not available" without
+    it); pickled bytes in a uint8 tensor, padded to the longest, need nothing but torch.
+    """
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    return [pickle.loads(bytes(g[: int(n.item())].tolist())) for g, n in zip(gathered, sizes)]  # small payloads
 
 
 _SEQUENCE: dict[str, int] = {}  # per group: how many agreements this process has joined
@@ -172,9 +185,11 @@ def exchange_status(payload: Any, error: BaseException | None, group: dist.Proce
     try:
         everyone = all_gather_objects((payload, status), group)
     except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
+        missing = roll.missing()
+        what = "not every rank reached" if missing != [] else "every rank reached, but the collective failed at"
         raise RuntimeError(
-            f"dynashard: not every rank reached the {stage} step within the process group's timeout: "
-            f"{describe_missing(roll.missing())}. The process group said: {type(e).__name__}: {e}"
+            f"dynashard: {what} the {stage} step (the process group's timeout bounds the wait): "
+            f"{describe_missing(missing)}. The process group said: {type(e).__name__}: {e}"
         ) from (error or e)
     failed = [(r, msg) for r, (_, msg) in enumerate(everyone) if msg is not None]
     if failed:
