@@ -19,6 +19,7 @@ from dynashard import simulate
 from dynashard.entry import analyse, resolve_group
 from dynashard.options import parse_options
 from dynashard.report import GraphReport, LayerRow, format_table
+from dynashard.weights import STORE
 
 
 @dataclasses.dataclass
@@ -71,6 +72,12 @@ def explain(
         graphs: list[GraphReport] = []
 
         def capture(gm, example_inputs):
+            if any(torch.is_tensor(t) and STORE.is_sharded(t) for t in example_inputs):
+                raise ValueError(
+                    "dynashard.explain: this model's weights were sharded (and freed) by an earlier "
+                    "dynashard compile; explain runs the model once on the example inputs and needs them "
+                    "whole. Expected an uncompiled model: call explain before torch.compile."
+                )
             fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
             report = GraphReport.build(analyse(gm, fake_args, opts, world, rank), example_inputs)
             if verify and world > 1:

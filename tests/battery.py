@@ -145,8 +145,9 @@ def scenarios(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = models.MLP(32, 96)
+        out["explain_in_group"] = dynashard.explain(model, x, options={"min_shard_numel": 0}).layers
         y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(x)
-        out["explain_in_group"] = dynashard.explain(model, x).layers
+        out["explain_after_compile"] = _error_of(lambda: dynashard.explain(model, x))
         out["bound_backend_err"] = float((y - ref).abs().max())
         out["bound_backend_sharded"] = model.up.weight.untyped_storage().nbytes() == 0
         # The shards die with the model, although Dynamo keeps compiled functions alive.

@@ -58,7 +58,8 @@ def test_bound_backend(per_rank):
     for r in per_rank:
         assert r["bound_backend_err"] <= ATOL and r["bound_backend_sharded"]
         assert r["shard_freed_with_model"]
-        assert r["explain_in_group"] == {"up": "replicate", "down": "replicate"}  # default min_shard_numel
+        assert r["explain_in_group"] == {"up": "colwise", "down": "rowwise"}
+        assert "call explain before torch.compile" in r["explain_after_compile"][1]
 
 
 def test_dynamic_shapes_one_recompile_same_on_every_rank(per_rank):
