@@ -52,8 +52,15 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.Gra
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = fake_mode_of(fake_args)
-    with fake_mode:
-        return make_fx(fn, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
+    # NOTE: Dynamo turns float attributes into tensors read with ``.item()`` under dynamic=True
+    # (e.g. nn.Embedding's norm_type); Dynamo's own trace allows such scalar outputs, and so must this.
+    allowed = fake_mode.allow_scalar_outputs
+    fake_mode.allow_scalar_outputs = True
+    try:
+        with fake_mode:
+            return make_fx(fn, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
+    finally:
+        fake_mode.allow_scalar_outputs = allowed
 
 
 def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

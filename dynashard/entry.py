@@ -273,7 +273,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         with grad_guard:
             compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
-        error = e
+        error = _loud(e, "rewriting and compiling")
     if agree:
         exchange_status(None, error, group, "compiling")
     elif error is not None:
@@ -287,6 +287,20 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group, group)
 
 
+def _loud(error: Exception, stage: str) -> Exception:
+    """Our own errors as they are; anything else wrapped in a RuntimeError naming the stage.
+
+    NOTE: Dynamo turns some backend exceptions (e.g. fake-tensor ``DataDependentOutputException``)
+    into a graph break and runs the frame eagerly -- unsharded, with only a warning. Wrapped, it
+    is an error like any other.
+    """
+    if isinstance(error, (ValueError, TypeError, RuntimeError)) and str(error).startswith("dynashard"):
+        return error
+    wrapped = RuntimeError(f"dynashard: internal error while {stage}: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -> tuple[Analysis | None, Exception | None]:
     """This rank's analysis, or the error it raised (to be shared with every rank)."""
     try:
@@ -298,7 +312,7 @@ def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -
         _check_weights(analysis, example_inputs, analysis.sharded_inputs())
         return analysis, None
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement
-        return None, e
+        return None, _loud(e, "planning")
 
 
 def _cut_and_free(analysis: Analysis, example_inputs: list[Any], sharded: dict, group) -> dict[int, torch.Tensor]:

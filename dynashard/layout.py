@@ -180,7 +180,8 @@ def propagate(
             if node.op == "get_attr" or node in uniform_inputs:
                 lm.uniform.add(node)
             continue
-        if node.op == "call_function" and all(a in lm.uniform for a in _all_args(node)):
+        seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())  # randn differs per rank
+        if node.op == "call_function" and not seeded and all(a in lm.uniform for a in _all_args(node)):
             lm.uniform.add(node)
         if node.op == "output":
             _replicate_all(lm, node)
@@ -238,6 +239,11 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
                 )
             _read_as_shard(lm, node, match.bias, out)
         lm.layouts[node] = out
+    elif match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
+        lm.read(node, match.input, GLOBAL if lm.per_rank else LOCAL)
+        kind = "reduce_scatter" if lm.per_rank else "all_reduce"
+        lm.collectives.append(Collective(kind, node, frozenset([node]), ""))
+        lm.layouts[node] = None
     else:  # rowwise
         lm.read(node, match.input, LOCAL if src is not None else GLOBAL_NARROW if lm.per_rank else NARROW)
         if match.bias is not None and lm.layouts.get(match.bias) is not None:

@@ -9,6 +9,10 @@ Before (what AOT-level tracing makes of ``nn.Linear``, ``F.linear``, ``x @ W.t()
 After: one :class:`LinearMatch` per mm/addmm whose second operand is a weight parameter, used
 directly ("in_out", W stored [in, out]) or through one transpose ("out_in", W stored [out, in]).
 
+Embeddings (``aten.embedding(W, ids)``) are matched too, as a linear on one-hot ids: the
+vocabulary is the input dim, so "rowwise" is Megatron's vocab-parallel embedding and a weight
+tied to a colwise LM head is split on the same dim by both.
+
 Invariants: matching never mutates the graph; every weight placeholder's other uses are
 recorded so the plan can refuse to shard a weight it cannot account for.
 """
@@ -46,6 +50,7 @@ class LinearMatch:
     bias: torch.fx.Node | None
     in_features: int
     out_features: int
+    kind: str = "linear"  # or "embedding": a lookup is one_hot(ids) @ W, W stored [in=vocab, out]
 
     @property
     def out_dim(self) -> int:
@@ -111,7 +116,27 @@ def find_linears(
                 out_features=int(out_f),
             )
         )
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    matches = sorted(matches + _embeddings(graph, params), key=lambda m: order[m.node])
     return matches, _other_uses(matches)
+
+
+def _embeddings(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -> list[LinearMatch]:
+    """``aten.embedding(W, ids)`` on a parameter, as a linear on one-hot ids (W in "in_out" form)."""
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.embedding.default:
+            continue
+        weight, ids = node.args[0], node.args[1]
+        if weight not in params or not params[weight].is_parameter or weight.meta["val"].dim() != 2:
+            continue
+        vocab, dim = weight.meta["val"].shape
+        found.append(
+            LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form="in_out",
+                        transpose=None, input=ids, bias=None, in_features=int(vocab), out_features=int(dim),
+                        kind="embedding")
+        )
+    return found
 
 
 def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:

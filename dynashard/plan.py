@@ -55,12 +55,25 @@ class Plan:
         return hashlib.sha256(repr((rows, shapes)).encode()).hexdigest()[:16]
 
 
-def _why_unshardable(match: LinearMatch, other_uses: list[str], shared: int) -> str | None:
-    if other_uses:
-        return f"weight is also read by {', '.join(other_uses)}"
-    if shared > 1:
-        return f"weight is shared by {shared} linears"
-    return None
+def _why_unshardable(other_uses: list[str]) -> str | None:
+    return f"weight is also read by {', '.join(other_uses)}" if other_uses else None
+
+
+def _split_dim(m: LinearMatch, style: str) -> int | None:
+    return None if style == "replicate" else m.out_dim if style == "colwise" else m.in_dim
+
+
+def _shared_conflicts(linears: list[LinearMatch], decisions: dict) -> dict[torch.fx.Node, list[LinearMatch]]:
+    """Weights used more than once (a layer called twice, tied embedding and LM head) whose
+    uses do not all split it on the same dim: one copy cannot serve them all."""
+    by_weight: dict[torch.fx.Node, list[LinearMatch]] = {}
+    for m in linears:
+        by_weight.setdefault(m.weight, []).append(m)
+    return {
+        w: ms
+        for w, ms in by_weight.items()
+        if len({_split_dim(m, decisions[m.node].style) for m in ms}) > 1
+    }
 
 
 def make_plan(
@@ -72,8 +85,7 @@ def make_plan(
     rank: int,
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
 ) -> Plan:
-    uses = {m.weight: sum(1 for n in linears if n.weight is m.weight) for m in linears}
-    blocked = {m.node: _why_unshardable(m, other_uses[m.weight], uses[m.weight]) for m in linears}
+    blocked = {m.node: _why_unshardable(other_uses[m.weight]) for m in linears}
     by_node = {m.node: m for m in linears}
     modes = {
         "per_rank": options.inputs == "per_rank",
@@ -83,7 +95,7 @@ def make_plan(
     if options.plan == "auto":
         decisions = _auto(linears, blocked, graph, options, world, rank, modes)
     else:
-        decisions = _user(linears, blocked, options.plan_dict)
+        decisions = _user(linears, blocked, options.plan_dict, modes["stacked"])
     layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, **modes)
     return Plan(linears, decisions, layouts)
 
@@ -100,6 +112,11 @@ def _auto(linears, blocked, graph, options: Options, world: int, rank: int, mode
             decisions[m.node] = Decision(
                 "replicate", f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
             )
+        elif m.kind == "embedding" and modes["stacked"]:
+            decisions[m.node] = Decision("replicate", "embedding with weights='per_rank': kept whole")
+        elif m.kind == "embedding":
+            reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+            decisions[m.node] = Decision("rowwise", f"vocab-parallel embedding: masked local lookup, one {reduce}")
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
@@ -126,7 +143,25 @@ def _auto(linears, blocked, graph, options: Options, world: int, rank: int, mode
             decisions[m.node] = Decision(
                 "replicate", f"no rowwise partner and in_features {m.in_features} < {_GATHER_MIN_IN_FEATURES}: a gather would not pay"
             )
+    for ms in _shared_conflicts(linears, decisions).values():
+        _settle_shared(ms, decisions, blocked)
     return decisions
+
+
+def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict) -> None:
+    """One split for a shared weight: a use replicated only for cost follows the sharded uses'
+    dim (a tied LM head follows its vocab-parallel embedding); otherwise all stay whole."""
+    names = ", ".join(sorted({f"{m.fqn} ({decisions[m.node].style})" for m in ms}))
+    dims = {_split_dim(m, decisions[m.node].style) for m in ms} - {None}
+    if len(dims) == 1 and not any(blocked[m.node] for m in ms):
+        (dim,) = dims
+        for m in ms:
+            if decisions[m.node].style == "replicate":
+                style = "colwise" if m.out_dim == dim else "rowwise"
+                decisions[m.node] = Decision(style, f"shares its weight with {names}: split on the same dim")
+        return
+    for m in ms:
+        decisions[m.node] = Decision("replicate", f"weight shared by uses that would split it differently: {names}")
 
 
 def key_matches(key: str, fqn: str) -> bool:
@@ -134,7 +169,7 @@ def key_matches(key: str, fqn: str) -> bool:
     return fnmatch.fnmatchcase(fqn, key) or fnmatch.fnmatchcase(fqn, "*." + key)
 
 
-def _user(linears, blocked, plan: dict[str, str]) -> dict[torch.fx.Node, Decision]:
+def _user(linears, blocked, plan: dict[str, str], stacked: bool) -> dict[torch.fx.Node, Decision]:
     names = sorted({m.fqn for m in linears})
     for key in plan:
         if not any(key_matches(key, n) for n in names):
@@ -145,26 +180,29 @@ def _user(linears, blocked, plan: dict[str, str]) -> dict[torch.fx.Node, Decisio
                 "matched against module FQNs as in model.named_modules())."
             )
     decisions: dict[torch.fx.Node, Decision] = {}
-    dims: dict[torch.fx.Node, tuple[str, int]] = {}
     for m in linears:
         keys = [k for k in plan if key_matches(k, m.fqn)]
         if not keys:
             decisions[m.node] = Decision("replicate", "not named by the plan")
             continue
         style = plan[keys[-1]]
-        if style != "replicate" and blocked[m.node] and "shared by" not in blocked[m.node]:
+        if style != "replicate" and blocked[m.node]:
             raise ValueError(
                 f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "
                 "cannot be sharded. Expected a weight used only by linear layers; set its style to "
                 "'replicate' or remove it from the plan."
             )
-        if style != "replicate":
-            dim = m.out_dim if style == "colwise" else m.in_dim
-            seen = dims.setdefault(m.weight, (style, dim))
-            if seen[1] != dim:
-                raise ValueError(
-                    f"dynashard: weight of {m.fqn!r} is used by two linears that need it split on "
-                    f"different dims ({seen[0]} and {style}). Mark it 'replicate' in the plan."
-                )
+        if stacked and m.kind == "embedding" and style != "replicate":
+            raise ValueError(
+                f"dynashard: plan asks for {style} on embedding {m.fqn!r} with weights='per_rank'; expected "
+                "'replicate' (every rank's own embedding stays whole)."
+            )
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
+    for ms in _shared_conflicts(linears, decisions).values():
+        uses = ", ".join(sorted({f"{m.fqn} as {decisions[m.node].style}" for m in ms}))
+        raise ValueError(
+            f"dynashard: one weight is used by several layers that the plan splits differently ({uses}); "
+            "expected every use of a shared weight to have styles that split the same dim (e.g. a tied "
+            "embedding 'rowwise' with its LM head 'colwise'), or all 'replicate'."
+        )
     return decisions

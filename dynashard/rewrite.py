@@ -105,6 +105,16 @@ class _Sharder(torch.fx.Interpreter):
         y = aten.bmm(x.view(self.lm.world, rows // self.lm.world, x.shape[-1]), w)
         return y, y.reshape(rows, y.shape[-1])
 
+    @staticmethod
+    def _vocab_lookup(weight: Any, ids: Any, shard: Shard) -> Any:
+        """This rank's part of ``embedding(W, ids)``: ids outside its vocabulary slice give zeros."""
+        if shard.length == 0:
+            return torch.zeros(*ids.shape, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        local = ids - shard.start
+        inside = (local >= 0) & (local < shard.length)
+        rows = aten.embedding(weight, local.clamp(0, shard.length - 1))
+        return torch.where(inside.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
     def _linear(self, node: torch.fx.Node) -> Any:
         m, lm = self.by_node[node], self.lm
         if lm.styles[node] == "colwise":  # only reached with stacked weights
@@ -116,8 +126,11 @@ class _Sharder(torch.fx.Interpreter):
         src = lm.layouts.get(m.input)
         in_shard = src if src is not None else lm.shard(m.in_features, frozenset())
         x = self._read(node, m.input, in_shard)
-        y = self._matmul(m, x)
-        y = y[1] if lm.stacked else y
+        if m.kind == "embedding":
+            y = self._vocab_lookup(self.env[m.weight], x, in_shard)
+        else:
+            y = self._matmul(m, x)
+            y = y[1] if lm.stacked else y
         if lm.per_rank:
             y = self.comm.reduce_scatter_rows(y, lm.world, self.group_name, self.a2a_reduce)
         else:

@@ -36,6 +36,9 @@ CASES = {
     "pr_residual": ("residual", 32, 70, [(6, 32), (9, 32), (4, 32)], {"inputs": "per_rank"}),
     "pr_matmul": ("matmul", 32, 96, [(2, 3, 32), (4, 5, 32)], {"inputs": "per_rank"}),
     "pr_conv1d_own_weights": ("conv1d", 32, 96, [(2, 3, 32), (4, 5, 32)], _PER_RANK),
+    # ids in: a vocab-parallel embedding tied to a colwise LM head (50 = 13+13+13+11 on 4 ranks).
+    "tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)], {}),
+    "pr_tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)], {"inputs": "per_rank"}),
     "inverted_plan": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": {"up": "rowwise", "down": "colwise"}}),
 }
 
@@ -51,6 +54,7 @@ SHARDED = {
     "head": {"proj.weight"},
     "inplace": {"up.weight", "down.weight"},
     "seed": {"weight"},
+    "tiny_lm": {"embed.weight", "mlp.up.weight", "mlp.down.weight"},
 }
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
@@ -76,7 +80,10 @@ def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
     torch.manual_seed(rank if extra.get("weights") == "per_rank" else 0)
     model = models.build(model_name, hidden, ffn).to(dtype)
     torch.manual_seed(100 + (rank if extra.get("inputs") == "per_rank" else 0))
-    inputs = [torch.randn(s, dtype=dtype) for s in shapes]
+    if model_name == "tiny_lm":  # token ids
+        inputs = [torch.randint(0, ffn, s) for s in shapes]
+    else:
+        inputs = [torch.randn(s, dtype=dtype) for s in shapes]
     compiles = []
 
     def counting_backend(gm, example_inputs):

@@ -144,6 +144,35 @@ class MixedDtypes(nn.Module):
         return self.second(self.first(x).to(torch.bfloat16)).float()
 
 
+class TinyLM(nn.Module):
+    """Embedding -> residual MLP -> LM head tied to the embedding (ids in, logits out)."""
+
+    def __init__(self, hidden: int = 32, vocab: int = 50) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mlp = MLP(hidden, 3 * hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.mlp(h)
+        return self.head(self.norm(h))
+
+    def embed_only(self) -> nn.Module:
+        return _Embed(self.embed)
+
+
+class _Embed(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, ids):
+        return self.embed(ids)
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -156,4 +185,5 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "head": lambda: Head(hidden, ffn),
         "inplace": lambda: InPlace(hidden, ffn),
         "seed": lambda: nn.Linear(hidden, ffn),
+        "tiny_lm": lambda: TinyLM(hidden, ffn),
     }[name]()

@@ -182,6 +182,27 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
     addmm = torch.ops.aten.addmm.default(arg5_1, gelu, t_1)
     return (addmm,)""")
 
+    def test_vocab_parallel_embedding(self):
+        # 50 ids on 4 ranks: rank 1 owns ids [13, 26); others' ids look up zeros, one all_reduce sums.
+        gm = rewritten(models.TinyLM(8, 50).embed_only(), torch.randint(0, 50, (2, 5)), world=4, rank=1)
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        self.assertEqual(weight_shapes(gm), [(13, 8)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
+    _local_scalar_dense = torch.ops.aten._local_scalar_dense.default(arg4_1)
+    sub = torch.ops.aten.sub.Tensor(arg3_1, 13)
+    ge = torch.ops.aten.ge.Scalar(sub, 0)
+    lt = torch.ops.aten.lt.Scalar(sub, 13)
+    bitwise_and = torch.ops.aten.bitwise_and.Tensor(ge, lt)
+    clamp = torch.ops.aten.clamp.default(sub, 0, 12)
+    embedding = torch.ops.aten.embedding.default(arg0_1, clamp)
+    unsqueeze = torch.ops.aten.unsqueeze.default(bitwise_and, -1)
+    zeros = torch.ops.aten.zeros.default([], dtype = torch.float32, device = device(type='cpu'), pin_memory = False)
+    where = torch.ops.aten.where.self(unsqueeze, embedding, zeros)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(where, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    return (wait_tensor,)""")
+
     def test_replicate_plan_leaves_graph_alone(self):
         torch._dynamo.reset()
         private.init_fake_process_group(2, 0)
