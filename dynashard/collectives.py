@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -90,14 +91,29 @@ def exchange_blocks(t: torch.Tensor, dim: int, world: int, rank: int, group: dis
     return recv.narrow(-1, 0, length).movedim(-1, dim + 1).contiguous()
 
 
-def check_same_shapes(shapes: list[int], group: dist.ProcessGroup) -> None:
-    """inputs="per_rank": every rank must pass inputs of the same shape in one call."""
-    local = torch.tensor(shapes + [-d for d in shapes], dtype=torch.int64)
+CALL, COMPILE = 1, 2  # what a rank is doing when it meets the others in handshake()
+
+
+def handshake(phase: int, shapes: list[int], group: dist.ProcessGroup) -> None:
+    """inputs="per_rank": one fixed-size all_reduce that every rank makes before each call *and*
+    before each compile, so ranks whose inputs differ meet on the same collective and all raise.
+
+    Without it, a rank whose guards fail (other shapes) would recompile and enter the compile
+    agreement while the others run the program's collectives: a mismatch gloo aborts on.
+    """
+    digest = zlib.crc32(repr(shapes).encode())
+    local = torch.tensor([phase, digest, -phase, -digest], dtype=torch.int64)
     agreed = local.clone()
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     if torch.equal(agreed, local):
         return
-    everyone = all_gather_objects(shapes, group)
+    if int(agreed[0]) != -int(agreed[2]):  # some ranks compile while others call: no more collectives
+        raise ValueError(
+            "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call; "
+            "some ranks are recompiling this graph while others run it, so their inputs differ (in shape, "
+            "or in something else Dynamo guards on)."
+        )
+    everyone = all_gather_objects(shapes, group)  # every rank took this branch: safe to gather
     raise ValueError(
         "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call "
         f"(the batch size may change between calls); input sizes per rank: {everyone}."

@@ -20,10 +20,12 @@ import torch.fx
 from dynashard import _torch_private as private
 from dynashard.collectives import (
     RollCall,
-    check_same_shapes,
+    CALL,
+    COMPILE,
     describe_missing,
     exchange_status,
     group_name,
+    handshake,
     reduce_scatter_is_slow,
 )
 from dynashard.match import ParamInfo, find_linears
@@ -93,7 +95,9 @@ def _merge_duplicate_views(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def analyse(gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int) -> Analysis:
+def analyse(
+    gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int, real_args: list[Any]
+) -> Analysis:
     aten_gm = private.trace_aten(gm, fake_args)
     _merge_duplicate_views(aten_gm)
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -114,7 +118,10 @@ def analyse(gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, wo
     linears, other_uses = find_linears(aten_gm.graph, infos)
     stacked = options.weights == "per_rank"
     uniform = frozenset() if stacked else frozenset(infos)
-    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform)
+    # Weights an earlier graph (e.g. across a graph break) already split: later uses follow that split.
+    split = {node: STORE.split_dim(real) for real, node in zip(real_args, aten_phs) if torch.is_tensor(real)}
+    presplit = {node: dim for node, dim in split.items() if dim is not None}
+    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit)
     return Analysis(aten_gm, params, plan, world, rank, stacked)
 
 
@@ -182,8 +189,7 @@ class ShardedProgram:
 
     def __call__(self, *args: Any) -> Any:
         if self.per_rank_group is not None:
-            shapes = [int(d) for i, a in enumerate(args) if i not in self.shards and torch.is_tensor(a) for d in a.shape]
-            check_same_shapes(shapes, self.per_rank_group)
+            handshake(CALL, _shapes(args, skip=self.shards), self.per_rank_group)
         args = list(args)
         for i, ref in self.shards.items():
             shard = ref()
@@ -215,6 +221,10 @@ class ShardedProgram:
             f"dynashard: the sharded program failed on rank {dist.get_rank(self.group)}: "
             f"{describe_missing(missing)}. The process group said: {error}"
         ) from error
+
+
+def _shapes(args: Any, skip: Any = ()) -> list[int]:
+    return [int(d) for i, a in enumerate(args) if i not in skip and torch.is_tensor(a) for d in a.shape]
 
 
 def _float(x: Any) -> bool:
@@ -251,6 +261,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
     agree = not private.is_fake_group(group)
+    if agree and opts.inputs == "per_rank":
+        handshake(COMPILE, _shapes(example_inputs), group)
     fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     sharded = analysis.sharded_inputs() if analysis else {}
@@ -279,10 +291,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     elif error is not None:
         raise error
     shards = _cut_and_free(analysis, example_inputs, sharded, group)
-    # A graph with static sizes only runs on the shapes every rank agreed on at compile time
-    # (Dynamo's guards send other shapes back through the agreement); a dynamic one checks per call.
-    dynamic = any(isinstance(d, torch.SymInt) for a in fake_args for d in getattr(a, "shape", [a]))
-    per_rank_group = group if opts.inputs == "per_rank" and dynamic else None
+    per_rank_group = group if opts.inputs == "per_rank" else None
     fqns = sorted({fqn for fqn, _ in sharded.values()})
     return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group, group)
 
@@ -304,7 +313,7 @@ def _loud(error: Exception, stage: str) -> Exception:
 def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -> tuple[Analysis | None, Exception | None]:
     """This rank's analysis, or the error it raised (to be shared with every rank)."""
     try:
-        analysis = analyse(gm, fake_args, opts, world, rank)
+        analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)
         if log.isEnabledFor(logging.INFO):
             table = format_table([GraphReport.build(analysis, example_inputs)])
             log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
@@ -322,10 +331,13 @@ def _cut_and_free(analysis: Analysis, example_inputs: list[Any], sharded: dict, 
     """
     keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
     freed, shards = 0, {}
-    for i, (fqn, dim) in sorted(sharded.items()):
+    order = sorted(sharded.items())
+    for n, (i, (fqn, dim)) in enumerate(order):
         spec = ShardSpec(dim, analysis.world, analysis.rank, group_name(group), stacked=analysis.stacked)
         shards[i] = STORE.shard(example_inputs[i], spec, fqn, group)
-        freed += STORE.free([example_inputs[i]], keep)
+        later = [example_inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
+        freed += STORE.free([example_inputs[i]], keep + later)
+    freed += STORE.free([example_inputs[i] for i, _ in order], keep)
     log.info("dynashard: rank %d freed %.1f MiB of full weights", analysis.rank, freed / 2**20)
     return shards
 

@@ -79,9 +79,9 @@ def explain(
                     "whole. Expected an uncompiled model: call explain before torch.compile."
                 )
             fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-            report = GraphReport.build(analyse(gm, fake_args, opts, world, rank), example_inputs)
+            report = GraphReport.build(analyse(gm, fake_args, opts, world, rank, example_inputs), example_inputs)
             if verify and world > 1:
-                analyses = [analyse(gm, fake_args, opts, world, r) for r in range(world)]
+                analyses = [analyse(gm, fake_args, opts, world, r, example_inputs) for r in range(world)]
                 per_layer, out_err = simulate.verify(analyses, example_inputs)
                 report = report.with_errors(per_layer, out_err)
             graphs.append(report)

@@ -301,3 +301,42 @@ def _view(lm: LayoutMap, node: torch.fx.Node) -> None:
     lm.view_last_dim[node] = src.length
     if lm.per_rank:
         lm.view_rows_scaled.add(node)
+
+
+def _aliases_input(node: torch.fx.Node) -> bool:
+    """True when ``node``'s output may share memory with its first argument (views, in-place ops)."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None and node.args)
+
+
+def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.fx.Node, Shard]]:
+    """In-place writes the layout cannot follow (the aten graph is not functionalized).
+
+    Safe: a write into a Shard through a shard-preserving alias, as long as no gather of that
+    memory is shared across the write. Unsafe, returned with the Shard whose memory it touches:
+    a write through an alias that was gathered (it would change a copy, not the shard), or a
+    write between two reads that share one cached gather of the same memory.
+    """
+    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.op == "call_function" and _aliases_input(node) and isinstance(node.args[0], torch.fx.Node):
+            root[node] = root.get(node.args[0], node.args[0])
+    gathers: dict[torch.fx.Node, list[int]] = {}
+    for (consumer, producer), how in lm.reads.items():
+        if how in (GATHER, GLOBAL) and lm.layouts.get(producer) is not None:
+            gathers.setdefault(producer, []).append(order[consumer])
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or not _mutates_self(node) or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        base = root.get(node.args[0], node.args[0])
+        members = [n for n in graph.nodes if root.get(n, n) is base]
+        shard = next((lm.layouts[m] for m in members if lm.layouts.get(m) is not None), None)
+        if shard is None:
+            continue
+        through_copy = lm.layouts.get(node.args[0]) is None
+        stale = any(min(gathers.get(m, [order[node]])) < order[node] < max(gathers.get(m, [0])) for m in members)
+        if through_copy or stale:
+            found.append((node, shard))
+    return found

@@ -24,7 +24,7 @@ import hashlib
 
 import torch.fx
 
-from dynashard.layout import LayoutMap, Shard, propagate
+from dynashard.layout import LayoutMap, Shard, propagate, unsafe_mutations
 from dynashard.match import LinearMatch
 from dynashard.options import Options
 
@@ -84,6 +84,7 @@ def make_plan(
     world: int,
     rank: int,
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
+    presplit: dict[torch.fx.Node, int] | None = None,
 ) -> Plan:
     blocked = {m.node: _why_unshardable(other_uses[m.weight]) for m in linears}
     by_node = {m.node: m for m in linears}
@@ -94,10 +95,24 @@ def make_plan(
     }
     if options.plan == "auto":
         decisions = _auto(linears, blocked, graph, options, world, rank, modes)
+        _follow_earlier_splits(linears, decisions, blocked, presplit or {})
     else:
         decisions = _user(linears, blocked, options.plan_dict, modes["stacked"])
-    layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, **modes)
-    return Plan(linears, decisions, layouts)
+    while True:
+        layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, **modes)
+        unsafe = unsafe_mutations(graph, layouts)
+        if not unsafe:
+            return Plan(linears, decisions, layouts)
+        node, shard = unsafe[0]
+        names = sorted(by_node[o].fqn for o in shard.origins)
+        if options.plan != "auto":
+            raise ValueError(
+                f"dynashard: the in-place op {node.target} writes into the output of {names}, which the plan "
+                "shards, through a view dynashard cannot keep sharded; expected out-of-place code there, "
+                f"or mark {names} 'replicate'."
+            )
+        for o in shard.origins:  # keep the written-to layers whole and plan again
+            decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
 
 
 def _auto(linears, blocked, graph, options: Options, world: int, rank: int, modes: dict) -> dict[torch.fx.Node, Decision]:
@@ -144,16 +159,17 @@ def _auto(linears, blocked, graph, options: Options, world: int, rank: int, mode
                 "replicate", f"no rowwise partner and in_features {m.in_features} < {_GATHER_MIN_IN_FEATURES}: a gather would not pay"
             )
     for ms in _shared_conflicts(linears, decisions).values():
-        _settle_shared(ms, decisions, blocked)
+        _settle_shared(ms, decisions, blocked, modes["stacked"])
     return decisions
 
 
-def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict) -> None:
+def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool) -> None:
     """One split for a shared weight: a use replicated only for cost follows the sharded uses'
     dim (a tied LM head follows its vocab-parallel embedding); otherwise all stay whole."""
     names = ", ".join(sorted({f"{m.fqn} ({decisions[m.node].style})" for m in ms}))
     dims = {_split_dim(m, decisions[m.node].style) for m in ms} - {None}
-    if len(dims) == 1 and not any(blocked[m.node] for m in ms):
+    stuck = any(blocked[m.node] or (stacked and m.kind == "embedding") for m in ms)
+    if len(dims) == 1 and not stuck:
         (dim,) = dims
         for m in ms:
             if decisions[m.node].style == "replicate":
@@ -162,6 +178,16 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict) -> Non
         return
     for m in ms:
         decisions[m.node] = Decision("replicate", f"weight shared by uses that would split it differently: {names}")
+
+
+def _follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dict[torch.fx.Node, int]) -> None:
+    """A weight an earlier graph split (and freed) is split the same way here, if it can be."""
+    for m in linears:
+        dim = presplit.get(m.weight)
+        if dim is None or _split_dim(m, decisions[m.node].style) == dim or blocked[m.node]:
+            continue
+        style = "colwise" if m.out_dim == dim else "rowwise"
+        decisions[m.node] = Decision(style, f"weight already split on dim {dim} by an earlier graph")
 
 
 def key_matches(key: str, fqn: str) -> bool:

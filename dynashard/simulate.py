@@ -31,9 +31,9 @@ class _Exchange:
         self.barrier = threading.Barrier(world, timeout=_TIMEOUT_S)
 
     def __call__(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.slots[rank] = tensor
+        self.slots[rank] = tensor.clone()  # a rank may later write into its own tensor in place
         self.barrier.wait()
-        everyone = list(self.slots)
+        everyone = [t.clone() for t in self.slots]
         self.barrier.wait()
         return everyone
 
@@ -133,11 +133,12 @@ def verify(analyses: list[Any], inputs: list[Any]) -> tuple[dict[str, float], fl
         t.start()
     for t in threads:
         t.join(_TIMEOUT_S)
-    for rank, r in enumerate(results):
-        if not isinstance(r, tuple):
-            raise RuntimeError(f"dynashard.explain(verify=True): simulated rank {rank} failed: {r!r}") from (
-                r if isinstance(r, BaseException) else None
-            )
+    failed = [(rank, r) for rank, r in enumerate(results) if not isinstance(r, tuple)]
+    if failed:  # the first real failure, not a rank whose barrier was aborted because of it
+        rank, r = next(((k, e) for k, e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
+        raise RuntimeError(f"dynashard.explain(verify=True): simulated rank {rank} failed: {r!r}") from (
+            r if isinstance(r, BaseException) else None
+        )
     per_layer = _layer_errors(analyses, results, reference.seen)
     out_err = max(
         (_err(got, want) for outs, _ in results for got, want in zip(outs, expected) if torch.is_tensor(want)),

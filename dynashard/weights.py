@@ -51,6 +51,11 @@ class WeightStore:
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
 
+    def split_dim(self, param: torch.Tensor) -> int | None:
+        """The dim an earlier compile split ``param`` on, if it did."""
+        entry = self._shards.get(param)
+        return None if entry is None else entry.spec.dim
+
     def shard(self, param: torch.Tensor, spec: ShardSpec, fqn: str, group: dist.ProcessGroup) -> torch.Tensor:
         """This rank's shard of ``param`` (cut once; a second, different request is an error).
 

@@ -181,6 +181,12 @@ def scenarios(rank: int, world: int) -> dict:
         compiled(torch.randn(3, 32))
         compiled(torch.randn(5, 32))  # now dynamic: a rank-dependent size passes Dynamo's guards
         out["pr_later_call_mismatch"] = _error_of(lambda: compiled(torch.randn(6 + rank, 32)))
+        # A static graph: rank 0's guards pass (it calls), rank 1's fail (it recompiles). Both must raise.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
+        compiled(torch.randn(5, 32))
+        out["pr_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
     # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -211,9 +217,14 @@ def scenarios(rank: int, world: int) -> dict:
     with torch.inference_mode():
         again = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})
         out["inference_mode_err"] = float((again(x) - ref).abs().max())
-        # Compiling the now-sharded model with a plan that needs its full weights: a clear error.
+        # Compiling the now-sharded model again with other options: the automatic plan follows the
+        # existing split; a plan that needs the full (freed) weights is a clear error.
         torch._dynamo.reset()
-        out["other_options_later"] = _error_of(lambda: torch.compile(model, backend="dynashard")(x))
+        out["auto_follows_split_err"] = float((torch.compile(model, backend="dynashard")(x) - ref).abs().max())
+        torch._dynamo.reset()
+        out["other_options_later"] = _error_of(
+            lambda: torch.compile(model, backend="dynashard", options={"plan": {}})(x)
+        )
     return out
 
 
