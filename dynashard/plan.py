@@ -7,8 +7,11 @@ and the :class:`~dynashard.layout.LayoutMap` the rewrite will follow.
 a shardable linear whose input arrives sharded (a colwise output, through pointwise ops and
 last-dim-preserving views) becomes rowwise; every other shardable linear is tentatively
 colwise. A colwise linear whose shard never reaches a rowwise partner is kept colwise (its
-output gathered) when that pays, else replicated. A user plan maps module FQN globs to styles;
-every key must match a linear, and a named linear that cannot be sharded is an error.
+output gathered) when that pays, else replicated. Embeddings are vocab-parallel (rowwise). A
+weight used several times (a layer called twice, a tied LM head) gets one split for every use,
+also across graphs (a weight an earlier graph split is split the same way). An in-place write
+the layout cannot follow keeps the written-to layers whole. A user plan maps module FQN globs to
+styles; every key must match a linear, and a named linear that cannot be sharded is an error.
 
 Invariants: planning never mutates the graph; every linear gets exactly one decision and a
 reason; the final layout map is recomputed from the final styles, so what the rewrite emits is
