@@ -116,6 +116,9 @@ def make_plan(
             )
         for o in shard.origins:  # keep the written-to layers whole and plan again
             decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
+        for n, d in list(decisions.items()):  # partners now read a replicated input: say so
+            if d.style == "rowwise" and d.reason.startswith("input sharded by") and any(x in d.reason for x in names):
+                decisions[n] = Decision("rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
 
 
 def _auto(linears, blocked, graph, options: Options, world: int, rank: int, modes: dict) -> dict[torch.fx.Node, Decision]:

@@ -114,3 +114,84 @@ def test_explain_per_rank_layout():
     # gate and up read the same normalised input: one row all-gather, charged once.
     assert rows["gate"].collectives.startswith("all_gather_rows") and rows["up"].collectives == "-"
     assert rows["down"].collectives == "reduce_scatter" and rows["down"].comm_bytes == 2 * 2 * 8 * 512 * 4
+
+
+class _WritesThroughSlice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 64)
+
+    def forward(self, x):
+        h = self.up(x)
+        h[:, :8] = 0  # through a slice: on a gathered copy, the shard would not see it
+        return self.down(h)
+
+
+class _WritesThroughViewBetweenGathers(_WritesThroughSlice):
+    def forward(self, x):
+        h = self.up(x)
+        a = h.amax(-1, keepdim=True)
+        h.view(-1, 1024).mul_(2.0)  # one cached gather of h would be stale for amin below
+        return self.down(h) + a + h.amin(-1, keepdim=True)
+
+
+class _WritesInPlace(_WritesThroughSlice):
+    def forward(self, x):
+        h = self.up(x)
+        h.mul_(2)  # directly on the shard: followed
+        return self.down(h)
+
+
+@pytest.mark.parametrize(
+    "cls,up_style",
+    [(_WritesThroughSlice, "replicate"), (_WritesThroughViewBetweenGathers, "replicate"), (_WritesInPlace, "colwise")],
+)
+def test_in_place_writes_are_followed_or_kept_whole(cls, up_style):
+    torch.manual_seed(0)
+    report = dynashard.explain(cls(), torch.randn(4, 64), world_size=2, verify=True)
+    assert report.layers["up"] == up_style
+    if up_style == "replicate":
+        assert "in-place" in next(r.reason for r in report.rows if r.fqn == "up")
+
+
+def test_in_place_write_a_user_plan_cannot_keep_is_refused():
+    with pytest.raises(Exception, match="in-place op aten.fill_.Tensor writes into the output of \\['up'\\]"):
+        dynashard.explain(_WritesThroughSlice(), torch.randn(4, 64), world_size=2,
+                          options={"plan": {"up": "colwise", "down": "rowwise"}})
+
+
+class _TiedAcrossBreak(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(1024, 128), torch.nn.Linear(128, 1024, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        torch._dynamo.graph_break()
+        return self.head(h)
+
+
+def test_tied_weight_split_in_one_graph_is_followed_in_the_next():
+    """The head alone would be replicated (in_features 128); it follows the embedding's split."""
+    from dynashard import _torch_private as private
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TiedAcrossBreak()
+    ids = torch.randint(0, 1024, (2, 5))
+    private.init_fake_process_group(2)  # graph shapes only: the fake group moves no data
+    try:
+        with torch.no_grad():
+            out = torch.compile(model, backend="dynashard", options={"compiler": "eager"})(ids)
+    finally:
+        dist.destroy_process_group()
+    assert out.shape == (2, 5, 1024) and model.emb.weight.untyped_storage().nbytes() == 0
+
+
+def test_tied_embedding_with_per_rank_weights_stays_whole():
+    torch.manual_seed(0)
+    model = models.TinyLM(32, 50)
+    report = dynashard.explain(model, torch.randint(0, 50, (2, 7)), world_size=2, verify=True,
+                               options={"min_shard_numel": 0, "inputs": "per_rank", "weights": "per_rank"})
+    assert [r.style for r in report.rows if r.fqn == "embed"] == ["replicate", "replicate"]
