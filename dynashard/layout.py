@@ -59,13 +59,16 @@ GLOBAL_NARROW = "global_narrow"  # every rank's rows, this rank's columns (a row
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """A value sharded on its last dim: this rank holds ``[start, start + length)`` of ``size``."""
+    """A value sharded on dim ``dim`` (counted from the end): this rank holds
+    ``[start, start + length)`` of ``size`` there. Linear outputs are sharded on the last dim;
+    heads.py moves a shard onto the head dim of an attention block and back."""
 
     size: int
     start: int
     length: int
     chunk: int  # the padded width every rank contributes to a gather
     origins: frozenset[torch.fx.Node]  # the colwise linears this shard comes from
+    dim: int = -1
 
 
 def shard_bounds(size: int, world: int, rank: int) -> tuple[int, int, int]:
@@ -93,14 +96,14 @@ class LayoutMap:
     uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
     layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
     reads: dict[tuple[torch.fx.Node, torch.fx.Node], str] = dataclasses.field(default_factory=dict)
-    view_last_dim: dict[torch.fx.Node, int] = dataclasses.field(default_factory=dict)
+    view_sizes: dict[torch.fx.Node, tuple[int, int]] = dataclasses.field(default_factory=dict)  # (dim, local size)
     view_rows_scaled: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # per_rank: first size x world
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     _gathered: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 
-    def shard(self, size: int, origins: frozenset[torch.fx.Node]) -> Shard:
+    def shard(self, size: int, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:
         start, length, chunk = shard_bounds(size, self.world, self.rank)
-        return Shard(size, start, length, chunk, origins)
+        return Shard(size, start, length, chunk, origins, dim)
 
     def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: str) -> None:
         self.reads[(consumer, producer)] = how
@@ -128,11 +131,14 @@ def _val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _last_dim(node) -> int | None:
+def _size_at(node, dim: int = -1) -> int | None:
+    """The static size of ``node``'s dim ``dim`` (counted from the end), if it has one."""
     v = _val(node)
-    if v is None or v.dim() == 0 or not isinstance(v.shape[-1], int):
+    if v is None or v.dim() < -dim or not isinstance(v.shape[dim], int):
         return None
-    return v.shape[-1]
+    return v.shape[dim]
+
+
 
 
 def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -196,9 +202,17 @@ def propagate(
             node.target in _COPIES or torch.Tag.pointwise in getattr(node.target, "tags", ())
         ):
             _pointwise(lm, node)
+        elif not lm.per_rank and _heads_rule(lm, node):
+            pass  # transposes, attention and its outputs on the head dim (heads.py)
         else:
             _replicate_all(lm, node)
     return lm
+
+
+def _heads_rule(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    from dynashard.heads import propagate_heads
+
+    return propagate_heads(lm, node)
 
 
 def _replicate_all(lm: LayoutMap, node: torch.fx.Node) -> None:
@@ -257,33 +271,35 @@ def _read_as_shard(lm: LayoutMap, consumer: torch.fx.Node, arg: torch.fx.Node, o
     """Read ``arg`` in a computation whose output is ``out`` (broadcast, slice or use a shard)."""
     if lm.layouts.get(arg) is not None:
         lm.read(consumer, arg, LOCAL)
-    elif _last_dim(arg) == out.size and out.size != 1:
+    elif _size_at(arg, out.dim) == out.size and out.size != 1:
         lm.read(consumer, arg, NARROW)
     else:
-        lm.read(consumer, arg, LOCAL)  # broadcasts over the sharded dim (size 1 or 0-d)
+        lm.read(consumer, arg, LOCAL)  # broadcasts over the sharded dim (size 1, or does not reach it)
 
 
-def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, size: int, out_ndim: int) -> bool:
+def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, size: int, out_ndim: int, dim: int) -> bool:
     lay = lm.layouts.get(arg)
     if lay is not None:
-        return lay.size == size and _last_dim(arg) == size
+        return lay.size == size and lay.dim == dim and _size_at(arg, dim) == size
     v = _val(arg)
     if lm.per_rank and not (arg in lm.uniform and (v.dim() < out_ndim or v.shape[0] == 1)):
         return False  # a Shard's rows are every rank's: only rank-uniform, row-broadcast values fit
-    return v.dim() == 0 or _last_dim(arg) in (1, size)
+    return v.dim() < -dim or _size_at(arg, dim) in (1, size)
 
 
 def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
     args = _tensor_args(node)
     sharded = [a for a in args if lm.layouts.get(a) is not None]
-    size = _last_dim(node)
-    ok = bool(sharded) and size is not None and all(_can_read_as_shard(lm, a, size, _val(node).dim()) for a in args)
+    dims = {lm.layouts[a].dim for a in sharded}
+    dim = dims.pop() if len(dims) == 1 else None
+    size = _size_at(node, dim) if dim is not None else None
+    ok = size is not None and all(_can_read_as_shard(lm, a, size, _val(node).dim(), dim) for a in args)
     if ok and _mutates_self(node):
         ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole
     if not ok:
         _replicate_all(lm, node)
         return
-    out = lm.shard(size, frozenset().union(*(lm.layouts[a].origins for a in sharded)))
+    out = lm.shard(size, frozenset().union(*(lm.layouts[a].origins for a in sharded)), dim)
     for arg in _all_args(node):
         _read_as_shard(lm, node, arg, out) if arg in args else lm.read(node, arg, LOCAL)
     lm.layouts[node] = out
@@ -292,13 +308,17 @@ def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
 def _view(lm: LayoutMap, node: torch.fx.Node) -> None:
     src_node = node.args[0]
     src = lm.layouts.get(src_node)
-    if src is None or _last_dim(node) != src.size or _last_dim(src_node) != src.size:
-        _replicate_all(lm, node)
+    keeps_last = src is not None and src.dim == -1 and _size_at(node) == src.size == _size_at(src_node)
+    if not keeps_last:
+        from dynashard.heads import view_to_or_from_heads  # split/merge the head dim (replicated inputs)
+
+        if src is None or lm.per_rank or not view_to_or_from_heads(lm, node, src):
+            _replicate_all(lm, node)
         return
     for arg in _all_args(node):
         lm.read(node, arg, LOCAL)
     lm.layouts[node] = src
-    lm.view_last_dim[node] = src.length
+    lm.view_sizes[node] = (-1, src.length)
     if lm.per_rank:
         lm.view_rows_scaled.add(node)
 
@@ -309,6 +329,25 @@ def _aliases_input(node: torch.fx.Node) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None and node.args)
 
 
+def alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """For every node that may alias its first argument, the value whose memory it shares."""
+    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and _aliases_input(node) and isinstance(node.args[0], torch.fx.Node):
+            root[node] = root.get(node.args[0], node.args[0])
+    return root
+
+
+def mutated_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Values some in-place op writes into (through any alias)."""
+    root = alias_roots(graph)
+    return {
+        root.get(n.args[0], n.args[0])
+        for n in graph.nodes
+        if n.op == "call_function" and _mutates_self(n) and isinstance(n.args[0], torch.fx.Node)
+    }
+
+
 def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.fx.Node, Shard]]:
     """In-place writes the layout cannot follow (the aten graph is not functionalized).
 
@@ -317,11 +356,8 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
     a write through an alias that was gathered (it would change a copy, not the shard), or a
     write between two reads that share one cached gather of the same memory.
     """
-    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    root = alias_roots(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in graph.nodes:
-        if node.op == "call_function" and _aliases_input(node) and isinstance(node.args[0], torch.fx.Node):
-            root[node] = root.get(node.args[0], node.args[0])
     gathers: dict[torch.fx.Node, list[int]] = {}
     for (consumer, producer), how in lm.reads.items():
         if how in (GATHER, GLOBAL) and lm.layouts.get(producer) is not None:

@@ -33,7 +33,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import collectives
-from dynashard.layout import GATHER, GLOBAL, GLOBAL_NARROW, NARROW, LayoutMap, Shard
+from dynashard.layout import GATHER, GLOBAL, GLOBAL_NARROW, NARROW, LayoutMap, Shard, alias_roots, mutated_roots
 from dynashard.plan import Plan
 
 aten = torch.ops.aten
@@ -50,13 +50,14 @@ class _Sharder(torch.fx.Interpreter):
         # weights="per_rank": a stacked weight's own transpose is never evaluated (bmm reads it).
         self.skipped = {m.transpose for m in self.by_node.values() if self.lm.stacked and m.transpose is not None}
         self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
+        self.roots, self.written = alias_roots(gm.graph), mutated_roots(gm.graph)
 
     def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None) -> Any:
         lm, group = self.lm, self.group_name
         lay = lm.layouts[producer]
         if how == NARROW:
             assert out is not None, f"narrow of {producer} without a sharded output"
-            return aten.narrow(value, -1, out.start, out.length)
+            return aten.narrow(value, out.dim, out.start, out.length)
         if how == GLOBAL_NARROW:
             if not lm.per_rank:
                 return aten.narrow(value, -1, out.start, out.length)
@@ -65,7 +66,12 @@ class _Sharder(torch.fx.Interpreter):
             return self.comm.all_gather_rows(value, group) if lm.per_rank else value
         if how == GATHER and lm.per_rank:
             return self.comm.shard_to_own_rows(value, lay.size, lay.chunk, lm.world, group)
-        return self.comm.all_gather_last_dim(value, lay.size, lay.chunk, lm.world, group)  # GATHER / GLOBAL of a Shard
+        # GATHER / GLOBAL of a Shard: gather its sharded dim (moved last, then back)
+        moved = value if lay.dim == -1 else value.movedim(lay.dim, -1)
+        full = self.comm.all_gather_last_dim(moved, lay.size, lay.chunk, lm.world, group)
+        # NOTE: kernels called at aten level (e.g. CPU flash attention) assume a unit-stride last
+        # dim, which a moved-back gather does not have: make it contiguous.
+        return full if lay.dim == -1 else full.movedim(-1, lay.dim).contiguous()
 
     def _read(self, consumer: torch.fx.Node, producer: torch.fx.Node, out: Shard | None) -> Any:
         how = self.lm.reads.get((consumer, producer))
@@ -88,12 +94,29 @@ class _Sharder(torch.fx.Interpreter):
             return self._linear(node)
         out = self.lm.layouts.get(node)
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._read(node, p, out))
-        if node in self.lm.view_last_dim and args[1][-1] != -1:
-            shape = [*args[1][:-1], self.lm.view_last_dim[node]]
+        if node in self.lm.view_sizes:
+            dim, local = self.lm.view_sizes[node]
+            shape = list(args[1])
+            if shape[dim] != -1:
+                shape[dim] = local
             if node in self.lm.view_rows_scaled and shape[0] != -1:
                 shape[0] = shape[0] * self.lm.world
             args = (args[0], shape, *args[2:])
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+            return self._view(node, args[0], args[1])
         return getattr(self, node.op)(node.target, args, kwargs)
+
+    def _view(self, node: torch.fx.Node, value: Any, shape: list) -> Any:
+        """A view that may need a copy here: a gathered or head-sharded value can be laid out
+        differently in memory than in the model, so ``reshape`` keeps it valid. A copy is only
+        wrong if something writes through it, which is refused loudly."""
+        out = aten.reshape(value, shape)
+        if not out._is_view() and self.roots.get(node, node.args[0]) in self.written:
+            raise RuntimeError(
+                f"dynashard: {node.name} must copy on this rank (its input is laid out differently once "
+                "sharded), and an in-place op writes through it; expected out-of-place code there."
+            )
+        return out
 
     def _matmul(self, m, x: Any) -> Any:
         """``x @ W'`` for this rank's part of the weight (a bmm over row blocks when stacked)."""

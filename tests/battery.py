@@ -39,6 +39,8 @@ CASES = {
     # ids in: a vocab-parallel embedding tied to a colwise LM head (50 = 13+13+13+11 on 4 ranks).
     "tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)], {}),
     "pr_tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)], {"inputs": "per_rank"}),
+    # 4 heads (a hard-coded head count in the model), heads split across ranks: one all_reduce.
+    "attention": ("attention", 32, 4, [(2, 5, 32), (3, 7, 32)], {}),
     "inverted_plan": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": {"up": "rowwise", "down": "colwise"}}),
 }
 
@@ -54,6 +56,7 @@ SHARDED = {
     "head": {"proj.weight"},
     "inplace": {"up.weight", "down.weight"},
     "seed": {"weight"},
+    "attention": {"q.weight", "k.weight", "v.weight", "o.weight"},
     "tiny_lm": {"embed.weight", "mlp.up.weight", "mlp.down.weight"},
 }
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.

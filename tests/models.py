@@ -173,6 +173,23 @@ class _Embed(nn.Module):
         return self.embed(ids)
 
 
+class AttentionBlock(nn.Module):
+    """Pre-norm self-attention with a hard-coded head count: views into heads, SDPA, back."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -186,4 +203,5 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "inplace": lambda: InPlace(hidden, ffn),
         "seed": lambda: nn.Linear(hidden, ffn),
         "tiny_lm": lambda: TinyLM(hidden, ffn),
+        "attention": lambda: AttentionBlock(hidden, ffn),  # ffn = number of heads
     }[name]()

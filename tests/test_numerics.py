@@ -23,7 +23,7 @@ CONFIGS = {
     # (world, compiler, dtype): cases
     (2, "eager", "float32"): list(CASES),
     (4, "eager", "float32"): list(CASES),
-    (2, "inductor", "float32"): ["mlp_3d", "residual", "conv1d", "head_gather", "uneven", "pr_mlp_own_weights", "tiny_lm"],
+    (2, "inductor", "float32"): ["mlp_3d", "residual", "conv1d", "head_gather", "uneven", "pr_mlp_own_weights", "tiny_lm", "attention"],
     (1, "eager", "float32"): ["mlp_3d", "residual"],
     (2, "aot_eager", "float32"): ["matmul", "conv1d"],
     (4, "inductor", "float32"): ["residual"],

@@ -195,3 +195,14 @@ def test_tied_embedding_with_per_rank_weights_stays_whole():
     report = dynashard.explain(model, torch.randint(0, 50, (2, 7)), world_size=2, verify=True,
                                options={"min_shard_numel": 0, "inputs": "per_rank", "weights": "per_rank"})
     assert [r.style for r in report.rows if r.fqn == "embed"] == ["replicate", "replicate"]
+
+
+def test_attention_heads_split_across_ranks_with_one_all_reduce():
+    """q/k/v colwise, o rowwise through views into heads, transposes and SDPA, no head-count edit."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.AttentionBlock(512, 8), torch.randn(2, 6, 512), world_size=4, verify=True)
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"]
+    # 3 heads on 4 ranks would leave a rank without heads: attention meets a gather instead, still correct.
+    report = dynashard.explain(models.AttentionBlock(384, 3), torch.randn(2, 6, 384), world_size=4, verify=True)
+    assert report.rows[0].collectives.startswith("all_gather")
