@@ -110,17 +110,17 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
     mul = arg1_1 * arg2_1
     view = torch.ops.aten.view.default(arg3_1, [mul, 32])
     mm = torch.ops.aten.mm.default(view, t)
-    _unsafe_view = torch.ops.aten._unsafe_view.default(mm, [arg1_1, arg2_1, 48])
+    view_1 = torch.ops.aten.view.default(mm, [arg1_1, arg2_1, 48])
     slice_1 = torch.ops.aten.slice.Tensor(arg4_1, -1, 0, 48)
-    add = torch.ops.aten.add.Tensor(_unsafe_view, slice_1)
+    add = torch.ops.aten.add.Tensor(view_1, slice_1)
     tanh = torch.ops.aten.tanh.default(add)
     permute = torch.ops.aten.permute.default(arg5_1, [1, 0])
-    view_1 = torch.ops.aten.view.default(tanh, [mul, 48])
-    mm_1 = torch.ops.aten.mm.default(view_1, permute)
+    view_2 = torch.ops.aten.view.default(tanh, [mul, 48])
+    mm_1 = torch.ops.aten.mm.default(view_2, permute)
     all_reduce = torch.ops._c10d_functional.all_reduce.default(mm_1, 'sum', 'G')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
-    _unsafe_view_1 = torch.ops.aten._unsafe_view.default(wait_tensor, [arg1_1, arg2_1, 32])
-    return (_unsafe_view_1,)""")
+    view_3 = torch.ops.aten.view.default(wait_tensor, [arg1_1, arg2_1, 32])
+    return (view_3,)""")
 
     def test_conv1d_weight_in_out(self):
         gm = rewritten(models.GPT2MLP(32, 96), torch.randn(2, 3, 32), rank=1)
