@@ -223,6 +223,18 @@ class ShardedProgram:
         ) from error
 
 
+class _HandshakeFirst:
+    """inputs="per_rank", a graph left whole: no shards, but every call still meets the other ranks
+    in the handshake, so a rank that recompiles on other shapes is an error, not a hang."""
+
+    def __init__(self, compiled: Callable[..., Any], group: dist.ProcessGroup) -> None:
+        self.compiled, self.group = compiled, group
+
+    def __call__(self, *args: Any) -> Any:
+        handshake(CALL, _shapes(args), self.group)
+        return self.compiled(*args)
+
+
 def _shapes(args: Any, skip: Any = ()) -> list[int]:
     return [int(d) for i, a in enumerate(args) if i not in skip and torch.is_tensor(a) for d in a.shape]
 
@@ -273,9 +285,11 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     elif error is not None:
         raise error
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
-    if not sharded:
-        with grad_guard:
-            return private.compile_graph(opts.compiler, gm, example_inputs)
+    if not sharded:  # left whole: compiled as it is (gradients included)
+        compiled = private.compile_graph(opts.compiler, gm, example_inputs)
+        if opts.inputs == "per_rank" and agree:  # still meet the others before every call (see handshake)
+            return _HandshakeFirst(compiled, group)
+        return compiled
     sharded_gm = compiled = None
     try:
         new_fakes = shard_fakes(analysis, fake_args)

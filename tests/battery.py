@@ -190,6 +190,17 @@ def scenarios(rank: int, world: int) -> dict:
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
         compiled(torch.randn(5, 32))
         out["pr_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
+        # The same with a graph the plan leaves whole: no shards, but still no hang.
+        torch._dynamo.reset()
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**per_rank, "plan": {}})
+        compiled(torch.randn(5, 32))
+        out["pr_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
+    # A graph left whole keeps its gradients (plan {} is the README's advice for training code).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    whole = models.MLP(32, 96)
+    torch.compile(whole, backend="dynashard", options={"compiler": "aot_eager", "plan": {}})(x).sum().backward()
+    out["whole_graph_has_grads"] = whole.up.weight.grad is not None and float(whole.up.weight.grad.abs().sum()) > 0
     # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -77,12 +77,14 @@ def test_grad_enabled_forward_right_backward_refused(per_rank):
         assert kind == "RuntimeError" and "backward through a tensor-parallel graph is not supported" in msg
         assert r["inference_mode_err"] <= ATOL
         assert r["auto_follows_split_err"] <= ATOL
+        assert r["whole_graph_has_grads"]
         assert "sharded by an earlier dynashard compile" in r["other_options_later"][1]
 
 
 def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(per_rank):
     for r in per_rank:
-        for case in ("pr_first_call_mismatch", "pr_later_call_mismatch", "pr_call_vs_recompile"):
+        for case in ("pr_first_call_mismatch", "pr_later_call_mismatch", "pr_call_vs_recompile",
+                     "pr_whole_call_vs_recompile"):
             kind, msg = r[case]
             assert "inputs='per_rank' needs every rank to pass inputs of the same shape" in msg, (case, msg)
         assert "input sizes per rank" in r["pr_later_call_mismatch"][1]
