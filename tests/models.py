@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -188,6 +190,199 @@ class AttentionBlock(nn.Module):
         q, k, v = (p(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+# --- Transformers as people write them (no head-count edits anywhere) ---------------------------
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: one fused ``c_attn`` split into q, k, v; ``n_head`` hard-coded."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int, flash: bool = True) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.flash = n_head, n_embd, flash
+        mask = torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size)
+        self.register_buffer("bias", mask, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # softmax-matmul attention
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class NanoGPTBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int, flash: bool = True) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = NanoGPTAttention(n_embd, n_head, block_size, flash)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT: token + position embeddings, blocks, final LayerNorm, LM head tied to ``wte``."""
+
+    def __init__(self, vocab: int = 96, n_embd: int = 64, n_head: int = 4, n_layer: int = 2,
+                 block_size: int = 32, flash: bool = True) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(NanoGPTBlock(n_embd, n_head, block_size, flash) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        t = idx.size(1)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def repeat_kv(x, n_rep: int):
+    """HF's repeat_kv: [B, Hkv, T, D] -> [B, Hkv * n_rep, T, D] by expand + reshape."""
+    b, h, t, d = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, None, :, :].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+
+
+class LlamaAttention(nn.Module):
+    """Separate q/k/v projections, GQA (``n_kv_heads`` <= ``n_heads``), RoPE, causal attention.
+
+    ``rope``: "half" (HF: rotate_half with slices, cat, neg, mul on [B, H, T, D]) or "complex"
+    (Meta: view_as_complex multiply on [B, T, H, D]). ``repeat``: "expand" (HF repeat_kv) or
+    "interleave" (``repeat_interleave``). ``attention``: "sdpa" or "manual" (softmax-matmul).
+    """
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, rope: str = "half",
+                 repeat: str = "expand", attention: str = "sdpa") -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hidden // n_heads
+        self.rope, self.repeat, self.attention = rope, repeat, attention
+        self.q_proj = nn.Linear(hidden, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope == "complex":  # cos holds freqs_cis [T, D/2] (complex), sin is unused
+            f = cos[:t].view(1, t, 1, self.head_dim // 2)
+            q = torch.view_as_real(torch.view_as_complex(q.float().reshape(b, t, self.n_heads, -1, 2)) * f)
+            k = torch.view_as_real(torch.view_as_complex(k.float().reshape(b, t, self.n_kv_heads, -1, 2)) * f)
+            q, k = q.flatten(3).type_as(x).transpose(1, 2), k.flatten(3).type_as(x).transpose(1, 2)
+        else:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            c, s = cos[:t].unsqueeze(0).unsqueeze(0), sin[:t].unsqueeze(0).unsqueeze(0)
+            q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        n_rep = self.n_heads // self.n_kv_heads
+        if self.repeat == "interleave":
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        else:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if self.attention == "manual":
+            att = (q @ k.transpose(2, 3)) / math.sqrt(self.head_dim)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual. ``forward(x, cos, sin)``."""
+
+    def __init__(self, hidden: int = 64, n_heads: int = 4, n_kv_heads: int | None = None, ffn: int = 176,
+                 **attention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden)
+        self.self_attn = LlamaAttention(hidden, n_heads, n_kv_heads or n_heads, **attention)
+        self.post_attention_layernorm = RMSNorm(hidden)
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def rope_tables(head_dim: int, max_len: int, complex_form: bool = False):
+    """(cos, sin) of shape [max_len, head_dim] (HF layout), or (freqs_cis [max_len, head_dim/2], None)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_len).float(), inv_freq)
+    if complex_form:
+        return torch.polar(torch.ones_like(freqs), freqs), None
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+class LlamaDecoder(nn.Module):
+    """Embedding, ``n_layer`` Llama blocks, RMSNorm, untied LM head; ids in, logits out."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 64, n_heads: int = 4, n_kv_heads: int | None = None,
+                 ffn: int = 176, n_layer: int = 2, max_len: int = 64, **attention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(
+            LlamaBlock(hidden, n_heads, n_kv_heads, ffn, **attention) for _ in range(n_layer)
+        )
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        cos, sin = rope_tables(hidden // n_heads, max_len, attention.get("rope") == "complex")
+        self.register_buffer("cos", cos, persistent=False)
+        if sin is not None:
+            self.register_buffer("sin", sin, persistent=False)
+        else:
+            self.sin = None
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        return self.lm_head(self.norm(x))
 
 
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
