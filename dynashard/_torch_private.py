@@ -123,3 +123,21 @@ def default_store() -> Any:
         return distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store is a missing diagnostic, never an error
         return None
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for sizes that may be symbolic, provable without adding a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def known_multiple(a: Any, k: int) -> bool:
+    """``a % k == 0`` for a size that may be symbolic, provable without adding a guard."""
+    if isinstance(a, int):
+        return a % k == 0
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a % k == 0))

@@ -23,24 +23,48 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.all_reduce(x, "sum", group_name)
 
 
-def all_gather_last_dim(x: torch.Tensor, size: int, chunk: int, world: int, group_name: str) -> torch.Tensor:
-    """Concatenate every rank's ``torch.chunk``-like shard of the last dim back to ``size``.
+def all_gather_last_dim(x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
+    """Every rank's pieces of the last dim, back in order: ``lengths[c][r]`` is how many elements
+    of component ``c`` rank ``r`` holds, and ``x`` holds this rank's pieces side by side.
 
-    Shards shorter than ``chunk`` (the tail of an uneven split) are padded first: padding then
-    lands past ``size`` only, so one narrow removes it.
+    Each piece is padded to the longest rank's (one all_gather of equal blocks), then the padding
+    is cut away again: one narrow per run of ranks with equal lengths (two at most when balanced).
     """
-    if x.shape[-1] != chunk:
-        x = F.pad(x, (0, chunk - x.shape[-1]))
+    world = len(lengths[0])
+    chunks = [max(ls) for ls in lengths]
+    pieces, offset = [], 0
+    for ls, chunk in zip(lengths, chunks):
+        piece = x.narrow(-1, offset, ls[rank]) if len(lengths) > 1 else x
+        pieces.append(_pad_last(piece, chunk))
+        offset += ls[rank]
+    x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
     gathered = funcol.all_gather_single(x.contiguous(), 0, group_name)  # [world * d0, ...]
-    if x.dim() > 1:
-        gathered = gathered.view(world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], world * chunk)
-    if world * chunk != size:
-        gathered = gathered.narrow(-1, 0, size)
-    return gathered
+    blocks = gathered.view(world, *x.shape).movedim(0, -2)  # [..., world, sum(chunks)]
+    out, offset = [], 0
+    for ls, chunk in zip(lengths, chunks):
+        block = blocks.narrow(-1, offset, chunk) if len(lengths) > 1 else blocks
+        offset += chunk
+        r = 0
+        while r < world:  # runs of ranks holding equally many
+            end = next((e for e in range(r, world) if ls[e] != ls[r]), world)
+            run = block if (r, end) == (0, world) else block.narrow(-2, r, end - r)
+            run = run if ls[r] == chunk else run.narrow(-1, 0, ls[r])
+            out.append(run.reshape(*run.shape[:-2], (end - r) * ls[r]))
+            r = end
+    return out[0] if len(out) == 1 else torch.cat(out, -1)
 
 
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _blocks(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``x``'s last dim cut into one block per rank (``lengths``), each padded to the longest:
+    ``[world, ..., max(lengths)]``."""
+    chunk, starts = max(lengths), [sum(lengths[:r]) for r in range(len(lengths))]
+    if all(ln == chunk for ln in lengths):
+        return x.reshape(*x.shape[:-1], len(lengths), chunk).movedim(-2, 0)
+    return torch.stack([_pad_last(x.narrow(-1, s, ln), chunk) for s, ln in zip(starts, lengths)])
 
 
 def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -62,33 +86,35 @@ def reduce_scatter_rows(x: torch.Tensor, world: int, group_name: str, via_all_to
     return y.view(world, x.shape[0] // world, *x.shape[1:]).sum(0)
 
 
-def shard_to_own_rows(x: torch.Tensor, size: int, chunk: int, world: int, group_name: str) -> torch.Tensor:
-    """``[world * rows, ..., my cols]`` -> ``[rows, ..., all cols]``: one all-to-all over rows."""
+def shard_to_own_rows(x: torch.Tensor, lengths: list[int], rank: int, group_name: str) -> torch.Tensor:
+    """``[world * rows, ..., my cols]`` -> ``[rows, ..., all cols]``: one all-to-all over rows.
+
+    ``lengths[r]``: the columns rank r holds."""
+    world = len(lengths)
+    chunk = max(lengths)
     x = _pad_last(x, chunk)
     y = funcol.all_to_all_single(x.contiguous(), None, None, group_name)  # block j: my rows, rank j's cols
     rows = x.shape[0] // world
-    y = y.view(world, rows, *x.shape[1:]).movedim(0, -2).reshape(rows, *x.shape[1:-1], world * chunk)
-    return y.narrow(-1, 0, size) if world * chunk != size else y
+    y = y.view(world, rows, *x.shape[1:]).movedim(0, -2)  # [rows, ..., world, chunk]
+    if all(ln == chunk for ln in lengths):
+        return y.reshape(rows, *x.shape[1:-1], world * chunk)
+    return torch.cat([y.select(-2, r).narrow(-1, 0, ln) for r, ln in enumerate(lengths)], -1)
 
 
-def own_rows_to_shard(x: torch.Tensor, start: int, length: int, chunk: int, world: int, group_name: str) -> torch.Tensor:
+def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name: str) -> torch.Tensor:
     """``[rows, ..., all cols]`` -> ``[world * rows, ..., my cols]``: one all-to-all of feature blocks."""
-    x = _pad_last(x, world * chunk)
-    blocks = x.view(*x.shape[:-1], world, chunk).movedim(-2, 0)  # [world, rows, ..., chunk]
+    blocks = _blocks(x, lengths)  # [world, rows, ..., chunk]
     y = funcol.all_to_all_single(blocks.contiguous().flatten(0, 1), None, None, group_name)
-    return y.narrow(-1, 0, length) if length != chunk else y
+    return y.narrow(-1, 0, lengths[rank]) if lengths[rank] != max(lengths) else y
 
 
-def exchange_blocks(t: torch.Tensor, dim: int, world: int, rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+def exchange_blocks(t: torch.Tensor, dim: int, lengths: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
     """weights="per_rank": ``[world, *block]`` holding this rank's block of every rank's ``t``."""
-    from dynashard.layout import shard_bounds
-
-    _, length, chunk = shard_bounds(t.shape[dim], world, rank)
     moved = t.detach().movedim(dim, -1)
-    send = _pad_last(moved, world * chunk).reshape(*moved.shape[:-1], world, chunk).movedim(-2, 0).contiguous()
+    send = _blocks(moved, lengths).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return recv.narrow(-1, 0, length).movedim(-1, dim + 1).contiguous()
+    return recv.narrow(-1, 0, lengths[rank]).movedim(-1, dim + 1).contiguous()
 
 
 CALL, COMPILE = 1, 2  # what a rank is doing when it meets the others in handshake()

@@ -30,6 +30,7 @@ from dynashard.collectives import (
 )
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
+from dynashard.layout import Split
 from dynashard.plan import Plan, make_plan
 from dynashard.report import GraphReport, format_table
 from dynashard.rewrite import rewrite
@@ -60,19 +61,20 @@ class Analysis:
     rank: int
     stacked: bool  # weights="per_rank"
 
-    def sharded_inputs(self) -> dict[int, tuple[str, int]]:
-        """Input index -> (FQN, dim to split) for every parameter the plan shards.
+    def sharded_inputs(self) -> dict[int, tuple[str, int, Split]]:
+        """Input index -> (FQN, dim to split, how) for every parameter the plan shards.
 
         Weights always; with ``weights="per_rank"`` colwise biases too (every rank's differ).
         """
         index = {node: i for i, (_, node) in self.params.items()}
-        out: dict[int, tuple[str, int]] = {}
+        out: dict[int, tuple[str, int, Split]] = {}
         for m in self.plan.sharded():
             style = self.plan.decisions[m.node].style
             dim = m.out_dim if style == "colwise" else m.in_dim
-            out[index[m.weight]] = (self.params[index[m.weight]][0], dim)
+            split = self.plan.layouts.weight_splits[m.node]
+            out[index[m.weight]] = (self.params[index[m.weight]][0], dim, split)
             if self.stacked and style == "colwise" and m.bias in index:
-                out[index[m.bias]] = (self.params[index[m.bias]][0], 0)
+                out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)
         return out
 
 
@@ -127,15 +129,12 @@ def analyse(
 
 def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
     """``fake_args`` with every sharded weight replaced by a fake of this rank's shard shape."""
-    from dynashard.layout import shard_bounds
-
     out = list(fake_args)
     fake_mode = private.fake_mode_of(fake_args)
-    for i, (_, dim) in analysis.sharded_inputs().items():
+    for i, (_, dim, split) in analysis.sharded_inputs().items():
         full = fake_args[i]
-        _, length, _ = shard_bounds(full.shape[dim], analysis.world, analysis.rank)
         shape = list(full.shape)
-        shape[dim] = length
+        shape[dim] = split.local(analysis.world, analysis.rank)
         if analysis.stacked:
             shape = [analysis.world, *shape]
         with fake_mode:
@@ -306,7 +305,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         raise error
     shards = _cut_and_free(analysis, example_inputs, sharded, group)
     per_rank_group = group if opts.inputs == "per_rank" else None
-    fqns = sorted({fqn for fqn, _ in sharded.values()})
+    fqns = sorted({fqn for fqn, _, _ in sharded.values()})
     return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group, group)
 
 
@@ -346,8 +345,8 @@ def _cut_and_free(analysis: Analysis, example_inputs: list[Any], sharded: dict, 
     keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
     freed, shards = 0, {}
     order = sorted(sharded.items())
-    for n, (i, (fqn, dim)) in enumerate(order):
-        spec = ShardSpec(dim, analysis.world, analysis.rank, group_name(group), stacked=analysis.stacked)
+    for n, (i, (fqn, dim, split)) in enumerate(order):
+        spec = ShardSpec(dim, split, analysis.world, analysis.rank, group_name(group), stacked=analysis.stacked)
         shards[i] = STORE.shard(example_inputs[i], spec, fqn, group)
         later = [example_inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
         freed += STORE.free([example_inputs[i]], keep + later)

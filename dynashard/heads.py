@@ -1,131 +1,361 @@
-"""Heads: keep a colwise projection's shard through an attention block, on the head dim.
+"""Shapes: keep a colwise projection's shard through the shape ops of an attention block.
 
 Before (q, k, v colwise on [B*T, H*Dh]; o rowwise)::
 
     q = view(mm_q, [B, T, H, Dh]); q = transpose(q, 1, 2)          # likewise k, v
-    y = _scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+    q = q * cos + cat(neg(slice(q, -1, Dh/2)), slice(q, -1, 0, Dh/2)) * sin      # RoPE
+    k = _unsafe_view(clone(expand(unsqueeze(k, 2), [B, Hkv, n, T, Dh])), [B, H, T, Dh])  # GQA
+    y = _scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]    # or bmm / softmax / bmm
     y = transpose(y, 1, 2); y = view(y, [B, T, H*Dh]); o = mm(view(y), t(w_o))
-After: the same ops on this rank's heads (H/N of them); the head count in the views is
-rewritten, nothing is gathered, and the output projection's all_reduce is the only collective.
+After: the same ops on this rank's heads; head counts in shape arguments are rewritten
+(8 -> 2 on 4 ranks, ``B*8`` -> ``B*2``), nothing is gathered, and the output projection's
+all_reduce is the only collective.
 
+A shard is a :class:`~dynashard.layout.Split` of one dim (whole units, balanced over ranks).
 Rules (replicated inputs only; anything else falls back to layout.py's gather). Every condition
 depends on sizes only, never on this rank's offsets, so all ranks take the same collectives:
-  * a view splitting a sharded last dim ``H*Dh`` into ``[H, Dh]`` keeps the shard on the head
-    dim when every rank's part is whole heads; the reverse merge returns it to the last dim;
-    a view that leaves the sharded dim and everything after it alone keeps the shard there;
-  * transpose / permute of a tensor of 3 or more dims move the shard with its dim;
-  * scaled-dot-product attention whose q, k and v are sharded alike on the head dim is computed
-    on this rank's heads (a mask broadcast over heads is used as is, one with a head dim is
-    narrowed); its outputs keep the shard.
-Uneven heads (the split does not fall on head boundaries), GQA and fused qkv are not handled
-here yet: they meet a gather, which is correct.
+  * views: dims equal on the left or right map one to one; in the group of dims that changes,
+    the cut must land on a dim whose inner dims fit inside one unit (``[H*Dh] -> [H, Dh]`` with
+    units of ``Dh``; ``[B, H] -> [B*H]``; ``[Hkv, n] -> [Hkv*n]`` makes units of ``n`` heads);
+  * transpose / permute / unsqueeze / squeeze / select / expand / view_as_complex / view_as_real
+    move the cut with its dim; slice, split, unbind, cat, softmax on other dims keep it; a split
+    or slice of the cut dim itself must fall on component boundaries (a fused [q | k | v]);
+  * attention (CPU flash SDPA, or bmm) whose operands are cut alike on the head/batch dim runs on
+    this rank's heads; a replicated operand (or mask with a head dim) is narrowed.
+When a rule fails only because the origin linears are cut too finely or in one piece, it records
+a :class:`~dynashard.layout.Wish` (larger units, component boundaries, or keep KV projections
+whole when there are fewer KV heads than ranks); the plan re-cuts the origins and propagates again.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 import torch.fx
 
-from dynashard.layout import LOCAL, NARROW, LayoutMap, Shard, _all_args, _val, shard_bounds
+from dynashard import _torch_private as private
+from dynashard.layout import (
+    LOCAL,
+    NARROW,
+    LayoutMap,
+    Shard,
+    Split,
+    _all_args,
+    _op_name,
+    _read_as_shard,
+    _val,
+    finest,
+    unify,
+)
 
 aten = torch.ops.aten
-_TRANSPOSES = (aten.transpose.int, aten.permute.default)
 _ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
+_DIM_OPS = {  # op -> index of its dim argument; the op works along that dim only
+    aten._softmax.default: 1,
+    aten._log_softmax.default: 1,
+    aten.slice.Tensor: 1,
+}
 
 
-def _static(shape) -> bool:
-    return all(isinstance(d, int) for d in shape)
-
-
-def _moved(src: Shard, dim: int, size: int, start: int, length: int, chunk: int) -> Shard:
-    return Shard(size, start, length, chunk, src.origins, dim)
-
-
-def view_to_or_from_heads(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
-    """Keep ``src`` through a view that splits, merges or leaves alone the sharded dim."""
-    before, after = _val(node.args[0]).shape, _val(node).shape
-    d, out = src.dim, None
-    if len(after) >= max(3, -d) and _static(before[d:]) and list(after[d:]) == list(before[d:]):
-        out = src  # the sharded dim and everything after it unchanged
-    elif d == -1 and len(after) >= 3 and _static(after[-2:]) and after[-2] * after[-1] == src.size:
-        heads, dh = after[-2], after[-1]  # [.., H*Dh] -> [.., H, Dh]
-        if src.chunk % dh == 0:  # every rank's part is whole heads (rank-independent: no rank decides alone)
-            out = _moved(src, -2, heads, src.start // dh, src.length // dh, src.chunk // dh)
-    elif d == -2 and len(after) == len(before) - 1 and isinstance(before[-1], int):
-        dh = before[-1]  # [.., H, Dh] -> [.., H*Dh]
-        if after[-1] == src.size * dh:
-            out = _moved(src, -1, src.size * dh, src.start * dh, src.length * dh, src.chunk * dh)
-    if out is None:
-        return False
+def _local(lm: LayoutMap, node: torch.fx.Node, out: Shard | None) -> bool:
     for arg in _all_args(node):
         lm.read(node, arg, LOCAL)
     lm.layouts[node] = out
-    lm.view_sizes[node] = (out.dim, out.length)
     return True
 
 
-def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
-    """Layout for transposes, attention and its outputs; False when the rule does not apply."""
-    if node.op != "call_function":
+def _norm(d: int, ndim: int) -> int:
+    return d % ndim if ndim else 0
+
+
+def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
+    """Keep ``src`` through a view (see the module docstring); False: gather instead."""
+    before, after = list(_val(node.args[0]).shape), list(_val(node).shape)
+    p = len(before) + src.dim
+    left = 0
+    while left < min(len(before), len(after)) and private.known_equal(before[left], after[left]):
+        left += 1
+    right = 0
+    while (
+        right < min(len(before), len(after)) - left
+        and private.known_equal(before[-1 - right], after[-1 - right])
+    ):
+        right += 1
+    if p < left:  # the cut dim maps one to one (same place from the left)
+        return _viewed(lm, node, src.moved(p - len(after)))
+    if p >= len(before) - right:  # same place from the right
+        return _viewed(lm, node, src)
+    mid_in, mid_out = before[left : len(before) - right], after[left : len(after) - right]
+    s = p - left
+    inner_in = mid_in[s + 1 :]
+    if not all(isinstance(d, int) for d in inner_in):
         return False
-    if node.target in _TRANSPOSES:
-        return _transpose(lm, node)
-    if node.target in _ATTENTION:
-        return _attention(lm, node)
-    if node.target is operator.getitem and node.args[0] in lm.layouts and lm.layouts[node.args[0]] is not None:
-        src, index = lm.layouts[node.args[0]], node.args[1]
-        if index not in (0, 1):  # output [B, H, T, Dh] and logsumexp [B, H, T] carry the heads
-            return False
-        lm.read(node, node.args[0], LOCAL)
-        lm.layouts[node] = _moved(src, src.dim + index, src.size, src.start, src.length, src.chunk)
-        return True
+    elems = src.split.unit * math.prod(inner_in)  # elements of the flattened group per unit
+    units = sum(src.split.parts)
+    inner_out = 1
+    for o in range(len(mid_out) - 1, -1, -1):
+        if o < len(mid_out) - 1:
+            if not isinstance(mid_out[o + 1], int):
+                return False
+            inner_out *= mid_out[o + 1]
+        if elems % inner_out == 0:
+            new_unit = elems // inner_out
+            if private.known_multiple(mid_out[o], units * new_unit):
+                out = src.moved(left + o - len(after), Split(src.split.parts, new_unit))
+                merged = not private.known_equal(mid_out[o], units * new_unit)
+                if merged and out.split.fewest_units(lm.world) < 1:
+                    return False  # a merged dim needs a part on every rank (its outer size is recovered from it)
+                return _viewed(lm, node, out)
+            continue
+        k = math.lcm(elems, inner_out) // elems  # units k times larger would fit this dim
+        coarser = src.split.coarsen(k)
+        if coarser is not None and coarser.fewest_units(lm.world) >= 1:
+            lm.wish(src.origins, "coarsen", k, f"{_op_name(node)} into dims of {inner_out} elements")
+        elif coarser is not None:  # e.g. fewer KV heads than ranks: keep the projection whole
+            lm.wish(src.origins, "replicate", None,
+                    f"{'/'.join(map(str, coarser.parts))} heads of {inner_out} cannot be cut over {lm.world} "
+                    "ranks, so every rank computes them (narrowed where they meet sharded heads)")
+        return False
     return False
 
 
-def _transpose(lm: LayoutMap, node: torch.fx.Node) -> bool:
-    src = lm.layouts.get(node.args[0])
-    ndim = _val(node.args[0]).dim() if _val(node.args[0]) is not None else 0
-    if src is None or ndim < 3:
+def _viewed(lm: LayoutMap, node: torch.fx.Node, out: Shard) -> bool:
+    lm.view_sizes[node] = (out.dim, out.size, out.length)
+    return _local(lm, node, out)
+
+
+def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """Layout for the shape ops above; False when no rule applies (the caller gathers)."""
+    if node.op != "call_function":
         return False
-    pos = ndim + src.dim
-    if node.target is aten.permute.default:
-        order = [d % ndim for d in node.args[1]]
-        new = order.index(pos)
-    else:
-        a, b = (int(d) % ndim for d in node.args[1:3])
-        new = b if pos == a else a if pos == b else pos
-    lm.read(node, node.args[0], LOCAL)
-    lm.layouts[node] = _moved(src, new - ndim, src.size, src.start, src.length, src.chunk)
+    t = node.target
+    if t is operator.getitem:
+        outs = lm.outputs.get(node.args[0])
+        if outs is None or not isinstance(node.args[1], int):
+            return False
+        return _local(lm, node, outs[node.args[1]])
+    if t in _ATTENTION:
+        return _attention(lm, node)
+    if t is aten.bmm.default:
+        return _bmm(lm, node)
+    if t is aten.cat.default:
+        return _cat(lm, node)
+    src = lm.layouts.get(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if src is None or _val(node.args[0]) is None:
+        return False
+    ndim = _val(node.args[0]).dim()
+    p = ndim + src.dim
+    if t in (aten.transpose.int, aten.permute.default):
+        if t is aten.permute.default:
+            new = [_norm(d, ndim) for d in node.args[1]].index(p)
+        else:
+            a, b = (_norm(int(d), ndim) for d in node.args[1:3])
+            new = b if p == a else a if p == b else p
+        return _local(lm, node, src.moved(new - ndim))
+    if t in (aten.unsqueeze.default, aten.squeeze.dim, aten.select.int, aten.view_as_complex.default,
+             aten.view_as_real.default, aten.expand.default):
+        out_ndim = _val(node).dim()
+        if t is aten.select.int and _norm(node.args[1], ndim) == p:
+            return False
+        if t is aten.squeeze.dim and _norm(node.args[1], ndim) == p:
+            return False
+        if t is aten.view_as_complex.default and src.dim == -1:
+            return False
+        # these ops add or remove dims on the right of the cut only if the op's dim is there
+        if t in (aten.unsqueeze.default,):
+            d = _norm(node.args[1], out_ndim)
+            new = p + (1 if d <= p else 0)
+        elif t in (aten.squeeze.dim, aten.select.int):
+            d = _norm(node.args[1], ndim)
+            new = p - (1 if d < p else 0)
+        elif t is aten.expand.default:
+            new = p + out_ndim - ndim
+            size = node.args[1][new]
+            if not (size == -1 or private.known_equal(size, _val(node.args[0]).shape[p])):
+                return False
+            lm.view_sizes[node] = (new - out_ndim, src.size, src.length)
+        else:  # complex views drop or add the trailing pair dim
+            new = p
+        return _local(lm, node, src.moved(new - out_ndim))
+    if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int):
+        return _split(lm, node, src, ndim, p)
+    if t in _DIM_OPS:
+        d = _norm(node.args[_DIM_OPS[t]] if len(node.args) > _DIM_OPS[t] else 0, ndim)
+        if d != p:
+            return _local(lm, node, src)
+        if t is aten.slice.Tensor:
+            return _take_parts(lm, node, src, ndim, p)
+    return False
+
+
+def _part_ranges(split: Split, edges: list[int]) -> list[tuple[int, int]] | None:
+    """Component ranges ``[i, j)`` covering element ranges between ``edges``; None if an edge
+    falls inside a component."""
+    offsets, acc = [0], 0
+    for part in split.parts:
+        acc += part * split.unit
+        offsets.append(acc)
+    if any(e not in offsets for e in edges):
+        return None
+    return [(offsets.index(a), offsets.index(b)) for a, b in zip(edges, edges[1:])]
+
+
+def _cut_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) -> None:
+    if all(e % src.split.unit == 0 for e in edges):
+        lm.wish(src.origins, "cut", frozenset(e // src.split.unit for e in edges[1:-1]), f"{_op_name(node)} of a fused output")
+
+
+def _sub(lm: LayoutMap, src: Shard, i: int, j: int) -> Shard:
+    return src.moved(src.dim, Split(src.split.parts[i:j], src.split.unit))
+
+
+def _split(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: int) -> bool:
+    t = node.target
+    dim = node.args[1] if t is aten.unbind.int and len(node.args) > 1 else node.args[2] if len(node.args) > 2 else 0
+    d = _norm(dim, ndim)
+    outs = [u for u in node.users]
+    if any(u.target is not operator.getitem for u in outs):
+        return False
+    n_out = len(_val_list(node))
+    if d != p:
+        out = src if t is not aten.unbind.int else src.moved(src.dim + (1 if d > p else 0))
+        for arg in _all_args(node):
+            lm.read(node, arg, LOCAL)
+        lm.outputs[node] = [out] * n_out
+        lm.layouts[node] = None
+        return True
+    size = _val(node.args[0]).shape[p]
+    if t is aten.unbind.int or not private.known_equal(size, src.size):
+        return False
+    widths = [node.args[1]] * n_out if t is aten.split.Tensor else list(node.args[1])
+    edges = [0]
+    for w in widths:
+        edges.append(min(edges[-1] + w, src.size))
+    ranges = _part_ranges(src.split, edges)
+    if ranges is None:
+        _cut_wish(lm, node, src, edges)
+        return False
+    subs = [_sub(lm, src, i, j) for i, j in ranges]
+    for arg in _all_args(node):
+        lm.read(node, arg, LOCAL)
+    lm.outputs[node] = subs
+    lm.part_sizes[node] = tuple(s.length for s in subs)
+    lm.layouts[node] = None
     return True
+
+
+def _val_list(node: torch.fx.Node) -> list:
+    v = node.meta.get("val")
+    return list(v) if isinstance(v, (list, tuple)) else []
+
+
+def _take_parts(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: int) -> bool:
+    """``x[..., a:b]`` on the cut dim: whole components only (a fused output's q, k or v)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2] or 0, args[3], args[4] or 1
+    size = _val(node.args[0]).shape[p]
+    if step != 1 or not private.known_equal(size, src.size) or not isinstance(start, int):
+        return False
+    end = src.size if end is None or (isinstance(end, int) and end > src.size) else end
+    if not isinstance(end, int):
+        return False
+    start, end = start % src.size if start < 0 else start, end % src.size if end < 0 else end
+    ranges = _part_ranges(src.split, [start, end])
+    if ranges is None:
+        _cut_wish(lm, node, src, [0, start, end, src.size])
+        return False
+    (i, j), = ranges
+    out = _sub(lm, src, i, j)
+    local_start = sum(length for _, length in src.pieces[:i])
+    lm.part_sizes[node] = (local_start, out.length)
+    return _local(lm, node, out)
+
+
+def _cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    tensors = node.args[0]
+    lays = [lm.layouts.get(a) for a in tensors]
+    if any(lay is None for lay in lays):
+        return False
+    first = finest(lays)
+    if not all(first.alike(lay) for lay in lays):
+        return False
+    ndim = _val(tensors[0]).dim()
+    d = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    if d == ndim + first.dim:
+        return False
+    origins = frozenset().union(*(lay.origins for lay in lays))
+    return _local(lm, node, Shard(first.split, origins, first.dim, lm.world, lm.rank))
+
+
+def _heads_alike(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node], dim: int) -> Shard | None:
+    """The shard every operand has (or can be narrowed to) on ``dim``; wishes when they differ."""
+    lays = [lm.layouts.get(a) for a in operands]
+    sharded = [lay for lay in lays if lay is not None]
+    if not sharded or any(lay.dim != dim for lay in sharded):
+        return None
+    first = finest(sharded)
+    if not all(first.alike(lay) for lay in sharded):
+        unify(lm, sharded, _op_name(node))
+        _replicate_wish(lm, node, sharded)
+        return None
+    if first.split.fewest_units(lm.world) < 1:
+        return None  # a rank without heads: the attention kernels cannot run on zero heads
+    for a, lay in zip(operands, lays):
+        v = _val(a)
+        if lay is None and (v is None or v.dim() < -dim or not private.known_multiple(v.shape[dim], first.size)):
+            return None
+    return first
+
+
+def _replicate_wish(lm: LayoutMap, node: torch.fx.Node, shards: list[Shard]) -> None:
+    """GQA with fewer KV heads than ranks: coarser units would leave ranks without heads, so
+    keep the coarser-cut operands' projections whole (each rank narrows the heads it needs)."""
+    finest = min(shards, key=lambda s: s.split.unit)
+    if finest.split.fewest_units(lm.world) < 1:
+        return
+    for s in shards:
+        if s.split.unit > finest.split.unit and len(s.split.parts) == 1:
+            unit = math.lcm(s.split.unit, finest.split.unit)
+            if Split((s.size // unit,), unit).fewest_units(lm.world) < 1:
+                lm.wish(s.origins, "replicate", None,
+                        f"{s.split.parts[0]} KV heads cannot be cut over {lm.world} ranks; each rank narrows "
+                        f"them to its query heads at {_op_name(node)}")
 
 
 def _attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
     q, k, v = node.args[:3]
-    lays = [lm.layouts.get(a) for a in (q, k, v)]
-    first = lays[0]
-    if first is None or first.dim != -3 or any(
-        lay is None or (lay.dim, lay.size, lay.start, lay.length) != (first.dim, first.size, first.start, first.length)
-        for lay in lays
-    ):
+    first = _heads_alike(lm, node, [q, k, v], -3)
+    if first is None or lm.layouts.get(q) is None:
         return False
-    if shard_bounds(first.size, lm.world, lm.world - 1)[1] == 0:
-        return False  # a rank without heads: the attention kernels cannot run on zero heads
     mask = node.kwargs.get("attn_mask")
     if mask is not None:
         mv = _val(mask)
         if lm.layouts.get(mask) is not None or mv is None:
             return False
-        if mv.dim() >= 3 and mv.shape[-3] == first.size and first.size != 1:
-            lm.read(node, mask, NARROW)
-        elif mv.dim() < 3 or mv.shape[-3] == 1:
-            lm.read(node, mask, LOCAL)
-        else:
-            return False
+    origins = frozenset().union(*(lm.layouts[a].origins for a in (q, k, v) if lm.layouts.get(a) is not None))
+    out = Shard(first.split, origins, -3, lm.world, lm.rank)
     for arg in _all_args(node):
-        if arg is not mask:
+        if arg in (q, k, v) and lm.layouts.get(arg) is not None:
             lm.read(node, arg, LOCAL)
-    origins = frozenset().union(*(lay.origins for lay in lays))
-    lm.layouts[node] = Shard(first.size, first.start, first.length, first.chunk, origins, -3)
+        elif arg in (q, k, v) or arg is mask:
+            _read_as_shard(lm, node, arg, out)
+        else:
+            lm.read(node, arg, LOCAL)
+    lm.outputs[node] = [out, out.moved(-2)] + [None] * (len(_val_list(node)) - 2)
+    lm.layouts[node] = None
+    return True
+
+
+def _bmm(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    a, b = node.args[:2]
+    first = _heads_alike(lm, node, [a, b], -3)
+    if first is None:
+        return False
+    origins = frozenset().union(*(lm.layouts[x].origins for x in (a, b) if lm.layouts.get(x) is not None))
+    out = Shard(first.split, origins, -3, lm.world, lm.rank)
+    for arg in (a, b):
+        _read_as_shard(lm, node, arg, out)
+    lm.layouts[node] = out
     return True

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -58,24 +59,135 @@ GLOBAL_NARROW = "global_narrow"  # every rank's rows, this rank's columns (a row
 
 
 @dataclasses.dataclass(frozen=True)
-class Shard:
-    """A value sharded on dim ``dim`` (counted from the end): this rank holds
-    ``[start, start + length)`` of ``size`` there. Linear outputs are sharded on the last dim;
-    heads.py moves a shard onto the head dim of an attention block and back."""
+class Split:
+    """How one dim is cut across ranks; the same on every rank.
 
-    size: int
-    start: int
-    length: int
-    chunk: int  # the padded width every rank contributes to a gather
+    The dim holds ``len(parts)`` components side by side (a fused ``[q | k | v]`` has three);
+    component ``i`` is ``parts[i]`` units of ``unit`` elements (a head: ``head_dim`` features).
+    Each component's units are dealt out balanced, the first ranks taking one more: 6 heads on
+    4 ranks are 2/2/1/1. A dim whose size is a multiple of :attr:`size` (a batch dim merged in
+    front, ``[B * H]``) repeats the pattern for every outer index.
+    """
+
+    parts: tuple[int, ...]
+    unit: int = 1
+
+    @property
+    def size(self) -> int:
+        return sum(self.parts) * self.unit
+
+    def counts(self, world: int) -> list[list[int]]:
+        """Units per component per rank."""
+        return [[p // world + (r < p % world) for r in range(world)] for p in self.parts]
+
+    def pieces(self, world: int, rank: int) -> list[tuple[int, int]]:
+        """``(start, length)`` in elements of the dim, per component, for ``rank``."""
+        out, offset = [], 0
+        for p, counts in zip(self.parts, self.counts(world)):
+            out.append(((offset + sum(counts[:rank])) * self.unit, counts[rank] * self.unit))
+            offset += p
+        return out
+
+    def local(self, world: int, rank: int) -> int:
+        return sum(length for _, length in self.pieces(world, rank))
+
+    def lengths(self, world: int) -> list[list[int]]:
+        """Elements per component per rank."""
+        return [[c * self.unit for c in counts] for counts in self.counts(world)]
+
+    def owned(self, world: int) -> list[list[tuple[int, int]]]:
+        """Per rank, the element ranges ``[start, end)`` it holds, adjacent ones merged."""
+        out = []
+        for rank in range(world):
+            ranges: list[tuple[int, int]] = []
+            for start, length in self.pieces(world, rank):
+                if ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], start + length)
+                elif length:
+                    ranges.append((start, start + length))
+            out.append(ranges)
+        return out
+
+    def fewest_units(self, world: int) -> int:
+        """The fewest units any rank holds of any component (0: some rank holds nothing)."""
+        return min(p // world for p in self.parts)
+
+    def coarsen(self, k: int) -> Split | None:
+        """Units ``k`` times larger (``None`` when a component is not a whole number of them)."""
+        if any(p % k for p in self.parts):
+            return None
+        return Split(tuple(p // k for p in self.parts), self.unit * k)
+
+    def cut(self, boundaries: set[int]) -> Split:
+        """Components also split at these unit offsets."""
+        parts, offset = [], 0
+        for p in self.parts:
+            inner = sorted(b - offset for b in boundaries if offset < b < offset + p)
+            edges = [0, *inner, p]
+            parts.extend(b - a for a, b in zip(edges, edges[1:]))
+            offset += p
+        return Split(tuple(parts), self.unit)
+
+
+def even(size: int) -> Split:
+    return Split((size,), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A value cut by ``split`` on dim ``dim`` (counted from the end); this rank holds
+    :attr:`pieces` of it. Linear outputs are sharded on the last dim; shape rules (heads.py) move
+    a shard onto the head dim of an attention block and back."""
+
+    split: Split
     origins: frozenset[torch.fx.Node]  # the colwise linears this shard comes from
     dim: int = -1
+    world: int = 1
+    rank: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.split.size
+
+    @property
+    def pieces(self) -> list[tuple[int, int]]:
+        return self.split.pieces(self.world, self.rank)
+
+    @property
+    def length(self) -> int:
+        return self.split.local(self.world, self.rank)
+
+    @property
+    def start(self) -> int:
+        """First element held (a single-component split)."""
+        return self.pieces[0][0]
+
+    def alike(self, other: Shard | None) -> bool:
+        """Every rank holds the same elements of the same dim in both (elementwise partners), even
+        if the splits say it differently (8 heads in 4 + 4 = 4 pairs of heads in 2 + 2)."""
+        if other is None or (self.dim, self.size) != (other.dim, other.size):
+            return False
+        return self.split == other.split or self.split.owned(self.world) == other.split.owned(other.world)
+
+    def moved(self, dim: int, split: Split | None = None) -> Shard:
+        return Shard(split or self.split, self.origins, dim, self.world, self.rank)
 
 
-def shard_bounds(size: int, world: int, rank: int) -> tuple[int, int, int]:
-    """``(start, length, chunk)`` of rank's part of ``size``, laid out like ``torch.chunk``."""
-    chunk = math.ceil(size / world)
-    start = min(rank * chunk, size)
-    return start, min(size, start + chunk) - start, chunk
+def shard_bounds(size: int, world: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of rank's part of an evenly split ``size``."""
+    return even(size).pieces(world, rank)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wish:
+    """A rule that could keep a value sharded if its origins were cut differently: ``coarsen``
+    (units ``arg`` times larger), ``cut`` (components also split at unit offsets ``arg``) or
+    ``replicate`` (keep the origins whole and let each rank narrow what it needs)."""
+
+    origins: frozenset[torch.fx.Node]
+    kind: str
+    arg: Any
+    reason: str
 
 
 @dataclasses.dataclass
@@ -96,14 +208,23 @@ class LayoutMap:
     uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
     layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
     reads: dict[tuple[torch.fx.Node, torch.fx.Node], str] = dataclasses.field(default_factory=dict)
-    view_sizes: dict[torch.fx.Node, tuple[int, int]] = dataclasses.field(default_factory=dict)  # (dim, local size)
+    splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # colwise output splits (plan)
+    # A shape argument to rewrite: (dim, full size of the split, this rank's part); a dim of
+    # ``k * full`` (a batch dim merged in front) becomes ``k * local``.
+    view_sizes: dict[torch.fx.Node, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    outputs: dict[torch.fx.Node, list[Shard | None]] = dataclasses.field(default_factory=dict)  # tuple-valued ops
+    part_sizes: dict[torch.fx.Node, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # split/slice, local
+    weight_splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # linear -> its weight's
+    wishes: list[Wish] = dataclasses.field(default_factory=list)
     view_rows_scaled: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # per_rank: first size x world
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     _gathered: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 
-    def shard(self, size: int, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:
-        start, length, chunk = shard_bounds(size, self.world, self.rank)
-        return Shard(size, start, length, chunk, origins, dim)
+    def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:
+        return Shard(split, origins, dim, self.world, self.rank)
+
+    def wish(self, origins: frozenset[torch.fx.Node], kind: str, arg: Any, reason: str) -> None:
+        self.wishes.append(Wish(origins, kind, arg, reason))
 
     def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: str) -> None:
         self.reads[(consumer, producer)] = how
@@ -173,13 +294,14 @@ def propagate(
     per_rank: bool = False,
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
     stacked: bool = False,
+    splits: dict[torch.fx.Node, Split] | None = None,
 ) -> LayoutMap:
     """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
 
     ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
     under replicated weights); they matter only with ``per_rank``.
     """
-    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked)
+    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}))
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             lm.layouts[node] = None
@@ -234,7 +356,8 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
             lm.read(node, match.input, GLOBAL)
         elif src is not None:
             lm.read(node, match.input, GATHER)
-        out = lm.shard(match.out_features, frozenset([node]))
+        out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]))
+        lm.weight_splits[node] = out.split
         if match.bias is not None:
             bias = _val(match.bias)
             if lm.stacked:
@@ -254,11 +377,13 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
             _read_as_shard(lm, node, match.bias, out)
         lm.layouts[node] = out
     elif match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
+        lm.weight_splits[node] = even(match.in_features)
         lm.read(node, match.input, GLOBAL if lm.per_rank else LOCAL)
         kind = "reduce_scatter" if lm.per_rank else "all_reduce"
         lm.collectives.append(Collective(kind, node, frozenset([node]), ""))
         lm.layouts[node] = None
     else:  # rowwise
+        lm.weight_splits[node] = src.split if src is not None else even(match.in_features)
         lm.read(node, match.input, LOCAL if src is not None else GLOBAL_NARROW if lm.per_rank else NARROW)
         if match.bias is not None and lm.layouts.get(match.bias) is not None:
             lm.read(node, match.bias, GATHER)
@@ -269,37 +394,65 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
 
 def _read_as_shard(lm: LayoutMap, consumer: torch.fx.Node, arg: torch.fx.Node, out: Shard) -> None:
     """Read ``arg`` in a computation whose output is ``out`` (broadcast, slice or use a shard)."""
+    v = _val(arg)
     if lm.layouts.get(arg) is not None:
         lm.read(consumer, arg, LOCAL)
-    elif _size_at(arg, out.dim) == out.size and out.size != 1:
-        lm.read(consumer, arg, NARROW)
+    elif v is not None and v.dim() >= -out.dim and _size_at(arg, out.dim) != 1:
+        lm.read(consumer, arg, NARROW)  # (a symbolic size is never 1: Dynamo specialises 0 and 1)
     else:
         lm.read(consumer, arg, LOCAL)  # broadcasts over the sharded dim (size 1, or does not reach it)
 
 
-def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, size: int, out_ndim: int, dim: int) -> bool:
+def _can_read_as_shard(lm: LayoutMap, arg: torch.fx.Node, out: Shard, out_ndim: int) -> bool:
     lay = lm.layouts.get(arg)
     if lay is not None:
-        return lay.size == size and lay.dim == dim and _size_at(arg, dim) == size
+        return out.alike(lay)
     v = _val(arg)
     if lm.per_rank and not (arg in lm.uniform and (v.dim() < out_ndim or v.shape[0] == 1)):
         return False  # a Shard's rows are every rank's: only rank-uniform, row-broadcast values fit
-    return v.dim() < -dim or _size_at(arg, dim) in (1, size)
+    if lm.per_rank and v.dim() >= -out.dim and _size_at(arg, out.dim) not in (1, out.size):
+        return False
+    return True
+
+
+def finest(shards: list[Shard]) -> Shard:
+    """Of equally owned shards, the one cut in the smallest units (the most views fit it)."""
+    return min(shards, key=lambda s: s.split.unit)
+
+
+def unify(lm: LayoutMap, shards: list[Shard], where: str) -> None:
+    """Shards of one dim cut differently meet (e.g. GQA keys against queries): wish for the
+    coarsest common cut, when every rank still holds something of it."""
+    if len({s.dim for s in shards}) != 1 or len({s.size for s in shards}) != 1:
+        return
+    if any(len(s.split.parts) != 1 for s in shards):
+        return
+    unit = math.lcm(*(s.split.unit for s in shards))
+    for s in shards:
+        target = s.split.coarsen(unit // s.split.unit)
+        if target is not None and target.fewest_units(lm.world) >= 1 and target != s.split:
+            lm.wish(s.origins, "coarsen", unit // s.split.unit, f"{where} needs units of {unit}")
 
 
 def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
     args = _tensor_args(node)
-    sharded = [a for a in args if lm.layouts.get(a) is not None]
-    dims = {lm.layouts[a].dim for a in sharded}
-    dim = dims.pop() if len(dims) == 1 else None
-    size = _size_at(node, dim) if dim is not None else None
-    ok = size is not None and all(_can_read_as_shard(lm, a, size, _val(node).dim(), dim) for a in args)
+    sharded = [lm.layouts[a] for a in args if lm.layouts.get(a) is not None]
+    first = finest(sharded) if sharded else None
+    if first is not None and not all(first.alike(s) for s in sharded):
+        unify(lm, sharded, _op_name(node))
+        first = None
+    ok = (
+        first is not None
+        and _val(node) is not None
+        and all(_can_read_as_shard(lm, a, first, _val(node).dim()) for a in args)
+    )
     if ok and _mutates_self(node):
         ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole
     if not ok:
         _replicate_all(lm, node)
         return
-    out = lm.shard(size, frozenset().union(*(lm.layouts[a].origins for a in sharded)), dim)
+    out = first.moved(first.dim)
+    out = Shard(out.split, frozenset().union(*(s.origins for s in sharded)), out.dim, lm.world, lm.rank)
     for arg in _all_args(node):
         _read_as_shard(lm, node, arg, out) if arg in args else lm.read(node, arg, LOCAL)
     lm.layouts[node] = out
@@ -308,19 +461,24 @@ def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
 def _view(lm: LayoutMap, node: torch.fx.Node) -> None:
     src_node = node.args[0]
     src = lm.layouts.get(src_node)
-    keeps_last = src is not None and src.dim == -1 and _size_at(node) == src.size == _size_at(src_node)
-    if not keeps_last:
-        from dynashard.heads import view_to_or_from_heads  # split/merge the head dim (replicated inputs)
+    if src is None:
+        _replicate_all(lm, node)
+        return
+    if not lm.per_rank:
+        from dynashard.heads import view_shard  # any view that keeps the cut whole (heads.py)
 
-        if src is None or lm.per_rank or not view_to_or_from_heads(lm, node, src):
+        if not view_shard(lm, node, src):
             _replicate_all(lm, node)
+        return
+    keeps_last = src.dim == -1 and _size_at(node) == src.size == _size_at(src_node)
+    if not keeps_last:
+        _replicate_all(lm, node)
         return
     for arg in _all_args(node):
         lm.read(node, arg, LOCAL)
     lm.layouts[node] = src
-    lm.view_sizes[node] = (-1, src.length)
-    if lm.per_rank:
-        lm.view_rows_scaled.add(node)
+    lm.view_sizes[node] = (-1, src.size, src.length)
+    lm.view_rows_scaled.add(node)
 
 
 def _aliases_input(node: torch.fx.Node) -> bool:
@@ -371,7 +529,8 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         shard = next((lm.layouts[m] for m in members if lm.layouts.get(m) is not None), None)
         if shard is None:
             continue
-        through_copy = lm.layouts.get(node.args[0]) is None
+        # a write into a copy: of a replicated alias of the shard, or of a gather the op itself reads
+        through_copy = lm.layouts.get(node.args[0]) is None or lm.reads.get((node, node.args[0])) in (GATHER, GLOBAL)
         stale = any(min(gathers.get(m, [order[node]])) < order[node] < max(gathers.get(m, [0])) for m in members)
         if through_copy or stale:
             found.append((node, shard))

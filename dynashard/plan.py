@@ -24,10 +24,11 @@ import dataclasses
 import difflib
 import fnmatch
 import hashlib
+import math
 
 import torch.fx
 
-from dynashard.layout import LayoutMap, Shard, propagate, unsafe_mutations
+from dynashard.layout import LayoutMap, Shard, Split, Wish, even, propagate, unsafe_mutations
 from dynashard.match import LinearMatch
 from dynashard.options import Options
 
@@ -35,6 +36,9 @@ from dynashard.options import Options
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
 # multiply-adds of one core, so 256 leaves a margin for the collective's fixed latency.
 _GATHER_MIN_IN_FEATURES = 256
+# Rounds of re-cutting colwise outputs for the shape rules (heads.py): a fused qkv needs two
+# (component boundaries, then whole heads), GQA a third.
+_MAX_ROUNDS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +58,8 @@ class Plan:
 
     def fingerprint(self, shapes: list[str]) -> str:
         """A hash every rank must agree on before the first collective."""
-        rows = [(m.fqn, m.node.name, self.decisions[m.node].style) for m in self.linears]
+        cuts = self.layouts.weight_splits
+        rows = [(m.fqn, m.node.name, self.decisions[m.node].style, str(cuts.get(m.node))) for m in self.linears]
         return hashlib.sha256(repr((rows, shapes)).encode()).hexdigest()[:16]
 
 
@@ -96,13 +101,25 @@ def make_plan(
         "uniform_inputs": uniform_inputs,
         "stacked": options.weights == "per_rank",
     }
-    if options.plan == "auto":
-        decisions = _auto(linears, blocked, graph, options, world, rank, modes)
-        _follow_earlier_splits(linears, decisions, blocked, presplit or {})
-    else:
-        decisions = _user(linears, blocked, options.plan_dict, modes["stacked"])
+    auto = options.plan == "auto"
+    user = None if auto else _user(linears, blocked, options.plan_dict, modes["stacked"])
+    splits: dict[torch.fx.Node, Split] = {}  # how each colwise output is cut (heads, fused parts)
+    forced: dict[torch.fx.Node, Decision] = {}  # auto: kept whole so that the rest can stay sharded
+    for _ in range(_MAX_ROUNDS):
+        wishes: list[Wish] = []
+        if auto:
+            decisions = _auto(linears, blocked, graph, options, world, rank, modes, splits, forced, wishes)
+            _follow_earlier_splits(linears, decisions, blocked, presplit or {})
+        else:
+            decisions = dict(user)
+        layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, **modes)
+        if not _grant(wishes + layouts.wishes, splits, forced if auto else None, linears):
+            break
+    _describe_cuts(linears, decisions, splits)
     while True:
-        layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, **modes)
+        layouts = propagate(
+            graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, **modes
+        )
         unsafe = unsafe_mutations(graph, layouts)
         if not unsafe:
             return Plan(linears, decisions, layouts)
@@ -121,13 +138,68 @@ def make_plan(
                 decisions[n] = Decision("rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
 
 
-def _auto(linears, blocked, graph, options: Options, world: int, rank: int, modes: dict) -> dict[torch.fx.Node, Decision]:
+def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[LinearMatch]) -> bool:
+    """Re-cut (or, for the auto plan, keep whole) the origins the shape rules asked about.
+
+    Wishes of one round combine: component boundaries first, then the least common unit. A
+    weight shared by several layers keeps its cut (its uses must agree). True if anything changed.
+    """
+    by_node = {m.node: m for m in linears}
+    uses: dict[torch.fx.Node, int] = {}
+    for m in linears:
+        uses[m.weight] = uses.get(m.weight, 0) + 1
+    cuts: dict[torch.fx.Node, set[int]] = {}
+    units: dict[torch.fx.Node, int] = {}
+    changed = False
+    for w in wishes:
+        for o in w.origins:
+            m = by_node[o]
+            if uses[m.weight] > 1:
+                continue
+            current = splits.get(o, even(m.out_features))
+            if w.kind == "replicate":
+                if forced is not None and o not in forced:
+                    forced[o] = Decision("replicate", f"kept whole: {w.reason}")
+                    changed = True
+            elif w.kind == "cut":
+                cuts.setdefault(o, set()).update(w.arg)
+            else:
+                units[o] = math.lcm(units.get(o, current.unit), current.unit * w.arg)
+    for o in set(cuts) | set(units):
+        m = by_node[o]
+        current = splits.get(o, even(m.out_features))
+        new = current.cut(cuts.get(o, set()))
+        new = new.coarsen(units.get(o, new.unit) // new.unit) if units.get(o, new.unit) % new.unit == 0 else None
+        if new is not None and new != current:
+            splits[o] = new
+            changed = True
+    return changed
+
+
+def _describe_cuts(linears: list[LinearMatch], decisions: dict, splits: dict) -> None:
+    for m in linears:
+        split, d = splits.get(m.node), decisions[m.node]
+        if split is None or d.style != "colwise":
+            continue
+        what = f"{len(split.parts)} components of {'/'.join(map(str, split.parts))}" if len(split.parts) > 1 else f"{split.parts[0]}"
+        note = f"cut in {what} units of {split.unit}"
+        decisions[m.node] = Decision(d.style, f"{d.reason}; {note}" if d.reason else note)
+
+
+def _auto(
+    linears, blocked, graph, options: Options, world: int, rank: int, modes: dict, splits: dict, forced: dict,
+    wishes: list[Wish],
+) -> dict[torch.fx.Node, Decision]:
+    """Styles from one walk of the graph (tentatively colwise, rowwise where the input arrives
+    sharded); ``wishes`` collects what the shape rules asked for on the way."""
     decisions: dict[torch.fx.Node, Decision] = {}
     partners: dict[torch.fx.Node, list[str]] = {}
 
     def choose(m: LinearMatch, src: Shard | None) -> str:
         numel = m.in_features * m.out_features
-        if blocked[m.node]:
+        if m.node in forced:
+            decisions[m.node] = forced[m.node]
+        elif blocked[m.node]:
             decisions[m.node] = Decision("replicate", blocked[m.node])
         elif numel < options.min_shard_numel:
             decisions[m.node] = Decision(
@@ -149,7 +221,7 @@ def _auto(linears, blocked, graph, options: Options, world: int, rank: int, mode
         return decisions[m.node].style
 
     by_node = {m.node: m for m in linears}
-    propagate(graph, by_node, choose, world, rank, **modes)
+    wishes.extend(propagate(graph, by_node, choose, world, rank, splits=splits, **modes).wishes)
     for m in linears:
         d = decisions[m.node]
         if d.style != "colwise":

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from dynashard import _torch_private as private
-from dynashard.layout import shard_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +65,8 @@ class GraphReport:
             numel = val.numel()
             if d.style != "replicate":
                 dim = m.out_dim if d.style == "colwise" else m.in_dim
-                numel = numel // val.shape[dim] * shard_bounds(val.shape[dim], analysis.world, analysis.rank)[1]
+                split = plan.layouts.weight_splits[m.node]
+                numel = numel // val.shape[dim] * split.local(analysis.world, analysis.rank)
                 numel *= analysis.world if analysis.stacked else 1
             comms = charged[m.node]
             rows.append(

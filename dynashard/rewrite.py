@@ -33,7 +33,17 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import collectives
-from dynashard.layout import GATHER, GLOBAL, GLOBAL_NARROW, NARROW, LayoutMap, Shard, alias_roots, mutated_roots
+from dynashard.layout import (
+    GATHER,
+    GLOBAL,
+    GLOBAL_NARROW,
+    NARROW,
+    LayoutMap,
+    Shard,
+    alias_roots,
+    even,
+    mutated_roots,
+)
 from dynashard.plan import Plan
 
 aten = torch.ops.aten
@@ -57,18 +67,23 @@ class _Sharder(torch.fx.Interpreter):
         lay = lm.layouts[producer]
         if how == NARROW:
             assert out is not None, f"narrow of {producer} without a sharded output"
-            return aten.narrow(value, out.dim, out.start, out.length)
+            return take(value, out)
         if how == GLOBAL_NARROW:
             if not lm.per_rank:
-                return aten.narrow(value, -1, out.start, out.length)
-            return self.comm.own_rows_to_shard(value, out.start, out.length, out.chunk, lm.world, group)
+                return take(value, out)
+            return self.comm.own_rows_to_shard(value, out.split.lengths(lm.world)[0], lm.rank, group)
         if how == GLOBAL and lay is None:
             return self.comm.all_gather_rows(value, group) if lm.per_rank else value
         if how == GATHER and lm.per_rank:
-            return self.comm.shard_to_own_rows(value, lay.size, lay.chunk, lm.world, group)
-        # GATHER / GLOBAL of a Shard: gather its sharded dim (moved last, then back)
+            return self.comm.shard_to_own_rows(value, lay.split.lengths(lm.world)[0], lm.rank, group)
+        # GATHER / GLOBAL of a Shard: gather its cut dim (moved last, then back)
         moved = value if lay.dim == -1 else value.movedim(lay.dim, -1)
-        full = self.comm.all_gather_last_dim(moved, lay.size, lay.chunk, lm.world, group)
+        merged = not _is_size(moved.shape[-1], lay.length)  # a batch dim merged in front: [B * h]
+        if merged:
+            moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
+        full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group)
+        if merged:
+            full = full.flatten(-2)
         # NOTE: kernels called at aten level (e.g. CPU flash attention) assume a unit-stride last
         # dim, which a moved-back gather does not have: make it contiguous.
         return full if lay.dim == -1 else full.movedim(-1, lay.dim).contiguous()
@@ -92,18 +107,24 @@ class _Sharder(torch.fx.Interpreter):
             return self.env[node.args[0]]  # stands for the stacked weight (the bmm transposes it)
         if node in self.by_node and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
             return self._linear(node)
-        out = self.lm.layouts.get(node)
+        out = self.lm.layouts.get(node) or (self.lm.outputs.get(node) or [None])[0]
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._read(node, p, out))
         if node in self.lm.view_sizes:
-            dim, local = self.lm.view_sizes[node]
+            dim, full, local = self.lm.view_sizes[node]
             shape = list(args[1])
-            if shape[dim] != -1:
-                shape[dim] = local
+            if not _is_size(shape[dim], -1):
+                shape[dim] = local if _is_size(shape[dim], full) else shape[dim] // full * local
             if node in self.lm.view_rows_scaled and shape[0] != -1:
                 shape[0] = shape[0] * self.lm.world
             args = (args[0], shape, *args[2:])
         if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
             return self._view(node, args[0], args[1])
+        if node in self.lm.part_sizes:  # a split or slice of the cut dim: this rank's parts
+            sizes = self.lm.part_sizes[node]
+            dim = self.lm.layouts[node.args[0]].dim
+            if node.target is aten.slice.Tensor:
+                return aten.narrow(args[0], dim, *sizes)
+            return aten.split_with_sizes(args[0], list(sizes), dim)
         return getattr(self, node.op)(node.target, args, kwargs)
 
     def _view(self, node: torch.fx.Node, value: Any, shape: list) -> Any:
@@ -147,7 +168,7 @@ class _Sharder(torch.fx.Interpreter):
                 y = (y3 + self.env[m.bias].unsqueeze(1)).reshape(y.shape)
             return y
         src = lm.layouts.get(m.input)
-        in_shard = src if src is not None else lm.shard(m.in_features, frozenset())
+        in_shard = src if src is not None else lm.shard(even(m.in_features), frozenset())
         x = self._read(node, m.input, in_shard)
         if m.kind == "embedding":
             y = self._vocab_lookup(self.env[m.weight], x, in_shard)
@@ -161,6 +182,22 @@ class _Sharder(torch.fx.Interpreter):
         if m.bias is not None:
             y = aten.add(y, self._read(node, m.bias, None))
         return y
+
+
+def _is_size(a: Any, b: int) -> bool:
+    return isinstance(a, int) and a == b
+
+
+def take(value: Any, shard: Shard) -> Any:
+    """This rank's pieces of a replicated ``value`` along ``shard``'s dim (repeated over a batch
+    dim merged in front of it)."""
+    d, size = shard.dim, shard.size
+    merged = not _is_size(value.shape[d], size)
+    if merged:
+        value = value.unflatten(d, (value.shape[d] // size, size))
+    pieces = [aten.narrow(value, d, start, length) for start, length in shard.pieces]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
+    return out.flatten(d - 1, d) if merged else out
 
 
 def rewrite(

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynashard.layout import shard_bounds
 from dynashard.rewrite import _Sharder
+from dynashard.weights import cut
 
 _TIMEOUT_S = 120
 
@@ -52,8 +52,14 @@ class SimulatedCollectives:
     def all_reduce_sum(self, x, group_name):
         return torch.stack(self._all(x)).sum(0)
 
-    def all_gather_last_dim(self, x, size, chunk, world, group_name):
-        return torch.cat(self._all(x), -1)
+    def all_gather_last_dim(self, x, lengths, rank, group_name):
+        everyone = self._all(x)
+        pieces = []  # component by component, rank by rank
+        for c, ls in enumerate(lengths):
+            for r, a in enumerate(everyone):
+                offset = sum(other[r] for other in lengths[:c])
+                pieces.append(a.narrow(-1, offset, ls[r]))
+        return torch.cat(pieces, -1)
 
     def all_gather_rows(self, x, group_name):
         return torch.cat(self._all(x), 0)
@@ -62,11 +68,13 @@ class SimulatedCollectives:
         total = torch.stack(self._all(x)).sum(0)
         return total.reshape(world, total.shape[0] // world, *total.shape[1:])[self.rank]
 
-    def shard_to_own_rows(self, x, size, chunk, world, group_name):
+    def shard_to_own_rows(self, x, lengths, rank, group_name):
+        world = len(lengths)
         return torch.cat([a.reshape(world, a.shape[0] // world, *a.shape[1:])[self.rank] for a in self._all(x)], -1)
 
-    def own_rows_to_shard(self, x, start, length, chunk, world, group_name):
-        return torch.cat([a.narrow(-1, start, length) for a in self._all(x)], 0)
+    def own_rows_to_shard(self, x, lengths, rank, group_name):
+        start = sum(lengths[:rank])
+        return torch.cat([a.narrow(-1, start, lengths[rank]) for a in self._all(x)], 0)
 
 
 class _RecordsLinears:
@@ -94,9 +102,8 @@ class _Reference(_RecordsLinears, torch.fx.Interpreter):
         self.linears, self.seen = set(linears), {}
 
 
-def _cut(full: torch.Tensor, dim: int, world: int, rank: int, stacked: bool) -> torch.Tensor:
-    start, length, _ = shard_bounds(full.shape[dim], world, rank)
-    block = full.detach().narrow(dim, start, length)
+def _cut(full: torch.Tensor, dim: int, split, world: int, rank: int, stacked: bool) -> torch.Tensor:
+    block = cut(full.detach(), dim, split, world, rank)
     return torch.stack([block] * world) if stacked else block  # replicated model: every rank's block alike
 
 
@@ -117,8 +124,8 @@ def verify(analyses: list[Any], inputs: list[Any]) -> tuple[dict[str, float], fl
     def run_rank(rank: int) -> None:
         a = analyses[rank]
         args = list(inputs)
-        for i, (_, dim) in a.sharded_inputs().items():
-            args[i] = _cut(inputs[i], dim, world, rank, a.stacked)
+        for i, (_, dim, split) in a.sharded_inputs().items():
+            args[i] = _cut(inputs[i], dim, split, world, rank, a.stacked)
         comm = SimulatedCollectives(rank, world, exchange)
         sharder = _Recording(a.aten, a.plan, "simulated", False, comm, linears=[m.node for m in a.plan.linears])
         try:
@@ -153,6 +160,17 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max()) if want.numel() else 0.0
 
 
+def _assemble(values: list[torch.Tensor], split) -> torch.Tensor:
+    """Every rank's colwise output back in feature order (component by component, rank by rank)."""
+    world = len(values)
+    lengths = split.lengths(world)
+    pieces = []
+    for c, ls in enumerate(lengths):
+        for r, v in enumerate(values):
+            pieces.append(v.narrow(-1, sum(other[r] for other in lengths[:c]), ls[r]))
+    return torch.cat(pieces, -1)
+
+
 def _layer_errors(analyses, results, reference: dict) -> dict[str, float]:
     errors: dict[str, float] = {}
     first = analyses[0]
@@ -161,7 +179,7 @@ def _layer_errors(analyses, results, reference: dict) -> dict[str, float]:
         if style == "replicate" or first.plan.layouts.per_rank:
             continue  # replicated layers are the unsharded ones; per-rank rows are checked at the outputs
         values = [seen[analyses[r].plan.linears[i].node] for r, (_, seen) in enumerate(results)]
-        got = torch.cat(values, -1) if style == "colwise" else values[0]
+        got = _assemble(values, first.plan.layouts.weight_splits[m.node]) if style == "colwise" else values[0]
         err = max([_err(got, reference[m.node])] + [_err(v, values[0]) for v in values[1:] if style == "rowwise"])
         errors[m.fqn] = max(errors.get(m.fqn, 0.0), err)
     return errors

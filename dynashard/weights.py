@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dynashard import _torch_private as private
 from dynashard.collectives import broadcast_from_first, exchange_blocks, exchange_status
-from dynashard.layout import shard_bounds
+from dynashard.layout import Split
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
     dim: int
+    split: Split
     world: int
     rank: int
     group_name: str
@@ -71,10 +72,11 @@ class WeightStore:
                 )
             return entry.shard
         if spec.stacked:
-            shard = exchange_blocks(param, spec.dim, spec.world, spec.rank, group)
+            (lengths,) = spec.split.lengths(spec.world)  # per_rank weights: one component
+            shard = exchange_blocks(param, spec.dim, lengths, spec.rank, group)
         else:
-            start, length, _ = shard_bounds(param.shape[spec.dim], spec.world, spec.rank)
-            shard = param.detach().narrow(spec.dim, start, length).clone(memory_format=torch.contiguous_format)
+            shard = cut(param.detach(), spec.dim, spec.split, spec.world, spec.rank)
+            shard = shard.clone(memory_format=torch.contiguous_format)
         self._shards[param] = _Entry(spec, shard, fqn)
         return shard
 
@@ -138,6 +140,12 @@ class WeightStore:
             broadcast_from_first([t for _, t in fresh], group)
         for _, t in fresh:
             self._agreed[t] = True
+
+
+def cut(full: torch.Tensor, dim: int, split: Split, world: int, rank: int) -> torch.Tensor:
+    """Rank's pieces of ``full`` along ``dim``, side by side (a view when there is one piece)."""
+    pieces = [full.narrow(dim, start, length) for start, length in split.pieces(world, rank)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def _checksum(t: torch.Tensor) -> tuple[float, float, float]:

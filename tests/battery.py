@@ -36,12 +36,21 @@ CASES = {
     "pr_residual": ("residual", 32, 70, [(6, 32), (9, 32), (4, 32)], {"inputs": "per_rank"}),
     "pr_matmul": ("matmul", 32, 96, [(2, 3, 32), (4, 5, 32)], {"inputs": "per_rank"}),
     "pr_conv1d_own_weights": ("conv1d", 32, 96, [(2, 3, 32), (4, 5, 32)], _PER_RANK),
-    # ids in: a vocab-parallel embedding tied to a colwise LM head (50 = 13+13+13+11 on 4 ranks).
+    # ids in: a vocab-parallel embedding tied to a colwise LM head (50 = 13+13+12+12 on 4 ranks).
     "tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)], {}),
     "pr_tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)], {"inputs": "per_rank"}),
     # 4 heads (a hard-coded head count in the model), heads split across ranks: one all_reduce.
     "attention": ("attention", 32, 4, [(2, 5, 32), (3, 7, 32)], {}),
     "inverted_plan": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)], {"plan": {"up": "rowwise", "down": "colwise"}}),
+    # Whole transformers as written (hard-coded head counts, fused c_attn, GQA, RoPE), ids in,
+    # several sequence lengths with one dynamic graph; the vocabulary (second number) is uneven.
+    "nanogpt": ("nanogpt", 64, 90, [(2, 7), (3, 11), (2, 16)], {}),
+    "nanogpt_manual": ("nanogpt_manual", 64, 90, [(2, 7), (3, 11)], {}),
+    "llama": ("llama", 128, 90, [(2, 7), (3, 11), (2, 16)], {}),  # 8 query heads, 4 KV heads
+    "llama_complex": ("llama_complex", 128, 90, [(2, 7), (3, 11)], {}),
+    "llama_manual": ("llama_manual", 128, 90, [(2, 7), (3, 11)], {}),
+    "llama_6_heads": ("llama_6_heads", 96, 90, [(2, 7), (3, 11)], {}),  # 2/2/1/1 heads on 4 ranks
+    "llama_few_kv": ("llama_few_kv", 128, 90, [(2, 7), (3, 11)], {}),  # 2 KV heads: replicated on 4 ranks
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -58,7 +67,17 @@ SHARDED = {
     "seed": {"weight"},
     "attention": {"q.weight", "k.weight", "v.weight", "o.weight"},
     "tiny_lm": {"embed.weight", "mlp.up.weight", "mlp.down.weight"},
+    "nanogpt": {"wte.weight", "wpe.weight"}
+    | {f"h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj")},
+    "llama": {"embed_tokens.weight"}
+    | {f"layers.{i}.{n}.weight" for i in range(2) for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "gate_proj", "up_proj",
+        "down_proj")},
 }
+SHARDED.update({name: SHARDED["llama"] for name in ("llama_complex", "llama_manual", "llama_6_heads")})
+SHARDED["nanogpt_manual"] = SHARDED["nanogpt"]
+# With fewer KV heads (2) than ranks (4) the KV projections are kept whole (each rank narrows them).
+SHARDED["llama_few_kv"] = {n for n in SHARDED["llama"] if "k_proj" not in n and "v_proj" not in n}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},
@@ -83,7 +102,7 @@ def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
     torch.manual_seed(rank if extra.get("weights") == "per_rank" else 0)
     model = models.build(model_name, hidden, ffn).to(dtype)
     torch.manual_seed(100 + (rank if extra.get("inputs") == "per_rank" else 0))
-    if model_name == "tiny_lm":  # token ids
+    if model_name in models.IDS_IN:  # token ids
         inputs = [torch.randint(0, ffn, s) for s in shapes]
     else:
         inputs = [torch.randn(s, dtype=dtype) for s in shapes]

@@ -385,6 +385,40 @@ class LlamaDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class FusedGateUp(nn.Module):
+    """One linear producing [gate | up], chunked: ``down(silu(gate) * up)``."""
+
+    def __init__(self, hidden: int = 64, ffn: int = 96) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class FusedGQAAttention(nn.Module):
+    """Phi-3 style: one ``qkv_proj`` for q (8 heads) and k, v (``n_kv`` heads each), sliced apart."""
+
+    def __init__(self, hidden: int = 128, n_heads: int = 8, n_kv: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.dh = n_heads, n_kv, hidden // n_heads
+        self.qkv_proj = nn.Linear(hidden, (n_heads + 2 * n_kv) * self.dh, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q_end, k_end = self.n_heads * self.dh, (self.n_heads + self.n_kv) * self.dh
+        q = qkv[..., :q_end].view(b, t, self.n_heads, self.dh).transpose(1, 2)
+        k = qkv[..., q_end:k_end].view(b, t, self.n_kv, self.dh).transpose(1, 2)
+        v = qkv[..., k_end:].view(b, t, self.n_kv, self.dh).transpose(1, 2)
+        k, v = repeat_kv(k, self.n_heads // self.n_kv), repeat_kv(v, self.n_heads // self.n_kv)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -399,4 +433,17 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "seed": lambda: nn.Linear(hidden, ffn),
         "tiny_lm": lambda: TinyLM(hidden, ffn),
         "attention": lambda: AttentionBlock(hidden, ffn),  # ffn = number of heads
+        # transformers: ids in, ffn = vocabulary
+        "nanogpt": lambda: NanoGPT(vocab=ffn, n_embd=hidden, n_head=4, n_layer=2),
+        "nanogpt_manual": lambda: NanoGPT(vocab=ffn, n_embd=hidden, n_head=4, n_layer=2, flash=False),
+        "llama": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4),
+        "llama_complex": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4, rope="complex",
+                                              repeat="interleave"),
+        "llama_manual": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4, attention="manual"),
+        "llama_few_kv": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=2),
+        "llama_6_heads": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=6),
     }[name]()
+
+
+IDS_IN = {"tiny_lm", "nanogpt", "nanogpt_manual", "llama", "llama_complex", "llama_manual", "llama_few_kv",
+          "llama_6_heads"}

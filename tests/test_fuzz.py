@@ -110,7 +110,9 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
     import dynashard.simulate as simulate
 
     real_cut = simulate._cut
-    monkeypatch.setattr(simulate, "_cut", lambda full, dim, world, rank, stacked: real_cut(full, dim, world, 0, stacked))
+    monkeypatch.setattr(
+        simulate, "_cut", lambda full, dim, split, world, rank, stacked: real_cut(full, dim, split, world, 0, stacked)
+    )
     model = RandomMLP(16, [24], "gelu", True, False, False)
     with pytest.raises(RuntimeError, match="differs from the model"):
         dynashard.explain(model, torch.randn(4, 16), world_size=2, options={"min_shard_numel": 0}, verify=True)

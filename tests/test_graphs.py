@@ -143,25 +143,31 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     return (view_3,)""")
 
     def test_colwise_gather_uneven(self):
-        # 90 outputs on 4 ranks: 23, 23, 23, 21. Rank 3 pads to 23 before the gather.
+        # 90 outputs on 4 ranks, balanced: 23, 23, 22, 22. Rank 3 pads to 23 before the gather;
+        # after it the padding of ranks 2 and 3 is cut away (one narrow per run of equal ranks).
         gm = rewritten(models.Head(32, 90), torch.randn(5, 32), world=4, rank=3, plan={"proj": "colwise"})
         self.assertEqual(_count(gm, "all_gather_into_tensor"), 1)
         self.assertEqual(_count(gm, "all_reduce"), 0)
-        self.assertEqual(weight_shapes(gm), [(21, 32)])
+        self.assertEqual(weight_shapes(gm), [(22, 32)])
         self.assertExpectedInline(_normalise(gm.code), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     t = torch.ops.aten.t.default(arg0_1)
-    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 69, 90)
+    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 68, 90)
     addmm = torch.ops.aten.addmm.default(slice_1, arg3_1, t)
-    constant_pad_nd = torch.ops.aten.constant_pad_nd.default(addmm, [0, 2], 0.0)
+    constant_pad_nd = torch.ops.aten.constant_pad_nd.default(addmm, [0, 1], 0.0)
     all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(constant_pad_nd, 4, 'G')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor)
     view = torch.ops.aten.view.default(wait_tensor, [4, arg2_1, 23])
     permute = torch.ops.aten.permute.default(view, [1, 0, 2])
-    clone = torch.ops.aten.clone.default(permute, memory_format = torch.contiguous_format)
-    _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [arg2_1, 92])
-    slice_2 = torch.ops.aten.slice.Tensor(_unsafe_view, -1, 0, 90)
-    _softmax = torch.ops.aten._softmax.default(slice_2, -1, False)
+    slice_2 = torch.ops.aten.slice.Tensor(permute, -2, 0, 2)
+    clone = torch.ops.aten.clone.default(slice_2, memory_format = torch.contiguous_format)
+    _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [arg2_1, 46])
+    slice_3 = torch.ops.aten.slice.Tensor(permute, -2, 2, 4)
+    slice_4 = torch.ops.aten.slice.Tensor(slice_3, -1, 0, 22)
+    clone_1 = torch.ops.aten.clone.default(slice_4, memory_format = torch.contiguous_format)
+    _unsafe_view_1 = torch.ops.aten._unsafe_view.default(clone_1, [arg2_1, 44])
+    cat = torch.ops.aten.cat.default([_unsafe_view, _unsafe_view_1], -1)
+    _softmax = torch.ops.aten._softmax.default(cat, -1, False)
     return (_softmax,)""")
 
     def test_rowwise_narrows_replicated_input(self):
@@ -202,6 +208,66 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
     all_reduce = torch.ops._c10d_functional.all_reduce.default(where, 'sum', 'G')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
     return (wait_tensor,)""")
+
+    def test_nanogpt_attention_fused_qkv_uneven_heads(self):
+        # nanoGPT's c_attn [q | k | v] with n_head=6 hard-coded, 4 ranks: rank 3 holds head 5 of
+        # each of q, k and v (2/2/1/1 heads), the split sizes and head counts are rewritten
+        # (split 96 -> 16, view 6 -> 1 head), and the block costs one all_reduce.
+        torch.manual_seed(0)
+        gm = rewritten(models.NanoGPTAttention(96, 6, 32), torch.randn(2, 5, 96), world=4, rank=3)
+        self.assertEqual(_count(gm, "all_reduce"), 1)
+        self.assertEqual(_count(gm, "all_gather"), 0)
+        self.assertEqual(weight_shapes(gm), [(48, 96), (96, 16)])
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
+    mul = arg0_1 * arg1_1
+    view = torch.ops.aten.view.default(arg2_1, [mul, 96])
+    t = torch.ops.aten.t.default(arg3_1)
+    slice_1 = torch.ops.aten.slice.Tensor(arg4_1, -1, 80, 96)
+    slice_2 = torch.ops.aten.slice.Tensor(arg4_1, -1, 176, 192)
+    slice_3 = torch.ops.aten.slice.Tensor(arg4_1, -1, 272, 288)
+    cat = torch.ops.aten.cat.default([slice_1, slice_2, slice_3], -1)
+    addmm = torch.ops.aten.addmm.default(cat, view, t)
+    view_1 = torch.ops.aten.view.default(addmm, [arg0_1, arg1_1, 48])
+    split_with_sizes = torch.ops.aten.split_with_sizes.default(view_1, [16, 16, 16], -1)
+    getitem = split_with_sizes[0]
+    getitem_1 = split_with_sizes[1]
+    getitem_2 = split_with_sizes[2]
+    view_2 = torch.ops.aten.view.default(getitem_1, [arg0_1, arg1_1, 1, 16])
+    transpose = torch.ops.aten.transpose.int(view_2, 1, 2)
+    view_3 = torch.ops.aten.view.default(getitem, [arg0_1, arg1_1, 1, 16])
+    transpose_1 = torch.ops.aten.transpose.int(view_3, 1, 2)
+    view_4 = torch.ops.aten.view.default(getitem_2, [arg0_1, arg1_1, 1, 16])
+    transpose_2 = torch.ops.aten.transpose.int(view_4, 1, 2)
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(transpose_1, transpose, transpose_2, 0.0, True)
+    getitem_3 = _scaled_dot_product_flash_attention_for_cpu[0]
+    getitem_4 = _scaled_dot_product_flash_attention_for_cpu[1]
+    transpose_3 = torch.ops.aten.transpose.int(getitem_3, 1, 2)
+    view_5 = torch.ops.aten.view.default(transpose_3, [arg0_1, arg1_1, 16])
+    view_6 = torch.ops.aten.view.default(view_5, [mul, 16])
+    t_1 = torch.ops.aten.t.default(arg5_1)
+    mm = torch.ops.aten.mm.default(view_6, t_1)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    add = torch.ops.aten.add.Tensor(wait_tensor, arg6_1)
+    view_7 = torch.ops.aten.view.default(add, [arg0_1, arg1_1, 96])
+    return (view_7,)""")
+
+    def test_llama_decoder_two_all_reduces_per_block(self):
+        # GQA (8 query heads, 4 KV heads), RoPE (rotate-half: slices, neg, cat, mul), repeat_kv
+        # (expand + reshape), SDPA, SwiGLU; 4 ranks: 2 query heads and 1 KV head each. Per block one
+        # all_reduce after attention and one after the MLP, plus one for the vocab-parallel embedding.
+        torch.manual_seed(0)
+        model = models.LlamaDecoder(vocab=90, hidden=128, n_heads=8, n_kv_heads=4, n_layer=2)
+        gm = rewritten(model, torch.randint(0, 90, (2, 5)), world=4, rank=1)
+        self.assertEqual(_count(gm, "all_reduce"), 1 + 2 * 2)
+        self.assertEqual(_count(gm, "all_gather"), 0)
+        shapes = weight_shapes(gm)
+        # per layer: q 2 heads of 16, k and v 1 head, o 32 inputs, gate/up/down 176 / 4 = 44; embedding 23 of 90 ids
+        expected = {(32, 128): 2, (16, 128): 4, (128, 32): 2, (44, 128): 4, (128, 44): 2, (23, 128): 1}
+        self.assertEqual({s: shapes.count(s) for s in expected}, expected)
+        heads = sorted({n.args[1][1] for n in gm.graph.nodes if "expand" in str(n.target) and len(n.args[1]) == 5})
+        self.assertEqual(heads, [1])  # repeat_kv expands this rank's one KV head (of 4)
 
     def test_replicate_plan_leaves_graph_alone(self):
         torch._dynamo.reset()

@@ -7,19 +7,32 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard.layout import shard_bounds
+from dynashard.layout import Split, shard_bounds
 from dynashard.options import Options, parse_options
 from tests import models
 
 
-def test_shard_bounds_cover_the_dim_like_torch_chunk():
+def test_shard_bounds_are_balanced_and_cover_the_dim():
     for size in (1, 6, 7, 50, 90, 96):
         for world in (1, 2, 3, 4):
             parts = [shard_bounds(size, world, r) for r in range(world)]
-            chunks = torch.arange(size).chunk(world)
-            lengths = [c.numel() for c in chunks] + [0] * (world - len(chunks))
-            assert [p[1] for p in parts] == lengths
-            assert [p[0] for p in parts] == [min(r * parts[0][2], size) for r in range(world)]
+            lengths = [p[1] for p in parts]
+            assert max(lengths) - min(lengths) <= 1 and sorted(lengths, reverse=True) == lengths
+            assert [p[0] for p in parts] == [sum(lengths[:r]) for r in range(world)] and sum(lengths) == size
+    assert [shard_bounds(6, 4, r)[1] for r in range(4)] == [2, 2, 1, 1]  # 6 heads on 4 ranks
+
+
+def test_split_components_and_units():
+    # A fused [q | k | v] of 3 x 6 heads of 16 on 4 ranks: every rank holds whole heads of each.
+    split = Split((6, 6, 6), 16)
+    assert split.size == 288 and split.fewest_units(4) == 1
+    assert split.pieces(4, 0) == [(0, 32), (96, 32), (192, 32)]
+    assert split.pieces(4, 3) == [(80, 16), (176, 16), (272, 16)]
+    covered = sorted(i for r in range(4) for s, n in split.pieces(4, r) for i in range(s, s + n))
+    assert covered == list(range(288))
+    assert Split((96,), 1).cut({32, 64}) == Split((32, 32, 32), 1)
+    assert Split((32, 32, 32), 1).coarsen(16) == Split((2, 2, 2), 16)
+    assert Split((6,), 16).coarsen(4) is None  # 6 heads are not whole groups of 4
 
 
 def test_options_validation():
@@ -203,6 +216,31 @@ def test_attention_heads_split_across_ranks_with_one_all_reduce():
     report = dynashard.explain(models.AttentionBlock(512, 8), torch.randn(2, 6, 512), world_size=4, verify=True)
     assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
     assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"]
-    # 3 heads on 4 ranks would leave a rank without heads: attention meets a gather instead, still correct.
+    # 6 heads on 4 ranks: 2/2/1/1 whole heads each, still one all_reduce.
+    report = dynashard.explain(models.AttentionBlock(384, 6), torch.randn(2, 6, 384), world_size=4, verify=True)
+    assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"]
+    assert "cut in 6 units of 64" in report.rows[0].reason
+    # 3 heads on 4 ranks would leave a rank without heads: the auto plan keeps q/k/v whole and says
+    # why; a plan that insists on colwise meets a gather before attention. Both correct.
     report = dynashard.explain(models.AttentionBlock(384, 3), torch.randn(2, 6, 384), world_size=4, verify=True)
+    assert [r.style for r in report.rows[:3]] == ["replicate"] * 3
+    assert "3 heads of 128 cannot be cut over 4 ranks" in report.rows[0].reason
+    plan = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    report = dynashard.explain(models.AttentionBlock(384, 3), torch.randn(2, 6, 384), world_size=4, verify=True,
+                               options={"plan": plan})
     assert report.rows[0].collectives.startswith("all_gather")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_projections_are_cut_per_component(world):
+    """[gate | up] chunked, and a Phi-3 style fused qkv with GQA sliced apart: each rank holds its
+    part of every component, so the pair costs one all_reduce and no gather."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.FusedGateUp(64, 96), torch.randn(2, 5, 64), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    assert [r.collectives for r in report.rows] == ["-", "all_reduce"]
+    assert "2 components of 96/96 units of 1" in report.rows[0].reason
+    report = dynashard.explain(models.FusedGQAAttention(128, 8, 4), torch.randn(2, 5, 128), world_size=world,
+                               verify=True, options={"min_shard_numel": 0})
+    assert [r.collectives for r in report.rows] == ["-", "all_reduce"]
+    assert "3 components of 8/4/4 units of 16" in report.rows[0].reason
