@@ -11,15 +11,15 @@ After (a layout per value, a conversion per edge)::
     addmm_up -> Shard(4096)   gelu -> Shard   view -> Shard (last dim 4096 -> 2048)
     mm_down: input used locally, output all_reduce'd -> Replicated; output: nothing to gather
 
-Rules. Values are Replicated (``None``) or a :class:`Shard` of their last dim, laid out like
-``torch.chunk`` (every rank ``ceil(N / world)`` wide, the tail short or empty):
+Rules. Values are Replicated (``None``) or a :class:`Shard`: one dim cut by a :class:`Split`
+(whole units per component, balanced over ranks; the plan chooses each colwise output's split):
   * colwise linear: replicated input, output Shard(out_features); a bias is narrowed.
   * rowwise linear: sharded input used locally, a replicated one narrowed; partial sums
     all-reduced; the bias added once, after the reduction.
-  * pointwise ops (``torch.Tag.pointwise``) and dtype/copy ops keep a Shard when every tensor
-    operand is a Shard of the same size, broadcasts over the last dim, or can be narrowed.
-    In-place ops keep their ``self`` operand's layout.
-  * view/reshape keep a Shard when the last dim is untouched; its size constant is rewritten.
+  * pointwise ops (``torch.Tag.pointwise``) and dtype/copy ops keep a Shard when every sharded
+    operand holds the same elements on every rank; replicated operands broadcast over the cut
+    dim or are narrowed. In-place ops keep their ``self`` operand's layout.
+  * views and the shape ops of attention: heads.py (a size constant of the cut dim is rewritten).
   * anything else, and graph outputs, read a Shard only after it is gathered (one gather per
     value, shared by its consumers). Correct by construction: unknown ops cost a gather.
 
