@@ -385,6 +385,28 @@ class LlamaDecoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class MaskedAttention(AttentionBlock):
+    """SDPA with an explicit additive mask: per head ``[B, H, T, T]`` (narrowed to this rank's
+    heads) or shared ``[T, T]`` (broadcast)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4, per_head: bool = True) -> None:
+        super().__init__(hidden, heads)
+        self.per_head = per_head
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        bias = torch.arange(t, dtype=x.dtype).view(1, 1, t, 1) - torch.arange(t, dtype=x.dtype).view(1, 1, 1, t)
+        if self.per_head:  # ALiBi-like: a slope per head
+            mask = bias * torch.linspace(0.1, 1.0, self.heads, dtype=x.dtype).view(1, -1, 1, 1)
+            mask = mask.expand(b, self.heads, t, t)
+        else:
+            mask = bias[0, 0]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
 class FusedGateUp(nn.Module):
     """One linear producing [gate | up], chunked: ``down(silu(gate) * up)``."""
 

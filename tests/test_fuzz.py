@@ -2,10 +2,12 @@
 inputs, automatic and random user plans, replicated and per-rank inputs -- every case checked
 with ``explain(verify=True)``, which runs every rank's sharded program against the model.
 
-Derandomized so CI sees the same cases every run; raise ``max_examples`` locally to dig deeper.
+Derandomized so CI sees the same cases every run; ``FUZZ_EXAMPLES=300`` digs deeper locally.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dynashard
+from tests import models
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
 
@@ -49,6 +52,26 @@ class Attention(nn.Module):
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
 
 
+class RandomTransformerAttention(nn.Module):
+    """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA or softmax-matmul)
+    or a Phi-3 style fused qkv, with a residual."""
+
+    def __init__(self, heads, kv, dh, rope, repeat, attention, fused):
+        super().__init__()
+        hidden = heads * dh
+        if fused:
+            self.attn = models.FusedGQAAttention(hidden, heads, kv)
+        else:
+            self.attn = models.LlamaAttention(hidden, heads, kv, rope=rope, repeat=repeat, attention=attention)
+        cos, sin = models.rope_tables(dh, 16, rope == "complex")
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin if sin is not None else cos, persistent=False)
+        self.fused = fused
+
+    def forward(self, x):
+        return x + (self.attn(x) if self.fused else self.attn(x, self.cos, self.sin))
+
+
 @st.composite
 def mlp_cases(draw):
     depth = draw(st.integers(1, 3))
@@ -70,6 +93,21 @@ def attention_cases(draw):
     return Attention(hidden, heads), hidden
 
 
+@st.composite
+def transformer_attention_cases(draw):
+    kv = draw(st.integers(1, 4))
+    heads = kv * draw(st.integers(1, 3))
+    dh = 2 * draw(st.integers(1, 4))
+    model = RandomTransformerAttention(
+        heads, kv, dh,
+        rope=draw(st.sampled_from(["half", "complex"])),
+        repeat=draw(st.sampled_from(["expand", "interleave"])),
+        attention=draw(st.sampled_from(["sdpa", "manual"])),
+        fused=draw(st.booleans()),
+    )
+    return model, heads * dh
+
+
 def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False):
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
@@ -88,7 +126,7 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False):
 
 
 SETTINGS = settings(
-    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
@@ -102,6 +140,12 @@ def test_random_mlp_stacks(case, world, shape3d, plan_draw, per_rank, own_weight
 @SETTINGS
 @given(case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
 def test_random_attention(case, world, plan_draw, data):
+    _check(case, world, True, plan_draw, False, data)
+
+
+@SETTINGS
+@given(case=transformer_attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
+def test_random_transformer_attention(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data)
 
 

@@ -244,3 +244,13 @@ def test_fused_projections_are_cut_per_component(world):
                                verify=True, options={"min_shard_numel": 0})
     assert [r.collectives for r in report.rows] == ["-", "all_reduce"]
     assert "3 components of 8/4/4 units of 16" in report.rows[0].reason
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_masked_attention_keeps_heads_sharded(per_head):
+    """An explicit SDPA mask: one with a head dim is narrowed to this rank's heads, one without is
+    broadcast; either way the block costs one all_reduce (6 heads on 4 ranks: 2/2/1/1)."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.MaskedAttention(96, 6, per_head), torch.randn(2, 5, 96), world_size=4,
+                               verify=True, options={"min_shard_numel": 0})
+    assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"]
