@@ -254,3 +254,22 @@ def test_masked_attention_keeps_heads_sharded(per_head):
     report = dynashard.explain(models.MaskedAttention(96, 6, per_head), torch.randn(2, 5, 96), world_size=4,
                                verify=True, options={"min_shard_numel": 0})
     assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"]
+
+
+def test_auto_plan_finds_megatron_for_whole_decoders():
+    """From the graph alone: per block q/k/v (or c_attn) and gate/up (c_fc) colwise, o/down rowwise,
+    one all_reduce after attention and one after the MLP. At world 8 a Llama with 2 KV heads keeps
+    k/v whole (each rank narrows them to its one query head) and still shards everything else."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 90, (2, 6))
+    report = dynashard.explain(models.NanoGPT(vocab=90, n_embd=64, n_head=4, n_layer=2), ids, world_size=2,
+                               verify=True, options={"min_shard_numel": 0})
+    block = {r.fqn: (r.style, r.collectives) for r in report.rows if r.fqn.startswith("h.1.")}
+    assert block == {"h.1.attn.c_attn": ("colwise", "-"), "h.1.attn.c_proj": ("rowwise", "all_reduce"),
+                     "h.1.c_fc": ("colwise", "-"), "h.1.c_proj": ("rowwise", "all_reduce")}
+    model = models.LlamaDecoder(vocab=90, hidden=128, n_heads=8, n_kv_heads=2, n_layer=2)
+    report = dynashard.explain(model, ids, world_size=8, verify=True, options={"min_shard_numel": 0})
+    block = {r.fqn.split(".")[-1]: (r.style, r.collectives) for r in report.rows if r.fqn.startswith("layers.1.")}
+    assert block == {"q_proj": ("colwise", "-"), "k_proj": ("replicate", "-"), "v_proj": ("replicate", "-"),
+                     "o_proj": ("rowwise", "all_reduce"), "gate_proj": ("colwise", "-"),
+                     "up_proj": ("colwise", "-"), "down_proj": ("rowwise", "all_reduce")}
