@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: process group, RSS, per-call timing, JSON records.
+"""Helpers shared by the benchmark scripts: process group, RSS, per-call timing, JSON records,
+the MLP block, parameter bytes held, and a progress bar.
 
 Every function here is plain and stateless; the scripts own all configuration.
 """
@@ -10,12 +11,27 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    """``x + down(gelu(up(x)))``: the residual MLP block every MLP benchmark measures."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
 
 
 def init(threads: int = 1) -> tuple[int, int]:
@@ -51,10 +67,13 @@ def time_call(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, iters: int) -> dict[str, list[float]]:
+def time_interleaved(
+    calls: dict[str, Callable[[], Any]], warmup: int, iters: int, on_round: Callable[[], None] | None = None
+) -> dict[str, list[float]]:
     """Seconds per call of each system, one call of every system per round, after ``warmup`` rounds.
 
-    Interleaving makes load drift on a shared machine hit every system alike.
+    Interleaving makes load drift on a shared machine hit every system alike. ``on_round`` is
+    called after every round (a progress bar).
     """
     times: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(warmup + iters):
@@ -62,6 +81,8 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], warmup: int, iters: in
             t = time_call(fn)
             if i >= warmup:
                 times[name].append(t)
+        if on_round is not None:
+            on_round()
     return times
 
 
@@ -77,10 +98,70 @@ def summarize(rank: int, per_system: dict[str, dict[str, Any]], times: dict[str,
             "median_ms": 1e3 * max(r["median_s"] for r in per_rank),
             "min_ms": 1e3 * max(r["min_s"] for r in per_rank),
             "first_call_s": max(r["first_s"] for r in per_rank),
-            "max_abs_diff": max(r["max_abs_diff"] for r in per_rank),
+            "max_abs_diff": _max_or_none(r["max_abs_diff"] for r in per_rank),
             "per_rank": per_rank,
         })
     return results
+
+
+def _max_or_none(values: Any) -> float | None:
+    """The largest value, ignoring None (a system with no output to check has None everywhere)."""
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Parameter bytes this rank holds: DTensor local shards, dynashard shards, or full tensors."""
+    from torch.distributed.tensor import DTensor
+
+    from dynashard.weights import STORE
+
+    total = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            total += p.to_local().nbytes
+        elif STORE.is_sharded(p):
+            total += STORE.shard_of(p).nbytes + p.untyped_storage().nbytes()  # storage is 0 once freed
+        else:
+            total += p.nbytes
+    return total
+
+
+class Progress:
+    """A one-line progress bar on stderr, rank 0 only: ``[#####.....] 12/40  block t=256: timing``.
+
+    Redrawn in place on a terminal; under a pipe (CI, torchrun --tee) one line per 5% instead.
+    """
+
+    def __init__(self, total: int, enabled: bool, width: int = 30) -> None:
+        self.total, self.enabled, self.width = max(1, total), enabled, width
+        self.done, self.label, self.t0, self._printed = 0, "", time.perf_counter(), -1
+        self.tty = sys.stderr.isatty()
+
+    def step(self, n: int = 1, label: str | None = None) -> None:
+        self.done = min(self.total, self.done + n)
+        self.show(label)
+
+    def show(self, label: str | None = None) -> None:
+        changed = label is not None and label != self.label
+        if label is not None:
+            self.label = label
+        if not self.enabled:
+            return
+        pct = self.done / self.total
+        if not self.tty and not changed and int(pct * 20) == self._printed:
+            return
+        self._printed = int(pct * 20)
+        fill = int(pct * self.width)
+        line = (f"[{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.t0:5.0f}s  {self.label}")
+        sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def hardware() -> dict[str, Any]:

@@ -32,20 +32,9 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from _common import gather, init, mib, record, rss, write_json
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn)
-        self.down = nn.Linear(ffn, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
+from _common import MLP, gather, init, mib, record, rss, write_json
 
 
 def trim() -> bool:

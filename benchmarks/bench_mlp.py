@@ -29,10 +29,9 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from _common import init, mib, record, rss, summarize, time_call, time_interleaved, write_json
+from _common import MLP, held_bytes, init, mib, record, rss, summarize, time_call, time_interleaved, write_json
 
 SYSTEMS = (
     "unsharded eager",
@@ -42,16 +41,6 @@ SYSTEMS = (
     "dynashard eager",
     "dynashard inductor",
 )
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn)
-        self.down = nn.Linear(ffn, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 def build(system: str, base: nn.Module, world: int, min_shard_numel: int) -> tuple[nn.Module, nn.Module]:
@@ -68,23 +57,6 @@ def build(system: str, base: nn.Module, world: int, min_shard_numel: int) -> tup
         options = {"compiler": compiler, "min_shard_numel": min_shard_numel}
         return model, torch.compile(model, backend="dynashard", options=options)
     return model, (torch.compile(model) if compiler == "inductor" else model)
-
-
-def held_bytes(model: nn.Module) -> int:
-    """Parameter bytes this rank holds: DTensor local shards, dynashard shards, or full tensors."""
-    from torch.distributed.tensor import DTensor
-
-    from dynashard.weights import STORE
-
-    total = 0
-    for p in model.parameters():
-        if isinstance(p, DTensor):
-            total += p.to_local().nbytes
-        elif STORE.is_sharded(p):
-            total += STORE.shard_of(p).nbytes + p.untyped_storage().nbytes()  # storage is 0 once freed
-        else:
-            total += p.nbytes
-    return total
 
 
 def main() -> None:

@@ -1,0 +1,255 @@
+"""The suite's workloads, their Megatron plan, and the hand-written tensor-parallel bound.
+
+One plan per workload, written once as ``{module FQN glob: style}`` and applied two ways:
+
+- DTensor: ``parallelize_module`` with the matching ``ColwiseParallel`` / ``RowwiseParallel``
+  styles, plus the head-count edit DTensor needs (``n_heads //= world``, ``n_kv_heads //= world``);
+- the bound: a deep copy of the model whose planned layers are replaced by this rank's shard
+  (``ColwiseShard`` / ``RowwiseShard`` / ``VocabShard`` below) with the minimal collectives
+  written in by hand -- one all_reduce per rowwise layer and per vocab-parallel embedding, one
+  all_gather for a gathered head -- plus the same head-count edit. Everything else in the model
+  (norms, RoPE, attention, residuals) is the model's own code on local shards.
+
+dynashard gets no plan: ``plan="auto"`` must find this one (the suite reports its collectives).
+
+Styles: ``colwise`` (output features split; the output stays sharded), ``rowwise`` (input features
+split; one all_reduce, bias added after it), ``vocab`` (embedding rows split: masked local lookup,
+one all_reduce; DTensor ``RowwiseParallel(input_layouts=Replicate())``), ``gather`` (colwise with
+the output all-gathered: the LM head; DTensor ``ColwiseParallel(output_layouts=Replicate())``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from _common import MLP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+from tests.models import LlamaAttention, LlamaBlock, LlamaDecoder, rope_tables  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    hidden: int = 1024
+    mlp_ffn: int = 4096
+    llama_ffn: int = 2816
+    n_heads: int = 8
+    vocab: int = 32000
+    n_layer: int = 4
+
+
+SMOKE = Sizes(hidden=64, mlp_ffn=256, llama_ffn=176, n_heads=4, vocab=512, n_layer=1)
+
+_BLOCK_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "gate_proj": "colwise",
+    "up_proj": "colwise",
+    "down_proj": "rowwise",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    plan: dict[str, str]
+    build: Callable[[Sizes, int], nn.Module]  # (sizes, max tokens) -> model
+    inputs: Callable[[Sizes, int, int], tuple[Any, ...]]  # (sizes, tokens, max tokens) -> call args
+
+
+def _block_inputs(s: Sizes, tokens: int, max_tokens: int) -> tuple[Any, ...]:
+    cos, sin = rope_tables(s.hidden // s.n_heads, max_tokens)
+    return torch.randn(1, tokens, s.hidden), cos, sin
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("mlp", {"up": "colwise", "down": "rowwise"}, lambda s, _: MLP(s.hidden, s.mlp_ffn),
+                 lambda s, t, _: (torch.randn(1, t, s.hidden),)),
+        Workload("block", _BLOCK_PLAN, lambda s, _: LlamaBlock(s.hidden, s.n_heads, ffn=s.llama_ffn), _block_inputs),
+        Workload(
+            "decoder",
+            {"embed_tokens": "vocab", **{f"layers.*.{k}": v for k, v in _BLOCK_PLAN.items()}, "lm_head": "gather"},
+            lambda s, m: LlamaDecoder(s.vocab, s.hidden, s.n_heads, ffn=s.llama_ffn, n_layer=s.n_layer, max_len=m),
+            lambda s, t, _: (torch.randint(0, s.vocab, (1, t)),),
+        ),
+    )
+}
+
+
+def split_heads(model: nn.Module, world: int) -> None:
+    """The edit DTensor (and any hand-written TP) needs: each rank computes ``1/world`` of the heads."""
+    for m in model.modules():
+        if isinstance(m, LlamaAttention):
+            if m.n_heads % world or m.n_kv_heads % world:
+                raise ValueError(f"{m.n_heads} heads / {m.n_kv_heads} kv heads do not split over {world} ranks")
+            m.n_heads //= world
+            m.n_kv_heads //= world
+
+
+def _planned(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+    names = [fqn for fqn, _ in model.named_modules()]
+    found = [(fqn, style) for fqn in names for key, style in plan.items() if fnmatch.fnmatch(fqn, key)]
+    missing = [k for k in plan if not any(fnmatch.fnmatch(f, k) for f, _ in found)]
+    if missing:
+        raise ValueError(f"plan keys {missing} match no module")
+    return found
+
+
+def dtensor_parallelize(model: nn.Module, plan: dict[str, str], mesh: Any) -> nn.Module:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "vocab": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh, {k: styles[v]() for k, v in plan.items()})
+    split_heads(model, mesh.size())
+    return model
+
+
+# --- the bound: this rank's shards and the minimal collectives, by hand ----------------------------
+
+
+class _Shard(nn.Module):
+    """Holds this rank's shard. ``comm=False`` skips the collective (the compute alone); a list in
+    ``record`` collects ``(kind, shape, dtype)`` of every collective a call makes (eager calls only)."""
+
+    def __init__(self, world: int, group_name: str, comm: bool) -> None:
+        super().__init__()
+        self.world, self.group_name, self.comm = world, group_name, comm
+        self.record: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+
+    def _note(self, kind: str, t: torch.Tensor) -> None:
+        if self.record is not None:
+            self.record.append((kind, tuple(t.shape), t.dtype))
+
+    @staticmethod
+    def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+        return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)
+
+
+class ColwiseShard(_Shard):
+    def __init__(self, linear: nn.Linear, world: int, rank: int, group_name: str, comm: bool, gather: bool) -> None:
+        super().__init__(world, group_name, comm)
+        if linear.out_features % world:
+            raise ValueError(f"{linear.out_features} output features do not split over {world} ranks")
+        self.gather = gather
+        self.weight = self._param(linear.weight.chunk(world, 0)[rank])
+        self.bias = self._param(None if linear.bias is None else linear.bias.chunk(world, 0)[rank])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if not self.gather:
+            return y
+        self._note("all_gather", y)
+        if not self.comm:
+            return y
+        g = funcol.all_gather_single(y.contiguous(), 0, self.group_name)  # [world * d0, ..., out/world]
+        return g.view(self.world, *y.shape).movedim(0, -2).reshape(*y.shape[:-1], -1)
+
+
+class RowwiseShard(_Shard):
+    def __init__(self, linear: nn.Linear, world: int, rank: int, group_name: str, comm: bool) -> None:
+        super().__init__(world, group_name, comm)
+        if linear.in_features % world:
+            raise ValueError(f"{linear.in_features} input features do not split over {world} ranks")
+        self.weight = self._param(linear.weight.chunk(world, 1)[rank])
+        self.bias = self._param(linear.bias)  # added once, after the sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self._note("all_reduce", y)
+        if self.comm:
+            y = funcol.all_reduce(y, "sum", self.group_name)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabShard(_Shard):
+    """Megatron's vocab-parallel embedding: rows this rank owns, zeros for the rest, one all_reduce."""
+
+    def __init__(self, emb: nn.Embedding, world: int, rank: int, group_name: str, comm: bool) -> None:
+        super().__init__(world, group_name, comm)
+        if emb.num_embeddings % world:
+            raise ValueError(f"a vocabulary of {emb.num_embeddings} does not split over {world} ranks")
+        self.weight = self._param(emb.weight.chunk(world, 0)[rank])
+        self.start = rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        self._note("all_reduce", y)
+        return funcol.all_reduce(y, "sum", self.group_name) if self.comm else y
+
+
+def shard_by_hand(model: nn.Module, plan: dict[str, str], world: int, rank: int, comm: bool = True) -> nn.Module:
+    """``model`` (a copy) with every planned layer replaced by this rank's shard module."""
+    model = copy.deepcopy(model)
+    group_name = dist.group.WORLD.group_name
+    for fqn, style in _planned(model, plan):
+        parent_fqn, _, attr = fqn.rpartition(".")
+        old = model.get_submodule(fqn)
+        if style == "vocab":
+            new = VocabShard(old, world, rank, group_name, comm)
+        elif style == "rowwise":
+            new = RowwiseShard(old, world, rank, group_name, comm)
+        else:
+            new = ColwiseShard(old, world, rank, group_name, comm, gather=style == "gather")
+        setattr(model.get_submodule(parent_fqn), attr, new)
+    split_heads(model, world)
+    return model
+
+
+def collectives_of(model: nn.Module, *args: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The collectives a ``shard_by_hand`` model makes on ``args``: one eager call, recorded."""
+    shards = [m for m in model.modules() if isinstance(m, _Shard)]
+    log: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for m in shards:
+        m.record = log
+    try:
+        with torch.no_grad():
+            out = model(*args)
+            if isinstance(out, funcol.AsyncCollectiveTensor):
+                out.wait()  # the gathered LM head's logits: leave no collective in flight
+    finally:
+        for m in shards:
+            m.record = None
+    return log
+
+
+class CommOnly:
+    """The bound's collectives alone, on preallocated tensors of the same shapes (c10d, in order)."""
+
+    def __init__(self, collectives: list[tuple[str, tuple[int, ...], torch.dtype]], world: int) -> None:
+        self.calls: list[Callable[[], Any]] = []
+        for kind, shape, dtype in collectives:
+            buf = torch.randn(shape).to(dtype)
+            if kind == "all_reduce":
+                self.calls.append(lambda b=buf: dist.all_reduce(b))
+            else:
+                out = torch.empty((world * shape[0], *shape[1:]), dtype=dtype)
+                self.calls.append(lambda b=buf, o=out: dist.all_gather_single(o, b))
+        self.description = ", ".join(f"{k} {list(s)}" for k, s, _ in collectives)
+
+    def __call__(self, *_: Any) -> None:
+        for call in self.calls:
+            call()
