@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,9 +27,9 @@ from dynashard.collectives import (
     handshake,
     reduce_scatter_is_slow,
 )
+from dynashard.layout import Split
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
-from dynashard.layout import Split
 from dynashard.plan import Plan, make_plan
 from dynashard.report import GraphReport, format_table
 from dynashard.rewrite import rewrite
@@ -165,36 +164,39 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
 class ShardedProgram:
     """What Dynamo calls: swaps this rank's shards in for the (freed) full weights.
 
-    Holds the shards weakly: Dynamo keeps compiled functions alive past ``torch._dynamo.reset()``,
-    and the shards must die with the model's parameters (the store is keyed by them).
+    Looks the shard up by the parameter passed in each slot (the store is keyed weakly by
+    parameter, so shards die with the model): Dynamo reuses one compiled program for every
+    instance of a module class (two models, or each block of a model compiled on its own), and a
+    parameter it has not seen yet is adopted -- agreed across ranks, cut and freed -- on first use.
     """
 
     def __init__(
         self,
         compiled: Callable[..., Any],
-        shards: dict[int, torch.Tensor],
-        fqns: list[str],
+        specs: dict[int, tuple[str, ShardSpec]],
         graph: torch.fx.GraphModule,
-        per_rank_group: dist.ProcessGroup | None = None,
-        group: dist.ProcessGroup | None = None,
+        options: Options,
+        group: dist.ProcessGroup,
+        fingerprint: str,
     ) -> None:
         self.compiled = compiled
-        self.shards = {i: weakref.ref(t) for i, t in shards.items()}
-        self.fqns = fqns
+        self.specs = specs  # input slot -> (FQN, how that parameter is cut)
+        self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
-        self.per_rank_group = per_rank_group  # inputs="per_rank": check shapes agree on every call
+        self.per_rank_group = group if options.inputs == "per_rank" else None  # shapes checked every call
         self.group = group  # for naming missing ranks after a failed call
+        self.options, self.fingerprint = options, fingerprint
         self.failures = 0
 
     def __call__(self, *args: Any) -> Any:
         if self.per_rank_group is not None:
-            handshake(CALL, _shapes(args, skip=self.shards), self.per_rank_group)
+            handshake(CALL, _shapes(args, skip=self.specs), self.per_rank_group)
         args = list(args)
-        for i, ref in self.shards.items():
-            shard = ref()
-            if shard is None:
-                raise RuntimeError("dynashard: the model this program was compiled for has been deleted.")
-            args[i] = shard
+        fresh = [i for i in self.specs if STORE.shard_of(args[i]) is None]
+        if fresh:
+            self._adopt(args, fresh)
+        for i in self.specs:
+            args[i] = STORE.shard_of(args[i])
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             try:
                 outs = self.compiled(*args)
@@ -208,6 +210,15 @@ class ShardedProgram:
             return outs
         return type(outs)(_NoBackward.apply(o, anchors[0], self.fqns) if _float(o) else o for o in outs)
 
+
+    def _adopt(self, args: list[Any], fresh: list[int]) -> None:
+        """Parameters of another instance of the compiled module class: check them across ranks
+        like a compile does, then cut and free them. Every rank calls with its instance, so every
+        rank adopts at the same call."""
+        if not private.is_fake_group(self.group):
+            named = [(self.specs[i][0], args[i]) for i in fresh]
+            STORE.agree(named, f"adopt:{self.fingerprint}", self.group, self.options.weights, check_values=True)
+        _cut_and_free({i: self.specs[i] for i in fresh}, args, self.group)
 
     def _diagnose(self, error: RuntimeError) -> None:
         """After a failed call, name the ranks that did not fail with us (dead or hung ones)."""
@@ -303,10 +314,12 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         exchange_status(None, error, group, "compiling")
     elif error is not None:
         raise error
-    shards = _cut_and_free(analysis, example_inputs, sharded, group)
-    per_rank_group = group if opts.inputs == "per_rank" else None
-    fqns = sorted({fqn for fqn, _, _ in sharded.values()})
-    return ShardedProgram(compiled, shards, fqns, sharded_gm, per_rank_group, group)
+    specs = {
+        i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
+        for i, (fqn, dim, split) in sharded.items()
+    }
+    _cut_and_free(specs, example_inputs, group)
+    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint)
 
 
 def _loud(error: Exception, stage: str) -> Exception:
@@ -337,22 +350,22 @@ def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -
         return None, _loud(e, "planning")
 
 
-def _cut_and_free(analysis: Analysis, example_inputs: list[Any], sharded: dict, group) -> dict[int, torch.Tensor]:
-    """Cut this rank's shards and free the full weights, one at a time (peak: model + one shard).
+def _cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group) -> None:
+    """Cut this rank's shards into the store and free the full weights, one at a time (peak:
+    model + one shard).
 
-    Runs only once the sharded program compiled on every rank: a failed compile leaves the model whole.
+    At compile time this runs only once the sharded program compiled on every rank: a failed
+    compile leaves the model whole.
     """
-    keep = [a for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and i not in sharded]
-    freed, shards = 0, {}
-    order = sorted(sharded.items())
-    for n, (i, (fqn, dim, split)) in enumerate(order):
-        spec = ShardSpec(dim, split, analysis.world, analysis.rank, group_name(group), stacked=analysis.stacked)
-        shards[i] = STORE.shard(example_inputs[i], spec, fqn, group)
-        later = [example_inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
-        freed += STORE.free([example_inputs[i]], keep + later)
-    freed += STORE.free([example_inputs[i] for i, _ in order], keep)
-    log.info("dynashard: rank %d freed %.1f MiB of full weights", analysis.rank, freed / 2**20)
-    return shards
+    keep = [a for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and i not in specs]
+    freed = 0
+    order = sorted(specs.items())
+    for n, (i, (fqn, spec)) in enumerate(order):
+        STORE.shard(inputs[i], spec, fqn, group)
+        later = [inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
+        freed += STORE.free([inputs[i]], keep + later)
+    freed += STORE.free([inputs[i] for i, _ in order], keep)
+    log.info("dynashard: freed %.1f MiB of full weights", freed / 2**20)
 
 
 def backend(**options: Any) -> Callable[..., Any]:

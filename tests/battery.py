@@ -190,6 +190,25 @@ def scenarios(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         gc.collect()
         out["shard_freed_with_model"] = shard() is None
+        # Two instances of one class share Dynamo's compiled program: the second model's weights
+        # are agreed, cut and freed on its first call, never swapped for the first model's shards.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        first, second = models.MLP(32, 96), models.MLP(32, 96)
+        refs = first(x), second(x)
+        opts = {"compiler": "eager", "min_shard_numel": 0}
+        outs = [torch.compile(m, backend="dynashard", options=opts)(x) for m in (first, second)]
+        out["two_instances_err"] = max(float((o - r).abs().max()) for o, r in zip(outs, refs))
+        out["two_instances_freed"] = [m.up.weight.untyped_storage().nbytes() == 0 for m in (first, second)]
+        # Each block of a stack compiled on its own (one program for all three blocks).
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        stack = models.MLPStack(32, 96)
+        ref = stack(x)
+        for layer in stack.layers:
+            layer.compile(backend="dynashard", options=opts)
+        out["per_block_err"] = float((stack(x) - ref).abs().max())
+        out["per_block_freed"] = [layer.down.weight.untyped_storage().nbytes() == 0 for layer in stack.layers]
     # inputs="per_rank": batch sizes that differ across ranks within a call are an error, not a hang.
     per_rank = {"inputs": "per_rank", "compiler": "eager", "min_shard_numel": 0}
     with torch.no_grad():

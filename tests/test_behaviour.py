@@ -62,6 +62,13 @@ def test_bound_backend(per_rank):
         assert "call explain before torch.compile" in r["explain_after_compile"][1]
 
 
+def test_instances_sharing_a_compiled_program_use_their_own_weights(per_rank):
+    # Found by the benchmark work: the second instance ran on the first one's shards (error ~1).
+    for r in per_rank:
+        assert r["two_instances_err"] <= ATOL and r["two_instances_freed"] == [True, True]
+        assert r["per_block_err"] <= ATOL and r["per_block_freed"] == [True, True, True]
+
+
 def test_dynamic_shapes_one_recompile_same_on_every_rank(per_rank):
     compiles = [r["dynamic_compiles"] for r in per_rank]
     assert len(compiles[0]) <= 2, compiles

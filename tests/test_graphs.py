@@ -285,7 +285,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         finally:
             dist.destroy_process_group()
         # Nothing sharded: the compiler gets Dynamo's graph unchanged (a bound forward, no program).
-        self.assertFalse(hasattr(seen[0], "shards"))
+        self.assertFalse(hasattr(seen[0], "specs"))
 
 
 if __name__ == "__main__":
