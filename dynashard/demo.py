@@ -1,8 +1,9 @@
 """The two-minute demo: ``torchrun --standalone --nproc-per-node 2 -m dynashard.demo``.
 
-Builds a small transformer-style MLP stack (same seed on every rank), prints the plan,
-compiles it with dynashard, runs three batch sizes through one compiled model and prints the
-largest difference to the unsharded model and the weight bytes each rank keeps.
+Builds a small pre-norm transformer (same seed on every rank; attention with a hard-coded head
+count, written with views and transposes, no edits for sharding), prints the plan, compiles it
+with dynashard, runs three batch shapes through one compiled model and prints the largest
+difference to the unsharded model and the weight bytes each rank keeps.
 """
 
 from __future__ import annotations
@@ -17,14 +18,22 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
+    HEADS = 8  # hard-coded, as models are written: dynashard gives each rank its share of heads
+
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
         self.up = nn.Linear(hidden, ffn)
         self.down = nn.Linear(ffn, hidden)
 
     def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+        b, t, c = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, t, self.HEADS, c // self.HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
 class Model(nn.Module):
