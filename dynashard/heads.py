@@ -163,13 +163,13 @@ def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
             return False
         if t is aten.view_as_complex.default and src.dim == -1:
             return False
-        # these ops add or remove dims on the right of the cut only if the op's dim is there
-        if t in (aten.unsqueeze.default,):
+        # the cut moves (counted from the left) only when a dim is added or removed before it
+        if t is aten.unsqueeze.default:
             d = _norm(node.args[1], out_ndim)
             new = p + (1 if d <= p else 0)
         elif t in (aten.squeeze.dim, aten.select.int):
             d = _norm(node.args[1], ndim)
-            new = p - (1 if d < p else 0)
+            new = p - (1 if d < p and out_ndim < ndim else 0)  # squeezing a dim that is not 1 is a no-op
         elif t is aten.expand.default:
             new = p + out_ndim - ndim
             size = node.args[1][new]
@@ -207,7 +207,7 @@ def _cut_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) 
         lm.wish(src.origins, "cut", frozenset(e // src.split.unit for e in edges[1:-1]), f"{_op_name(node)} of a fused output")
 
 
-def _sub(lm: LayoutMap, src: Shard, i: int, j: int) -> Shard:
+def _sub(src: Shard, i: int, j: int) -> Shard:
     return src.moved(src.dim, Split(src.split.parts[i:j], src.split.unit))
 
 
@@ -237,7 +237,7 @@ def _split(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: int) ->
     if ranges is None:
         _cut_wish(lm, node, src, edges)
         return False
-    subs = [_sub(lm, src, i, j) for i, j in ranges]
+    subs = [_sub(src, i, j) for i, j in ranges]
     for arg in _all_args(node):
         lm.read(node, arg, LOCAL)
     lm.outputs[node] = subs
@@ -267,7 +267,7 @@ def _take_parts(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: in
         _cut_wish(lm, node, src, [0, start, end, src.size])
         return False
     (i, j), = ranges
-    out = _sub(lm, src, i, j)
+    out = _sub(src, i, j)
     local_start = sum(length for _, length in src.pieces[:i])
     lm.part_sizes[node] = (local_start, out.length)
     return _local(lm, node, out)
