@@ -192,11 +192,13 @@ class ShardedProgram:
         if self.per_rank_group is not None:
             handshake(CALL, _shapes(args, skip=self.specs), self.per_rank_group)
         args = list(args)
-        fresh = [i for i in self.specs if STORE.shard_of(args[i]) is None]
+        shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items()}
+        fresh = [i for i, s in shards.items() if s is None]
         if fresh:
             self._adopt(args, fresh)
-        for i in self.specs:
-            args[i] = STORE.shard_of(args[i])
+            shards.update({i: STORE.shard_of(args[i]) for i in fresh})
+        for i, shard in shards.items():
+            args[i] = shard
         with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             try:
                 outs = self.compiled(*args)

@@ -49,6 +49,20 @@ class WeightStore:
         entry = self._shards.get(param)
         return None if entry is None else entry.shard
 
+    def shard_for(self, param: torch.Tensor, spec: ShardSpec, fqn: str) -> torch.Tensor | None:
+        """``param``'s shard if it was cut as ``spec``; None if it was never cut; an error if it was
+        cut another way (by another compiled program that shares the weight)."""
+        entry = self._shards.get(param)
+        if entry is None:
+            return None
+        if entry.spec != spec:
+            raise ValueError(
+                f"dynashard: {fqn!r} was sharded as {entry.spec} by another compile, and this program "
+                f"needs {spec}. Its full value was freed, so it cannot be re-split: expected every "
+                "compile that reads a weight to split it the same way (same plan, group and model)."
+            )
+        return entry.shard
+
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
 
