@@ -72,8 +72,19 @@ def _norm(d: int, ndim: int) -> int:
 
 def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
     """Keep ``src`` through a view (see the module docstring); False: gather instead."""
-    before, after = list(_val(node.args[0]).shape), list(_val(node).shape)
-    p = len(before) + src.dim
+    full_before, full_after = list(_val(node.args[0]).shape), list(_val(node).shape)
+    cut = len(full_before) + src.dim
+    if _is_one(full_before[cut]):
+        return False
+    # Size-1 dims carry no elements: match the others (einsum views [B, H, T, Dh, 1] -> [B*H, T, Dh]).
+    keep_before = [i for i, d in enumerate(full_before) if not _is_one(d)]
+    keep_after = [i for i, d in enumerate(full_after) if not _is_one(d)]
+    before, after = [full_before[i] for i in keep_before], [full_after[i] for i in keep_after]
+    p = keep_before.index(cut)
+
+    def at(pos: int) -> int:  # a position in ``after`` as a dim of the real output, from the end
+        return keep_after[pos] - len(full_after)
+
     left = 0
     while left < min(len(before), len(after)) and private.known_equal(before[left], after[left]):
         left += 1
@@ -84,9 +95,9 @@ def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
     ):
         right += 1
     if p < left:  # the cut dim maps one to one (same place from the left)
-        return _viewed(lm, node, src.moved(p - len(after)))
+        return _viewed(lm, node, src.moved(at(p)))
     if p >= len(before) - right:  # same place from the right
-        return _viewed(lm, node, src)
+        return _viewed(lm, node, src.moved(at(len(after) - (len(before) - p))))
     mid_in, mid_out = before[left : len(before) - right], after[left : len(after) - right]
     s = p - left
     inner_in = mid_in[s + 1 :]
@@ -103,7 +114,7 @@ def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
         if elems % inner_out == 0:
             new_unit = elems // inner_out
             if private.known_multiple(mid_out[o], units * new_unit):
-                out = src.moved(left + o - len(after), Split(src.split.parts, new_unit))
+                out = src.moved(at(left + o), Split(src.split.parts, new_unit))
                 merged = not private.known_equal(mid_out[o], units * new_unit)
                 if merged and out.split.fewest_units(lm.world) < 1:
                     return False  # a merged dim needs a part on every rank (its outer size is recovered from it)
@@ -119,6 +130,10 @@ def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
                     "ranks, so every rank computes them (narrowed where they meet sharded heads)")
         return False
     return False
+
+
+def _is_one(d) -> bool:
+    return isinstance(d, int) and d == 1
 
 
 def _viewed(lm: LayoutMap, node: torch.fx.Node, out: Shard) -> bool:

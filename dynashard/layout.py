@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from dynashard import _torch_private as private
 from dynashard.match import LinearMatch
 
 aten = torch.ops.aten
@@ -315,7 +316,7 @@ def propagate(
             _replicate_all(lm, node)
         elif node in linears:
             match = linears[node]
-            style = choose(match, lm.layouts.get(match.input))
+            style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)
             lm.styles[node] = style
             _linear(lm, match, style)
         elif node.op == "call_function" and node.target in _VIEWS:
@@ -341,6 +342,13 @@ def _replicate_all(lm: LayoutMap, node: torch.fx.Node) -> None:
     for arg in _all_args(node):
         lm.read(node, arg, GATHER if lm.layouts.get(arg) is not None else LOCAL)
     lm.layouts[node] = None
+
+
+def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
+    """The linear's input is sharded on exactly its input features (a rowwise input as it is);
+    a shard on another dim (heads fed to a per-head linear, a merged dim) must be gathered."""
+    src = lm.layouts.get(match.input)
+    return src is not None and src.dim == -1 and src.size == match.in_features == _size_at(match.input)
 
 
 def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
@@ -383,8 +391,17 @@ def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
         lm.collectives.append(Collective(kind, node, frozenset([node]), ""))
         lm.layouts[node] = None
     else:  # rowwise
-        lm.weight_splits[node] = src.split if src is not None else even(match.in_features)
-        lm.read(node, match.input, LOCAL if src is not None else GLOBAL_NARROW if lm.per_rank else NARROW)
+        usable = feeds_features(lm, match)
+        if src is not None and not usable and lm.per_rank:
+            raise ValueError(
+                f"dynashard: rowwise {match.fqn!r} with inputs='per_rank' needs its input sharded on its "
+                f"{match.in_features} input features; found it sharded on dim {src.dim}. Mark it 'colwise' or "
+                "'replicate' in the plan."
+            )
+        lm.weight_splits[node] = src.split if usable else even(match.in_features)
+        # an input sharded some other way is gathered, then this rank's features taken (rewrite.py)
+        how = LOCAL if usable else GATHER if src is not None else GLOBAL_NARROW if lm.per_rank else NARROW
+        lm.read(node, match.input, how)
         if match.bias is not None and lm.layouts.get(match.bias) is not None:
             lm.read(node, match.bias, GATHER)
         kind = "reduce_scatter" if lm.per_rank else "all_reduce"
@@ -434,6 +451,10 @@ def unify(lm: LayoutMap, shards: list[Shard], where: str) -> None:
             lm.wish(s.origins, "coarsen", unit // s.split.unit, f"{where} needs units of {unit}")
 
 
+def _sharded_args(lm: LayoutMap, args: list[torch.fx.Node]) -> list[tuple[torch.fx.Node, Shard]]:
+    return [(a, lm.layouts[a]) for a in args if lm.layouts.get(a) is not None]
+
+
 def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
     args = _tensor_args(node)
     sharded = [lm.layouts[a] for a in args if lm.layouts.get(a) is not None]
@@ -441,10 +462,14 @@ def _pointwise(lm: LayoutMap, node: torch.fx.Node) -> None:
     if first is not None and not all(first.alike(s) for s in sharded):
         unify(lm, sharded, _op_name(node))
         first = None
+    out_val = _val(node)
     ok = (
         first is not None
-        and _val(node) is not None
-        and all(_can_read_as_shard(lm, a, first, _val(node).dim()) for a in args)
+        and out_val is not None
+        and out_val.dim() >= -first.dim
+        # a shard never broadcasts: every sharded operand spans the output's whole cut dim
+        and all(private.known_equal(_val(a).shape[s.dim], out_val.shape[s.dim]) for a, s in _sharded_args(lm, args))
+        and all(_can_read_as_shard(lm, a, first, out_val.dim()) for a in args)
     )
     if ok and _mutates_self(node):
         ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole

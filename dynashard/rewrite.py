@@ -41,7 +41,7 @@ from dynashard.layout import (
     LayoutMap,
     Shard,
     alias_roots,
-    even,
+
     mutated_roots,
 )
 from dynashard.plan import Plan
@@ -78,8 +78,13 @@ class _Sharder(torch.fx.Interpreter):
             return self.comm.shard_to_own_rows(value, lay.split.lengths(lm.world)[0], lm.rank, group)
         # GATHER / GLOBAL of a Shard: gather its cut dim (moved last, then back)
         moved = value if lay.dim == -1 else value.movedim(lay.dim, -1)
-        merged = not _is_size(moved.shape[-1], lay.length)  # a batch dim merged in front: [B * h]
+        # A batch dim merged in front ([B * h]): decided from the full graph's sizes, the same on
+        # every rank. Shape rules only make merged shards where every rank holds a part, so the
+        # outer size can be recovered from this rank's.
+        merged = not _is_size(producer.meta["val"].shape[lay.dim], lay.size)
         if merged:
+            if lay.length == 0:
+                raise RuntimeError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
         full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group)
         if merged:
@@ -167,9 +172,12 @@ class _Sharder(torch.fx.Interpreter):
             if m.bias is not None:
                 y = (y3 + self.env[m.bias].unsqueeze(1)).reshape(y.shape)
             return y
+        how = lm.reads.get((node, m.input))
         src = lm.layouts.get(m.input)
-        in_shard = src if src is not None else lm.shard(even(m.in_features), frozenset())
+        in_shard = src if how == "local" and src is not None else lm.shard(lm.weight_splits[node], frozenset())
         x = self._read(node, m.input, in_shard)
+        if how == GATHER and not lm.per_rank:  # sharded on another dim: gathered, now take this rank's features
+            x = take(x, in_shard)
         if m.kind == "embedding":
             y = self._vocab_lookup(self.env[m.weight], x, in_shard)
         else:

@@ -30,6 +30,13 @@ class ShardSpec:
     group_name: str
     stacked: bool = False  # weights="per_rank": this rank's block of every rank's tensor, [world, *block]
 
+    def same_cut(self, other: ShardSpec) -> bool:
+        """The same elements on every rank, however the split is written (6 units of 8 = 48 of 1
+        on 2 ranks): a recompile that describes the cut differently still fits the shard."""
+        if dataclasses.replace(self, split=other.split) != other:
+            return False
+        return self.split == other.split or self.split.owned(self.world) == other.split.owned(other.world)
+
 
 @dataclasses.dataclass
 class _Entry:
@@ -55,7 +62,7 @@ class WeightStore:
         entry = self._shards.get(param)
         if entry is None:
             return None
-        if entry.spec != spec:
+        if not entry.spec.same_cut(spec):
             raise ValueError(
                 f"dynashard: {fqn!r} was sharded as {entry.spec} by another compile, and this program "
                 f"needs {spec}. Its full value was freed, so it cannot be re-split: expected every "
@@ -78,7 +85,7 @@ class WeightStore:
         """
         entry = self._shards.get(param)
         if entry is not None:
-            if entry.spec != spec:
+            if not entry.spec.same_cut(spec):
                 raise ValueError(
                     f"dynashard: {fqn!r} was sharded as {entry.spec} by an earlier compile, and this "
                     f"graph needs {spec}. Its full value was freed, so it cannot be re-split: use the "

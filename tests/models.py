@@ -407,6 +407,57 @@ class MaskedAttention(AttentionBlock):
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
 
 
+class PerHeadLinear(nn.Module):
+    """A linear applied to every head (its input is sharded on the head dim, not on its features)."""
+
+    def __init__(self, hidden: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.dh = heads, hidden // heads
+        self.q, self.head, self.o = nn.Linear(hidden, hidden), nn.Linear(self.dh, self.dh), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        return self.o(self.head(self.q(x).view(b, t, self.heads, self.dh)).reshape(b, t, c))
+
+
+class MergedTokens(nn.Module):
+    """Features of 5 tokens flattened into one linear's input: a shard on a merged dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(48, 60), nn.Linear(60 * 5, 48)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        return self.down(F.gelu(self.up(x)).reshape(b, t * 60))
+
+
+class Gate(nn.Module):
+    """A one-feature colwise output broadcast against a replicated value: ``sigmoid(g(x)) * x[..., :8]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Linear(300, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.g(x)) * x[..., :8]
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with einsum (its decomposition views through size-1 dims)."""
+
+    def __init__(self, hidden: int = 48, heads: int = 6) -> None:
+        super().__init__()
+        self.heads, self.dh = heads, hidden // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, self.dh) for p in (self.q, self.k, self.v))
+        a = (torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(self.dh)).softmax(-1)
+        return self.o(torch.einsum("bhts,bshd->bthd", a, v).reshape(b, t, c))
+
+
 class FusedGateUp(nn.Module):
     """One linear producing [gate | up], chunked: ``down(silu(gate) * up)``."""
 

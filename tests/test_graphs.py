@@ -14,6 +14,7 @@ import expecttest
 import torch
 import torch.distributed as dist
 
+import dynashard
 from dynashard import _torch_private as private
 from dynashard.entry import dynashard_backend
 from tests import models
@@ -268,6 +269,35 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         self.assertEqual({s: shapes.count(s) for s in expected}, expected)
         heads = sorted({n.args[1][1] for n in gm.graph.nodes if "expand" in str(n.target) and len(n.args[1]) == 5})
         self.assertEqual(heads, [1])  # repeat_kv expands this rank's one KV head (of 4)
+
+    def test_a_shard_never_broadcasts(self):
+        # Found by review: a one-feature colwise output times x[..., :8] broadcast the shard; rank 0
+        # (1 feature) and rank 1 (none) then sent different shapes to one all_gather.
+        torch.manual_seed(0)
+        x = torch.randn(2, 5, 300)
+        gathered = []
+        for rank in (0, 1):
+            gm = rewritten(models.Gate(), x, world=2, rank=rank, plan={"g": "colwise"})
+            (gather,) = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
+            gathered.append(gather.args[0].meta["val"].dim())
+            self.assertEqual(gm.graph.output_node().args[0][0].meta["val"].shape[-1], 8)
+        self.assertEqual(gathered[0], gathered[1])
+
+    def test_einsum_attention_recompiles_for_new_shapes(self):
+        # Found by review: einsum's views through a size-1 dim were only followed with static sizes,
+        # so the dynamic recompile planned another cut of the freed o.weight and raised.
+        torch.manual_seed(0)
+        model = models.EinsumAttention(48, 6)
+        compiled = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))
+        torch._dynamo.reset()
+        private.init_fake_process_group(4, 0)
+        try:
+            with torch.no_grad():
+                outs = [compiled(torch.randn(b, t, 48)).shape for b, t in ((2, 5), (3, 7))]
+        finally:
+            dist.destroy_process_group()
+        self.assertEqual(outs, [torch.Size([2, 5, 48]), torch.Size([3, 7, 48])])
+        self.assertEqual(model.o.weight.untyped_storage().nbytes(), 0)
 
     def test_replicate_plan_leaves_graph_alone(self):
         torch._dynamo.reset()

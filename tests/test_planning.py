@@ -273,3 +273,18 @@ def test_auto_plan_finds_megatron_for_whole_decoders():
     assert block == {"q_proj": ("colwise", "-"), "k_proj": ("replicate", "-"), "v_proj": ("replicate", "-"),
                      "o_proj": ("rowwise", "all_reduce"), "gate_proj": ("colwise", "-"),
                      "up_proj": ("colwise", "-"), "down_proj": ("rowwise", "all_reduce")}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inputs_sharded_off_their_features_are_gathered_not_used(world):
+    """Found by review: a linear fed a shard on another dim (a per-head linear, a merged token dim)
+    was made rowwise on it and crashed. Auto plans now treat such an input as replicated; a plan
+    that insists on rowwise gathers it and takes this rank's features."""
+    torch.manual_seed(0)
+    for model, x, plan in (
+        (models.PerHeadLinear(), torch.randn(2, 3, 16), {"q": "colwise", "head": "rowwise", "o": "rowwise"}),
+        (models.MergedTokens(), torch.randn(2, 5, 48), {"up": "colwise", "down": "rowwise"}),
+    ):
+        dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0})
+        report = dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0, "plan": plan})
+        assert report.rows[0].collectives.startswith("all_gather")
