@@ -39,6 +39,7 @@ from dynashard import _torch_private as private
 from dynashard.layout import (
     LOCAL,
     NARROW,
+    NARROW_GROUPS,
     LayoutMap,
     Shard,
     Split,
@@ -341,19 +342,26 @@ def _replicate_wish(lm: LayoutMap, node: torch.fx.Node, shards: list[Shard]) -> 
 
 def _attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
     q, k, v = node.args[:3]
-    first = _heads_alike(lm, node, [q, k, v], -3)
-    if first is None or lm.layouts.get(q) is None:
-        return False
     mask = node.kwargs.get("attn_mask")
-    if mask is not None:
-        mv = _val(mask)
-        if lm.layouts.get(mask) is not None or mv is None:
-            return False
+    if mask is not None and (lm.layouts.get(mask) is not None or _val(mask) is None):
+        return False
+    groups = _kv_groups(q, k)
+    if groups is None:
+        return False
+    if groups > 1:
+        first = _gqa_heads(lm, node, q, k, v, groups)
+    else:
+        first = _heads_alike(lm, node, [q, k, v], -3)
+    if first is None or lm.layouts.get(q) is None:
+        _off_heads_wish(lm, node, [q, k, v])
+        return False
     origins = frozenset().union(*(lm.layouts[a].origins for a in (q, k, v) if lm.layouts.get(a) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
     for arg in _all_args(node):
         if arg in (q, k, v) and lm.layouts.get(arg) is not None:
             lm.read(node, arg, LOCAL)
+        elif arg in (k, v) and groups > 1:
+            lm.read(node, arg, NARROW_GROUPS)
         elif arg in (q, k, v) or arg is mask:
             _read_as_shard(lm, node, arg, out)
         else:
@@ -363,10 +371,71 @@ def _attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
     return True
 
 
+def _off_heads_wish(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node]) -> None:
+    """Operands cut by heads meet others cut on another dim (one K/V head's features: MQA, where
+    the head view keeps the cut on ``head_dim``): keep those others' projections whole."""
+    lays = [lm.layouts.get(a) for a in operands]
+    if not any(lay is not None and lay.dim == -3 and lay.split.fewest_units(lm.world) >= 1 for lay in lays):
+        return
+    off = [lay for lay in lays if lay is not None and lay.dim != -3]
+    if off:
+        lm.wish(frozenset().union(*(s.origins for s in off)), "replicate", None,
+                f"K/V are not cut by heads where they meet the query heads at {_op_name(node)}; each rank "
+                "narrows them to its query heads")
+
+
+def _kv_groups(q: torch.fx.Node, k: torch.fx.Node) -> int | None:
+    """Query heads per K/V head (1 unless K/V are not repeated: SDPA's ``enable_gqa``)."""
+    qv, kv = _val(q), _val(k)
+    if qv is None or kv is None or qv.dim() < 3 or kv.dim() < 3:
+        return None
+    hq, hk = qv.shape[-3], kv.shape[-3]
+    if private.known_equal(hq, hk):
+        return 1
+    if not (isinstance(hq, int) and isinstance(hk, int)) or hk < 1 or hq % hk:
+        return None
+    return hq // hk
+
+
+def _gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node, v: torch.fx.Node,
+               n: int) -> Shard | None:
+    """Attention where query head ``h`` reads K/V head ``h // n`` (K/V not repeated).
+
+    K/V cut so that each rank holds the K/V heads of exactly its query heads run as they are
+    (the kernel repeats them locally); whole K/V are narrowed to the heads of this rank's query
+    heads (``NARROW_GROUPS``). Otherwise a wish: q in units of ``n`` heads, K/V in matching
+    units, or K/V kept whole when there are fewer K/V heads than ranks.
+    """
+    lq, lk, lv = (lm.layouts.get(a) for a in (q, k, v))
+    if lq is None or lq.dim != -3 or lq.split.fewest_units(lm.world) < 1 or (lk is None) != (lv is None):
+        return None
+    if lk is None:
+        return lq
+    if lk.dim != -3 or lv.dim != -3 or not lk.alike(lv):
+        return None
+    grouped = [[(a * n, b * n) for a, b in ranges] for ranges in lk.split.owned(lm.world)]
+    if grouped == lq.split.owned(lm.world):
+        return lq
+    if len(lq.split.parts) == 1 and len(lk.split.parts) == 1:
+        unit = math.lcm(lq.split.unit, n * lk.split.unit)
+        q_to, kv_to = lq.split.coarsen(unit // lq.split.unit), lk.split.coarsen(unit // (n * lk.split.unit))
+        where = f"{_op_name(node)} ({n} query heads per K/V head) needs query units of {unit} heads"
+        if q_to is not None and kv_to is not None and min(q_to.fewest_units(lm.world), kv_to.fewest_units(lm.world)) >= 1:
+            for s, to in ((lq, q_to), (lk, kv_to), (lv, kv_to)):
+                if to != s.split:
+                    lm.wish(s.origins, "coarsen", to.unit // s.split.unit, where)
+            return None
+    lm.wish(lk.origins | lv.origins, "replicate", None,
+            f"{lk.size} K/V heads cannot be cut over {lm.world} ranks to match the query heads; each rank "
+            f"narrows them to those of its query heads at {_op_name(node)}")
+    return None
+
+
 def _bmm(lm: LayoutMap, node: torch.fx.Node) -> bool:
     a, b = node.args[:2]
     first = _heads_alike(lm, node, [a, b], -3)
     if first is None:
+        _off_heads_wish(lm, node, [a, b])
         return False
     origins = frozenset().union(*(lm.layouts[x].origins for x in (a, b) if lm.layouts.get(x) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)

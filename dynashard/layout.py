@@ -57,6 +57,7 @@ GATHER = "gather"  # all-gather the producer's shards first
 NARROW = "narrow"  # slice this rank's part out of a replicated value
 GLOBAL = "global"  # every rank's rows, all columns (a colwise input; replicated mode: as GATHER/LOCAL)
 GLOBAL_NARROW = "global_narrow"  # every rank's rows, this rank's columns (a rowwise input)
+NARROW_GROUPS = "narrow_groups"  # of whole K/V heads, those of this rank's query heads (GQA attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +230,7 @@ class LayoutMap:
 
     def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: str) -> None:
         self.reads[(consumer, producer)] = how
-        if how in (LOCAL, NARROW) or (how, producer) in self._gathered:
+        if how in (LOCAL, NARROW, NARROW_GROUPS) or (how, producer) in self._gathered:
             return
         self._gathered.add((how, producer))
         lay = self.layouts[producer]

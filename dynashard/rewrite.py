@@ -38,6 +38,7 @@ from dynashard.layout import (
     GLOBAL,
     GLOBAL_NARROW,
     NARROW,
+    NARROW_GROUPS,
     LayoutMap,
     Shard,
     alias_roots,
@@ -98,6 +99,8 @@ class _Sharder(torch.fx.Interpreter):
         value = self.env[producer]
         if how is None or how == "local":
             return value
+        if how == NARROW_GROUPS:
+            return take_groups(value, out)
         if how in (NARROW, GLOBAL_NARROW):  # cheap or consumer-specific: not shared
             return self._convert(how, producer, value, out)
         key = (how, producer)
@@ -206,6 +209,26 @@ def take(value: Any, shard: Shard) -> Any:
     pieces = [aten.narrow(value, d, start, length) for start, length in shard.pieces]
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
     return out.flatten(d - 1, d) if merged else out
+
+
+def take_groups(value: Any, shard: Shard) -> Any:
+    """Of whole K/V heads (dim ``shard.dim``), those this rank's query heads read: query head
+    ``h`` reads K/V head ``h // n``. Where a piece starts or ends inside a group of ``n`` query
+    heads, its K/V heads are repeated to one per query head (the kernel then sees no GQA)."""
+    d = value.dim() + shard.dim
+    n = shard.size // value.shape[d]
+    pieces = shard.pieces
+    if all(start % n == 0 and length % n == 0 for start, length in pieces):
+        out = [aten.narrow(value, d, start // n, length // n) for start, length in pieces]
+    else:
+        out = []
+        for start, length in pieces:
+            lo, hi = start // n, (start + length - 1) // n + 1
+            part = aten.narrow(value, d, lo, hi - lo).unsqueeze(d + 1)
+            sizes = [-1] * part.dim()
+            sizes[d + 1] = n
+            out.append(aten.narrow(part.expand(sizes).flatten(d, d + 1), d, start - lo * n, length))
+    return out[0] if len(out) == 1 else torch.cat(out, d)
 
 
 def rewrite(

@@ -51,6 +51,9 @@ CASES = {
     "llama_manual": ("llama_manual", 128, 90, [(2, 7), (3, 11)], {}),
     "llama_6_heads": ("llama_6_heads", 96, 90, [(2, 7), (3, 11)], {}),  # 2/2/1/1 heads on 4 ranks
     "llama_few_kv": ("llama_few_kv", 128, 90, [(2, 7), (3, 11)], {}),  # 2 KV heads: replicated on 4 ranks
+    # K/V not repeated (SDPA enable_gqa): each rank's K/V heads are those of its query heads
+    "llama_sdpa_gqa": ("llama_sdpa_gqa", 128, 90, [(2, 7), (3, 11)], {}),
+    "llama_mqa": ("llama_mqa", 128, 90, [(2, 7), (3, 11)], {}),  # 1 KV head: replicated, query heads cut
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -78,6 +81,8 @@ SHARDED.update({name: SHARDED["llama"] for name in ("llama_complex", "llama_manu
 SHARDED["nanogpt_manual"] = SHARDED["nanogpt"]
 # With fewer KV heads (2) than ranks (4) the KV projections are kept whole (each rank narrows them).
 SHARDED["llama_few_kv"] = {n for n in SHARDED["llama"] if "k_proj" not in n and "v_proj" not in n}
+SHARDED["llama_sdpa_gqa"] = SHARDED["llama"]
+SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

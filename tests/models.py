@@ -288,8 +288,9 @@ class LlamaAttention(nn.Module):
     """Separate q/k/v projections, GQA (``n_kv_heads`` <= ``n_heads``), RoPE, causal attention.
 
     ``rope``: "half" (HF: rotate_half with slices, cat, neg, mul on [B, H, T, D]) or "complex"
-    (Meta: view_as_complex multiply on [B, T, H, D]). ``repeat``: "expand" (HF repeat_kv) or
-    "interleave" (``repeat_interleave``). ``attention``: "sdpa" or "manual" (softmax-matmul).
+    (Meta: view_as_complex multiply on [B, T, H, D]). ``repeat``: "expand" (HF repeat_kv),
+    "interleave" (``repeat_interleave``) or "sdpa" (no repeat: ``enable_gqa=True``, what HF's sdpa
+    attention does without a mask). ``attention``: "sdpa" or "manual" (softmax-matmul).
     """
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, rope: str = "half",
@@ -317,6 +318,9 @@ class LlamaAttention(nn.Module):
             c, s = cos[:t].unsqueeze(0).unsqueeze(0), sin[:t].unsqueeze(0).unsqueeze(0)
             q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
         n_rep = self.n_heads // self.n_kv_heads
+        if self.repeat == "sdpa":
+            return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                               .transpose(1, 2).reshape(b, t, -1))
         if self.repeat == "interleave":
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         else:
@@ -515,8 +519,10 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "llama_manual": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4, attention="manual"),
         "llama_few_kv": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=2),
         "llama_6_heads": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=6),
+        "llama_sdpa_gqa": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4, repeat="sdpa"),
+        "llama_mqa": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=1, repeat="sdpa"),
     }[name]()
 
 
 IDS_IN = {"tiny_lm", "nanogpt", "nanogpt_manual", "llama", "llama_complex", "llama_manual", "llama_few_kv",
-          "llama_6_heads"}
+          "llama_6_heads", "llama_sdpa_gqa", "llama_mqa"}

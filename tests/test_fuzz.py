@@ -101,7 +101,7 @@ def transformer_attention_cases(draw):
     model = RandomTransformerAttention(
         heads, kv, dh,
         rope=draw(st.sampled_from(["half", "complex"])),
-        repeat=draw(st.sampled_from(["expand", "interleave"])),
+        repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
         attention=draw(st.sampled_from(["sdpa", "manual"])),
         fused=draw(st.booleans()),
     )

@@ -270,6 +270,25 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         heads = sorted({n.args[1][1] for n in gm.graph.nodes if "expand" in str(n.target) and len(n.args[1]) == 5})
         self.assertEqual(heads, [1])  # repeat_kv expands this rank's one KV head (of 4)
 
+    def test_gqa_in_sdpa_runs_each_rank_on_its_query_heads_kv_heads(self):
+        # K/V not repeated (SDPA enable_gqa=True, as HF does without a mask): query head h reads K/V
+        # head h // n. 8 query heads, 4 KV heads on 4 ranks: each rank runs 2 query heads against its
+        # 1 KV head. With 1 KV head (MQA) K/V stay whole and each rank repeats it for its 2 heads.
+        torch.manual_seed(0)
+        for n_kv, kv_heads, kv_rows in ((4, 1, 16), (1, 2, 16)):
+            model = models.LlamaDecoder(vocab=90, hidden=128, n_heads=8, n_kv_heads=n_kv, n_layer=2, repeat="sdpa")
+            gm = rewritten(model, torch.randint(0, 90, (2, 5)), world=4, rank=1)
+            self.assertEqual(_count(gm, "all_reduce"), 1 + 2 * 2)
+            self.assertEqual(_count(gm, "all_gather"), 0)
+            sdpa = [n for n in gm.graph.nodes if "flash_attention" in str(n.target)]
+            self.assertEqual(len(sdpa), 2)
+            for node in sdpa:
+                q, k, v = (a.meta["val"].shape[1] for a in node.args[:3])
+                self.assertEqual((q, k, v), (2, kv_heads, kv_heads))
+            shapes = weight_shapes(gm)
+            self.assertEqual(shapes.count((32, 128)), 2)  # q_proj: 2 heads of 16 per layer
+            self.assertEqual(shapes.count((kv_rows, 128)), 4)  # k/v: 1 head of 16 (cut), or whole (MQA)
+
     def test_a_shard_never_broadcasts(self):
         # Found by review: a one-feature colwise output times x[..., :8] broadcast the shard; rank 0
         # (1 feature) and rank 1 (none) then sent different shapes to one all_gather.

@@ -25,7 +25,7 @@ CONFIGS = {
     (4, "eager", "float32"): list(CASES),
     (2, "inductor", "float32"): ["mlp_3d", "residual", "conv1d", "head_gather", "uneven", "pr_mlp_own_weights", "tiny_lm",
                                  "attention", "nanogpt", "llama"],
-    (4, "inductor", "float32"): ["residual", "nanogpt", "llama_6_heads", "llama_few_kv"],
+    (4, "inductor", "float32"): ["residual", "nanogpt", "llama_6_heads", "llama_few_kv", "llama_sdpa_gqa", "llama_mqa"],
     (1, "eager", "float32"): ["mlp_3d", "residual"],
     (2, "aot_eager", "float32"): ["matmul", "conv1d"],
     (2, "inductor", "bfloat16"): ["residual", "mlp_2d"],

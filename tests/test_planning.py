@@ -288,3 +288,21 @@ def test_inputs_sharded_off_their_features_are_gathered_not_used(world):
         dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0})
         report = dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0, "plan": plan})
         assert report.rows[0].collectives.startswith("all_gather")
+
+
+@pytest.mark.parametrize("n_kv,world,kv_style", [(4, 2, "colwise"), (4, 4, "colwise"), (2, 4, "replicate"),
+                                                 (1, 2, "replicate"), (4, 3, "colwise")])
+@pytest.mark.parametrize("repeat", ["sdpa", "expand"])
+def test_gqa_and_mqa_keep_query_heads_sharded(n_kv, world, kv_style, repeat):
+    """K/V repeated in the model (repeat_kv) or by SDPA itself (enable_gqa): query heads are cut,
+    K/V cut with them when every rank gets whole K/V heads of its own query heads, else kept
+    whole (2 KV heads on 4 ranks, MQA). 4 KV heads on 3 ranks are 2/1/1 with 4/2/2 query heads.
+    One all_reduce per attention either way."""
+    torch.manual_seed(0)
+    model = models.LlamaAttention(64, 8, n_kv, repeat=repeat)
+    cos, sin = models.rope_tables(8, 16)
+    report = dynashard.explain(model, torch.randn(2, 5, 64), cos, sin, world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    styles = {r.fqn: (r.style, r.collectives) for r in report.rows}
+    assert styles == {"q_proj": ("colwise", "-"), "k_proj": (kv_style, "-"), "v_proj": (kv_style, "-"),
+                      "o_proj": ("rowwise", "all_reduce")}, str(report)
