@@ -23,26 +23,34 @@ def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.all_reduce(x, "sum", group_name)
 
 
-def all_gather_last_dim(x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
+def all_gather_last_dim(
+    x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str, whole: frozenset[int] = frozenset()
+) -> torch.Tensor:
     """Every rank's pieces of the last dim, back in order: ``lengths[c][r]`` is how many elements
     of component ``c`` rank ``r`` holds, and ``x`` holds this rank's pieces side by side.
+    Components in ``whole`` are held whole by every rank and are not sent.
 
     Each piece is padded to the longest rank's (one all_gather of equal blocks), then the padding
     is cut away again: one narrow per run of ranks with equal lengths (two at most when balanced).
     """
     world = len(lengths[0])
-    chunks = [max(ls) for ls in lengths]
-    pieces, offset = [], 0
-    for ls, chunk in zip(lengths, chunks):
-        piece = x.narrow(-1, offset, ls[rank]) if len(lengths) > 1 else x
-        pieces.append(_pad_last(piece, chunk))
+    own, offset = [], 0
+    for ls in lengths:
+        own.append(x.narrow(-1, offset, ls[rank]) if len(lengths) > 1 else x)
         offset += ls[rank]
+    cut = [c for c in range(len(lengths)) if c not in whole]
+    chunks = {c: max(lengths[c]) for c in cut}
+    pieces = [_pad_last(own[c], chunks[c]) for c in cut]
     x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
     gathered = funcol.all_gather_single(x.contiguous(), 0, group_name)  # [world * d0, ...]
     blocks = gathered.view(world, *x.shape).movedim(0, -2)  # [..., world, sum(chunks)]
     out, offset = [], 0
-    for ls, chunk in zip(lengths, chunks):
-        block = blocks.narrow(-1, offset, chunk) if len(lengths) > 1 else blocks
+    for c, ls in enumerate(lengths):
+        if c in whole:
+            out.append(own[c])
+            continue
+        chunk = chunks[c]
+        block = blocks.narrow(-1, offset, chunk) if len(cut) > 1 else blocks
         offset += chunk
         r = 0
         while r < world:  # runs of ranks holding equally many

@@ -6,9 +6,12 @@ Registered through the ``torch_dynamo_backends`` entry point as ``"dynashard"``;
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
+import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -183,14 +186,19 @@ class ShardedProgram:
         self.specs = specs  # input slot -> (FQN, how that parameter is cut)
         self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
-        self.per_rank_group = group if options.inputs == "per_rank" else None  # shapes checked every call
-        self.group = group  # for naming missing ranks after a failed call
-        self.options, self.fingerprint = options, fingerprint
+        self._group = _WeakGroup(group)  # adoption, naming missing ranks after a failed call
+        self.per_rank = options.inputs == "per_rank"  # shapes checked every call
+        self.options, self.fingerprint = dataclasses.replace(options, group=None), fingerprint
         self.failures = 0
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group()
+
     def __call__(self, *args: Any) -> Any:
-        if self.per_rank_group is not None:
-            handshake(CALL, _shapes(args, skip=self.specs), self.per_rank_group)
+        group = self.group  # a clear error if it was destroyed, not a failed lookup inside the graph
+        if self.per_rank:
+            handshake(CALL, _shapes(args, skip=self.specs), group)
         args = list(args)
         shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items()}
         fresh = [i for i, s in shards.items() if s is None]
@@ -224,13 +232,14 @@ class ShardedProgram:
 
     def _diagnose(self, error: RuntimeError) -> None:
         """After a failed call, name the ranks that did not fail with us (dead or hung ones)."""
-        if self.group is None or private.is_fake_group(self.group):
+        group = self._group.get()
+        if group is None or private.is_fake_group(group):
             return
         self.failures += 1
-        roll = RollCall(self.group, f"failed-call-{self.failures}")
+        roll = RollCall(group, f"failed-call-{self.failures}")
         missing = roll.missing(wait_s=5.0)
         raise RuntimeError(
-            f"dynashard: the sharded program failed on rank {dist.get_rank(self.group)}: "
+            f"dynashard: the sharded program failed on rank {dist.get_rank(group)}: "
             f"{describe_missing(missing)}. The process group said: {error}"
         ) from error
 
@@ -240,11 +249,67 @@ class _HandshakeFirst:
     in the handshake, so a rank that recompiles on other shapes is an error, not a hang."""
 
     def __init__(self, compiled: Callable[..., Any], group: dist.ProcessGroup) -> None:
-        self.compiled, self.group = compiled, group
+        self.compiled, self._group = compiled, _WeakGroup(group)
 
     def __call__(self, *args: Any) -> Any:
-        handshake(CALL, _shapes(args), self.group)
+        handshake(CALL, _shapes(args), self._group())
         return self.compiled(*args)
+
+
+_GLOO_GROUPS: weakref.WeakSet = weakref.WeakSet()  # gloo groups compiled for, alive until exit?
+_GLOO_EXIT_GRACE_S = 0.2
+
+
+def _drain_gloo_at_exit(group: dist.ProcessGroup) -> None:
+    """Give gloo's worker threads time to let go of finished collectives before the interpreter
+    shuts down.
+
+    NOTE: torch 2.13 keeps a process group alive past ``destroy_process_group()`` once Dynamo is
+    imported after ``init_process_group()`` (it holds references to the group object), so its
+    worker threads outlive the script. A worker that drops a finished collective's tensors takes
+    the GIL; if the interpreter is already finalizing, the thread is ended inside a destructor
+    and the process aborts ("terminate called without an active exception", SIGABRT), after a
+    run that succeeded. Seen in CI; reproduced 3 times in 30 four-rank runs of a bare funcol loop.
+    Sleeping here (GIL released, before finalization) lets them finish.
+    """
+    if private.is_fake_group(group) or dist.get_backend(group) != "gloo":
+        return
+    if not _GLOO_GROUPS and not getattr(_let_gloo_workers_finish, "registered", False):
+        atexit.register(_let_gloo_workers_finish)
+        _let_gloo_workers_finish.registered = True
+    _GLOO_GROUPS.add(group)
+
+
+def _let_gloo_workers_finish() -> None:
+    if len(_GLOO_GROUPS):
+        time.sleep(_GLOO_EXIT_GRACE_S)
+
+
+class _WeakGroup:
+    """A compiled program's process group, held weakly.
+
+    Dynamo keeps compiled programs until the interpreter exits. A strong reference would keep the
+    group alive past ``dist.destroy_process_group()``, and with it gloo's worker threads, which
+    then free a collective's tensors during interpreter shutdown and abort the process
+    ("terminate called without an active exception").
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._ref = weakref.ref(group)
+        self._name = getattr(group, "group_name", "?")
+
+    def get(self) -> dist.ProcessGroup | None:
+        return self._ref()
+
+    def __call__(self) -> dist.ProcessGroup:
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                f"dynashard: the process group {self._name!r} this model was compiled for has been destroyed "
+                "(dist.destroy_process_group). Expected the group to outlive every call of the compiled "
+                "model; after a new init_process_group, compile again (torch._dynamo.reset() first)."
+            )
+        return group
 
 
 def _shapes(args: Any, skip: Any = ()) -> list[int]:
@@ -285,6 +350,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
     agree = not private.is_fake_group(group)
+    _drain_gloo_at_exit(group)
     if agree and opts.inputs == "per_rank":
         handshake(COMPILE, _shapes(example_inputs), group)
     fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]

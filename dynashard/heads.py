@@ -24,7 +24,8 @@ depends on sizes only, never on this rank's offsets, so all ranks take the same 
     this rank's heads; a replicated operand (or mask with a head dim) is narrowed.
 When a rule fails only because the origin linears are cut too finely or in one piece, it records
 a :class:`~dynashard.layout.Wish` (larger units, component boundaries, or keep KV projections
-whole when there are fewer KV heads than ranks); the plan re-cuts the origins and propagates again.
+whole when there are fewer KV heads than ranks: a separate projection entirely, a fused one only
+in its k and v components); the plan re-cuts the origins and propagates again.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
         if coarser is not None and coarser.fewest_units(lm.world) >= 1:
             lm.wish(src.origins, "coarsen", k, f"{_op_name(node)} into dims of {inner_out} elements")
         elif coarser is not None:  # e.g. fewer KV heads than ranks: keep the projection whole
-            lm.wish(src.origins, "replicate", None,
+            lm.wish(src.origins, "replicate", k,
                     f"{'/'.join(map(str, coarser.parts))} heads of {inner_out} cannot be cut over {lm.world} "
                     "ranks, so every rank computes them (narrowed where they meet sharded heads)")
         return False
@@ -161,6 +162,8 @@ def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
     src = lm.layouts.get(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if src is None or _val(node.args[0]) is None:
         return False
+    if src.split.whole and t not in (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor):
+        return False  # a fused output with whole components: only its split into components is followed
     ndim = _val(node.args[0]).dim()
     p = ndim + src.dim
     if t in (aten.transpose.int, aten.permute.default):
@@ -223,8 +226,13 @@ def _cut_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) 
         lm.wish(src.origins, "cut", frozenset(e // src.split.unit for e in edges[1:-1]), f"{_op_name(node)} of a fused output")
 
 
-def _sub(src: Shard, i: int, j: int) -> Shard:
-    return src.moved(src.dim, Split(src.split.parts[i:j], src.split.unit))
+def _sub(src: Shard, i: int, j: int) -> Shard | None:
+    sub = src.split.sub(i, j)
+    return None if sub is None else src.moved(src.dim, sub)
+
+
+def _sub_length(src: Shard, i: int, j: int) -> int:
+    return sum(length for _, length in src.pieces[i:j])
 
 
 def _split(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: int) -> bool:
@@ -256,8 +264,8 @@ def _split(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: int) ->
     subs = [_sub(src, i, j) for i, j in ranges]
     for arg in _all_args(node):
         lm.read(node, arg, LOCAL)
-    lm.outputs[node] = subs
-    lm.part_sizes[node] = tuple(s.length for s in subs)
+    lm.outputs[node] = subs  # a whole component is a replicated output
+    lm.part_sizes[node] = tuple(_sub_length(src, i, j) for i, j in ranges)
     lm.layouts[node] = None
     return True
 
@@ -284,15 +292,14 @@ def _take_parts(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: in
         return False
     (i, j), = ranges
     out = _sub(src, i, j)
-    local_start = sum(length for _, length in src.pieces[:i])
-    lm.part_sizes[node] = (local_start, out.length)
-    return _local(lm, node, out)
+    lm.part_sizes[node] = (_sub_length(src, 0, i), _sub_length(src, i, j))
+    return _local(lm, node, out)  # None: whole components, held by every rank (replicated)
 
 
 def _cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
     tensors = node.args[0]
     lays = [lm.layouts.get(a) for a in tensors]
-    if any(lay is None for lay in lays):
+    if any(lay is None or lay.split.whole for lay in lays):
         return False
     first = finest(lays)
     if not all(first.alike(lay) for lay in lays):

@@ -68,11 +68,14 @@ class Split:
     component ``i`` is ``parts[i]`` units of ``unit`` elements (a head: ``head_dim`` features).
     Each component's units are dealt out balanced, the first ranks taking one more: 6 heads on
     4 ranks are 2/2/1/1. A dim whose size is a multiple of :attr:`size` (a batch dim merged in
-    front, ``[B * H]``) repeats the pattern for every outer index.
+    front, ``[B * H]``) repeats the pattern for every outer index. Components listed in
+    ``whole`` are held whole by every rank (a fused [q | k | v] with fewer KV heads than ranks:
+    q is cut, k and v are not).
     """
 
     parts: tuple[int, ...]
     unit: int = 1
+    whole: frozenset[int] = frozenset()
 
     @property
     def size(self) -> int:
@@ -80,15 +83,23 @@ class Split:
 
     def counts(self, world: int) -> list[list[int]]:
         """Units per component per rank."""
-        return [[p // world + (r < p % world) for r in range(world)] for p in self.parts]
+        return [[p] * world if i in self.whole else [p // world + (r < p % world) for r in range(world)]
+                for i, p in enumerate(self.parts)]
 
     def pieces(self, world: int, rank: int) -> list[tuple[int, int]]:
         """``(start, length)`` in elements of the dim, per component, for ``rank``."""
         out, offset = [], 0
-        for p, counts in zip(self.parts, self.counts(world)):
-            out.append(((offset + sum(counts[:rank])) * self.unit, counts[rank] * self.unit))
+        for i, (p, counts) in enumerate(zip(self.parts, self.counts(world))):
+            before = 0 if i in self.whole else sum(counts[:rank])
+            out.append(((offset + before) * self.unit, counts[rank] * self.unit))
             offset += p
         return out
+
+    def sub(self, i: int, j: int) -> Split | None:
+        """Components ``[i, j)`` alone; None when all of them are whole (a replicated value)."""
+        if all(c in self.whole for c in range(i, j)):
+            return None
+        return Split(self.parts[i:j], self.unit, frozenset(c - i for c in self.whole if i <= c < j))
 
     def local(self, world: int, rank: int) -> int:
         return sum(length for _, length in self.pieces(world, rank))
@@ -112,23 +123,34 @@ class Split:
 
     def fewest_units(self, world: int) -> int:
         """The fewest units any rank holds of any component (0: some rank holds nothing)."""
-        return min(p // world for p in self.parts)
+        return min(p if i in self.whole else p // world for i, p in enumerate(self.parts))
 
     def coarsen(self, k: int) -> Split | None:
         """Units ``k`` times larger (``None`` when a component is not a whole number of them)."""
         if any(p % k for p in self.parts):
             return None
-        return Split(tuple(p // k for p in self.parts), self.unit * k)
+        return Split(tuple(p // k for p in self.parts), self.unit * k, self.whole)
 
     def cut(self, boundaries: set[int]) -> Split:
-        """Components also split at these unit offsets."""
-        parts, offset = [], 0
-        for p in self.parts:
+        """Components also split at these unit offsets (the pieces of a whole one stay whole)."""
+        parts, whole, offset = [], set(), 0
+        for i, p in enumerate(self.parts):
             inner = sorted(b - offset for b in boundaries if offset < b < offset + p)
             edges = [0, *inner, p]
-            parts.extend(b - a for a, b in zip(edges, edges[1:]))
+            for a, b in zip(edges, edges[1:]):
+                if i in self.whole:
+                    whole.add(len(parts))
+                parts.append(b - a)
             offset += p
-        return Split(tuple(parts), self.unit)
+        return Split(tuple(parts), self.unit, frozenset(whole))
+
+    def keep_whole(self, world: int) -> Split | None:
+        """The components with fewer units than ranks held whole by every rank, the rest still
+        cut; None if that leaves nothing cut or nothing whole."""
+        small = frozenset(i for i, p in enumerate(self.parts) if p < world) | self.whole
+        if small == self.whole or len(small) == len(self.parts):
+            return None
+        return Split(self.parts, self.unit, small)
 
 
 def even(size: int) -> Split:
@@ -349,7 +371,8 @@ def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
     """The linear's input is sharded on exactly its input features (a rowwise input as it is);
     a shard on another dim (heads fed to a per-head linear, a merged dim) must be gathered."""
     src = lm.layouts.get(match.input)
-    return src is not None and src.dim == -1 and src.size == match.in_features == _size_at(match.input)
+    return (src is not None and src.dim == -1 and not src.split.whole
+            and src.size == match.in_features == _size_at(match.input))
 
 
 def _linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:

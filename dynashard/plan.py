@@ -113,7 +113,7 @@ def make_plan(
         else:
             decisions = dict(user)
         layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, **modes)
-        if not _grant(wishes + layouts.wishes, splits, forced if auto else None, linears):
+        if not _grant(wishes + layouts.wishes, splits, forced if auto else None, linears, world):
             break
     _describe_cuts(linears, decisions, splits)
     while True:
@@ -138,8 +138,11 @@ def make_plan(
                 decisions[n] = Decision("rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
 
 
-def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[LinearMatch]) -> bool:
+def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[LinearMatch], world: int) -> bool:
     """Re-cut (or, for the auto plan, keep whole) the origins the shape rules asked about.
+
+    A fused origin asked to stay whole keeps only its components with fewer units than ranks
+    whole (a fused [q | k | v] with 2 KV heads on 4 ranks: q still cut, k and v held by all).
 
     Wishes of one round combine: component boundaries first, then the least common unit. A
     weight shared by several layers keeps its cut (its uses must agree). True if anything changed.
@@ -150,6 +153,7 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
         uses[m.weight] = uses.get(m.weight, 0) + 1
     cuts: dict[torch.fx.Node, set[int]] = {}
     units: dict[torch.fx.Node, int] = {}
+    whole: dict[torch.fx.Node, Wish] = {}  # auto plan: keep (parts of) these whole
     changed = False
     for w in wishes:
         for o in w.origins:
@@ -159,8 +163,7 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
             current = splits.get(o, even(m.out_features))
             if w.kind == "replicate":
                 if forced is not None and o not in forced:
-                    forced[o] = Decision("replicate", f"kept whole: {w.reason}")
-                    changed = True
+                    whole.setdefault(o, w)
             elif w.kind == "cut":
                 cuts.setdefault(o, set()).update(w.arg)
             else:
@@ -173,6 +176,16 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
         if new is not None and new != current:
             splits[o] = new
             changed = True
+    for o, w in whole.items():
+        current = splits.get(o, even(by_node[o].out_features))
+        # ``arg``: how much coarser the asking rule wanted the units (heads); safe to apply either way
+        coarser = current.coarsen(w.arg) if w.arg else current
+        partly = (coarser or current).keep_whole(world) if len(current.parts) > 1 else None
+        if partly is not None:
+            splits[o] = partly
+        else:
+            forced[o] = Decision("replicate", f"kept whole: {w.reason}")
+        changed = True
     return changed
 
 
@@ -183,6 +196,9 @@ def _describe_cuts(linears: list[LinearMatch], decisions: dict, splits: dict) ->
             continue
         what = f"{len(split.parts)} components of {'/'.join(map(str, split.parts))}" if len(split.parts) > 1 else f"{split.parts[0]}"
         note = f"cut in {what} units of {split.unit}"
+        if split.whole:
+            held = ", ".join(str(i + 1) for i in sorted(split.whole))
+            note += f"; component{'s' if len(split.whole) > 1 else ''} {held} held whole by every rank (fewer units than ranks)"
         decisions[m.node] = Decision(d.style, f"{d.reason}; {note}" if d.reason else note)
 
 

@@ -54,6 +54,10 @@ class GraphReport:
             nbytes = math.prod(private.size_hint(s) for s in val.shape) * val.element_size()
             if c.kind in ("all_gather_rows", "reduce_scatter"):
                 nbytes *= analysis.world  # the payload holds every rank's rows
+            lay = lm.layouts.get(c.node)
+            if c.kind == "all_gather" and lay is not None and lay.split.whole:  # whole parts are not sent
+                cut = sum(p for i, p in enumerate(lay.split.parts) if i not in lay.split.whole)
+                nbytes = nbytes * cut // sum(lay.split.parts)
             owners = sorted((o for o in c.origins if o in charged), key=lambda o: o.name)
             label = c.kind if c.kind in ("all_reduce", "reduce_scatter") else f"{c.kind} (before {c.reason})"
             for o in owners:

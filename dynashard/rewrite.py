@@ -87,7 +87,7 @@ class _Sharder(torch.fx.Interpreter):
             if lay.length == 0:
                 raise RuntimeError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
-        full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group)
+        full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group, lay.split.whole)
         if merged:
             full = full.flatten(-2)
         # NOTE: kernels called at aten level (e.g. CPU flash attention) assume a unit-stride last

@@ -52,14 +52,8 @@ class SimulatedCollectives:
     def all_reduce_sum(self, x, group_name):
         return torch.stack(self._all(x)).sum(0)
 
-    def all_gather_last_dim(self, x, lengths, rank, group_name):
-        everyone = self._all(x)
-        pieces = []  # component by component, rank by rank
-        for c, ls in enumerate(lengths):
-            for r, a in enumerate(everyone):
-                offset = sum(other[r] for other in lengths[:c])
-                pieces.append(a.narrow(-1, offset, ls[r]))
-        return torch.cat(pieces, -1)
+    def all_gather_last_dim(self, x, lengths, rank, group_name, whole=frozenset()):
+        return _join(self._all(x), lengths, whole)
 
     def all_gather_rows(self, x, group_name):
         return torch.cat(self._all(x), 0)
@@ -162,11 +156,14 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _assemble(values: list[torch.Tensor], split) -> torch.Tensor:
     """Every rank's colwise output back in feature order (component by component, rank by rank)."""
-    world = len(values)
-    lengths = split.lengths(world)
+    return _join(values, split.lengths(len(values)), split.whole)
+
+
+def _join(values: list[torch.Tensor], lengths: list[list[int]], whole) -> torch.Tensor:
+    """Component by component, rank by rank; a whole component once (rank 0's)."""
     pieces = []
     for c, ls in enumerate(lengths):
-        for r, v in enumerate(values):
+        for r, v in enumerate(values[:1] if c in whole else values):
             pieces.append(v.narrow(-1, sum(other[r] for other in lengths[:c]), ls[r]))
     return torch.cat(pieces, -1)
 

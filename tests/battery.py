@@ -54,6 +54,10 @@ CASES = {
     # K/V not repeated (SDPA enable_gqa): each rank's K/V heads are those of its query heads
     "llama_sdpa_gqa": ("llama_sdpa_gqa", 128, 90, [(2, 7), (3, 11)], {}),
     "llama_mqa": ("llama_mqa", 128, 90, [(2, 7), (3, 11)], {}),  # 1 KV head: replicated, query heads cut
+    # Phi-3 style fused qkv with 2 KV heads: on 4 ranks q is cut, k and v are held whole in the one
+    # weight; "probe" also reads the fused output whole (a gather that skips the whole parts)
+    "fused_gqa": ("fused_gqa", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
+    "fused_gqa_probe": ("fused_gqa_probe", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -83,6 +87,7 @@ SHARDED["nanogpt_manual"] = SHARDED["nanogpt"]
 SHARDED["llama_few_kv"] = {n for n in SHARDED["llama"] if "k_proj" not in n and "v_proj" not in n}
 SHARDED["llama_sdpa_gqa"] = SHARDED["llama"]
 SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
+SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = {"qkv_proj.weight", "o_proj.weight"}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

@@ -476,11 +476,12 @@ class FusedGateUp(nn.Module):
 
 
 class FusedGQAAttention(nn.Module):
-    """Phi-3 style: one ``qkv_proj`` for q (8 heads) and k, v (``n_kv`` heads each), sliced apart."""
+    """Phi-3 style: one ``qkv_proj`` for q (8 heads) and k, v (``n_kv`` heads each), sliced apart.
+    ``probe``: the fused output is also read whole (its mean is added), so it is gathered too."""
 
-    def __init__(self, hidden: int = 128, n_heads: int = 8, n_kv: int = 2) -> None:
+    def __init__(self, hidden: int = 128, n_heads: int = 8, n_kv: int = 2, probe: bool = False) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.dh = n_heads, n_kv, hidden // n_heads
+        self.n_heads, self.n_kv, self.dh, self.probe = n_heads, n_kv, hidden // n_heads, probe
         self.qkv_proj = nn.Linear(hidden, (n_heads + 2 * n_kv) * self.dh, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
 
@@ -493,7 +494,8 @@ class FusedGQAAttention(nn.Module):
         v = qkv[..., k_end:].view(b, t, self.n_kv, self.dh).transpose(1, 2)
         k, v = repeat_kv(k, self.n_heads // self.n_kv), repeat_kv(v, self.n_heads // self.n_kv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        out = self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return out + qkv.mean(-1, keepdim=True) if self.probe else out
 
 
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
@@ -521,6 +523,8 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "llama_6_heads": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=6),
         "llama_sdpa_gqa": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4, repeat="sdpa"),
         "llama_mqa": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=1, repeat="sdpa"),
+        "fused_gqa": lambda: FusedGQAAttention(hidden, 8, ffn),  # ffn = KV heads
+        "fused_gqa_probe": lambda: FusedGQAAttention(hidden, 8, ffn, probe=True),
     }[name]()
 
 

@@ -154,3 +154,34 @@ def test_entry_point_after_import_no_double_registration():
         """
     )
     assert "err 0.0 0.0" in out, out
+
+
+def test_destroy_process_group_ends_the_groups_threads(tmp_path):
+    """dynashard holds its group weakly: compiled programs live in Dynamo's cache until exit, and a
+    strong reference kept the group's gloo worker threads alive past destroy_process_group(); at
+    interpreter exit such a thread can abort the process (SIGABRT after a run that passed, seen in
+    CI). Dynamo is imported before init_process_group here because, imported after it, torch 2.13
+    itself keeps the group alive (entry._drain_gloo_at_exit covers that case)."""
+    script = tmp_path / "release.py"
+    script.write_text(textwrap.dedent(
+        """
+        import gc, os, torch, torch._dynamo, torch.distributed as dist
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+        with torch.no_grad():
+            torch.compile(m, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(torch.randn(3, 16))
+        before = len(os.listdir("/proc/self/task"))
+        dist.destroy_process_group()
+        gc.collect()
+        print("threads", before, len(os.listdir("/proc/self/task")))
+        """
+    ))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    counts = [tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines() if line.startswith("threads")]
+    assert len(counts) == 2 and all(after < before for before, after in counts), done.stdout

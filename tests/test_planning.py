@@ -306,3 +306,19 @@ def test_gqa_and_mqa_keep_query_heads_sharded(n_kv, world, kv_style, repeat):
     styles = {r.fqn: (r.style, r.collectives) for r in report.rows}
     assert styles == {"q_proj": ("colwise", "-"), "k_proj": (kv_style, "-"), "v_proj": (kv_style, "-"),
                       "o_proj": ("rowwise", "all_reduce")}, str(report)
+
+
+@pytest.mark.parametrize("world,n_kv", [(4, 2), (8, 2), (3, 2), (4, 1), (2, 1)])
+@pytest.mark.parametrize("probe", [False, True])
+def test_fused_qkv_with_fewer_kv_heads_than_ranks_holds_kv_whole(world, n_kv, probe):
+    """Phi-3 / Falcon style fused qkv: with fewer KV heads than ranks each rank holds its query heads
+    and all of k and v in the one weight (before: the whole projection was kept whole). ``probe``
+    reads the fused output whole too: its gather sends only the cut part."""
+    torch.manual_seed(0)
+    model = models.FusedGQAAttention(128, 8, n_kv, probe=probe)
+    report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    qkv, o = report.rows
+    assert (qkv.style, o.style, o.collectives) == ("colwise", "rowwise", "all_reduce"), str(report)
+    assert f"cut in 3 components of 8/{n_kv}/{n_kv} units of 16; components 2, 3 held whole" in qkv.reason
+    assert qkv.collectives.startswith("all_gather") if probe else qkv.collectives == "-", str(report)
