@@ -256,8 +256,9 @@ class _HandshakeFirst:
         return self.compiled(*args)
 
 
-_GLOO_GROUPS: weakref.WeakSet = weakref.WeakSet()  # gloo groups compiled for, alive until exit?
+_GLOO_GROUPS: weakref.WeakSet = weakref.WeakSet()  # gloo groups compiled for (alive at exit?)
 _GLOO_EXIT_GRACE_S = 0.2
+_EXIT_HOOK: list[bool] = []  # registered once
 
 
 def _drain_gloo_at_exit(group: dist.ProcessGroup) -> None:
@@ -274,9 +275,9 @@ def _drain_gloo_at_exit(group: dist.ProcessGroup) -> None:
     """
     if private.is_fake_group(group) or dist.get_backend(group) != "gloo":
         return
-    if not _GLOO_GROUPS and not getattr(_let_gloo_workers_finish, "registered", False):
+    if not _EXIT_HOOK:
         atexit.register(_let_gloo_workers_finish)
-        _let_gloo_workers_finish.registered = True
+        _EXIT_HOOK.append(True)
     _GLOO_GROUPS.add(group)
 
 
