@@ -100,6 +100,8 @@ def view_shard(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> bool:
         return _viewed(lm, node, src.moved(at(p)))
     if p >= len(before) - right:  # same place from the right
         return _viewed(lm, node, src.moved(at(len(after) - (len(before) - p))))
+    if src.split.whole:  # a regrouped dim would deal out the whole components too: gather instead
+        return False
     mid_in, mid_out = before[left : len(before) - right], after[left : len(after) - right]
     s = p - left
     inner_in = mid_in[s + 1 :]

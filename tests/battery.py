@@ -58,6 +58,7 @@ CASES = {
     # weight; "probe" also reads the fused output whole (a gather that skips the whole parts)
     "fused_gqa": ("fused_gqa", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
     "fused_gqa_probe": ("fused_gqa_probe", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
+    "fused_gqa_heads": ("fused_gqa_heads", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),  # viewed whole into heads
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -87,7 +88,7 @@ SHARDED["nanogpt_manual"] = SHARDED["nanogpt"]
 SHARDED["llama_few_kv"] = {n for n in SHARDED["llama"] if "k_proj" not in n and "v_proj" not in n}
 SHARDED["llama_sdpa_gqa"] = SHARDED["llama"]
 SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
-SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = {"qkv_proj.weight", "o_proj.weight"}
+SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

@@ -477,9 +477,10 @@ class FusedGateUp(nn.Module):
 
 class FusedGQAAttention(nn.Module):
     """Phi-3 style: one ``qkv_proj`` for q (8 heads) and k, v (``n_kv`` heads each), sliced apart.
-    ``probe``: the fused output is also read whole (its mean is added), so it is gathered too."""
+    ``probe``: the fused output is also read whole, so it is gathered too: "mean" adds its mean,
+    "heads" its per-head maxima (a view of all of it into heads first)."""
 
-    def __init__(self, hidden: int = 128, n_heads: int = 8, n_kv: int = 2, probe: bool = False) -> None:
+    def __init__(self, hidden: int = 128, n_heads: int = 8, n_kv: int = 2, probe: str | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.dh, self.probe = n_heads, n_kv, hidden // n_heads, probe
         self.qkv_proj = nn.Linear(hidden, (n_heads + 2 * n_kv) * self.dh, bias=False)
@@ -495,7 +496,9 @@ class FusedGQAAttention(nn.Module):
         k, v = repeat_kv(k, self.n_heads // self.n_kv), repeat_kv(v, self.n_heads // self.n_kv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-        return out + qkv.mean(-1, keepdim=True) if self.probe else out
+        if self.probe == "heads":
+            return out + qkv.view(b, t, -1, self.dh).amax(-1).mean(-1, keepdim=True)
+        return out + qkv.mean(-1, keepdim=True) if self.probe == "mean" else out
 
 
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
@@ -524,7 +527,8 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "llama_sdpa_gqa": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=4, repeat="sdpa"),
         "llama_mqa": lambda: LlamaDecoder(vocab=ffn, hidden=hidden, n_heads=8, n_kv_heads=1, repeat="sdpa"),
         "fused_gqa": lambda: FusedGQAAttention(hidden, 8, ffn),  # ffn = KV heads
-        "fused_gqa_probe": lambda: FusedGQAAttention(hidden, 8, ffn, probe=True),
+        "fused_gqa_probe": lambda: FusedGQAAttention(hidden, 8, ffn, probe="mean"),
+        "fused_gqa_heads": lambda: FusedGQAAttention(hidden, 8, ffn, probe="heads"),
     }[name]()
 
 

@@ -309,11 +309,12 @@ def test_gqa_and_mqa_keep_query_heads_sharded(n_kv, world, kv_style, repeat):
 
 
 @pytest.mark.parametrize("world,n_kv", [(4, 2), (8, 2), (3, 2), (4, 1), (2, 1)])
-@pytest.mark.parametrize("probe", [False, True])
+@pytest.mark.parametrize("probe", [None, "mean", "heads"])
 def test_fused_qkv_with_fewer_kv_heads_than_ranks_holds_kv_whole(world, n_kv, probe):
     """Phi-3 / Falcon style fused qkv: with fewer KV heads than ranks each rank holds its query heads
     and all of k and v in the one weight (before: the whole projection was kept whole). ``probe``
-    reads the fused output whole too: its gather sends only the cut part."""
+    reads the fused output whole too: its gather sends only the cut part. Found by review: viewed
+    into heads first ("heads"), the view dealt the whole k/v heads out as if cut (error 3.1)."""
     torch.manual_seed(0)
     model = models.FusedGQAAttention(128, 8, n_kv, probe=probe)
     report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
