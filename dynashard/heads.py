@@ -39,7 +39,6 @@ import torch.fx
 from dynashard import _torch_private as private
 from dynashard.layout import (
     LOCAL,
-    NARROW,
     NARROW_GROUPS,
     LayoutMap,
     Shard,
