@@ -8,6 +8,7 @@ its rank and traceback; a rank that hangs past the deadline gets the whole group
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -19,6 +20,12 @@ from typing import Any
 
 _CTX = mp.get_context("spawn")
 
+# A torchrun or python subprocess of a test (a tiny model on 2-4 ranks) takes 3-16 s on the project's
+# quiet 2-core machine; CI has run that kind of machine 3x slower, and a second 2-process job on the
+# same cores doubles it again: 240 s keeps a 2x margin, under pytest-timeout's 300 s (setup.cfg), so
+# the subprocess's own timeout, which says what it was running, fires first.
+SUBPROCESS_DEADLINE_S = 240
+
 
 class RankError(Exception):
     """One rank raised; ``exc_type`` and ``message`` describe its exception."""
@@ -26,6 +33,43 @@ class RankError(Exception):
     def __init__(self, rank: int, exc_type: str, message: str, tb: str) -> None:
         super().__init__(f"rank {rank} raised {exc_type}: {message}\n{tb}")
         self.rank, self.exc_type, self.message = rank, exc_type, message
+
+
+class SharedRunFailed(Exception):
+    """A shared run failed (or ran out of time) earlier; this test reads its remembered failure."""
+
+
+def shared_run(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn(*key)`` once per key for every test that reads it, and remember its outcome:
+    the result, or the failure.
+
+    A spawn that many tests share (a battery of cases) must not start again for each of them
+    when it fails or times out, as ``functools.lru_cache`` would (it caches only returns): on a
+    busy machine that turns one slow battery into one timeout per test. A failure is kept,
+    whether ``fn`` raised, hit its own deadline, or was stopped by pytest-timeout (whose
+    ``Failed`` is a ``BaseException``), and every later test fails at once with it.
+    """
+    outcomes: dict[tuple, tuple[bool, Any]] = {}
+
+    @functools.wraps(fn)
+    def run(*key: Any) -> Any:
+        if key not in outcomes:
+            try:
+                outcomes[key] = (True, fn(*key))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - kept for every test that reads this run
+                outcomes[key] = (False, e)
+                raise
+        ok, value = outcomes[key]
+        if ok:
+            return value
+        raise SharedRunFailed(
+            f"{fn.__name__}{key} failed when an earlier test ran it (its traceback is there): "
+            f"{type(value).__name__}: {str(value)[:2000]}"
+        )
+
+    return run
 
 
 def _worker(fn, rank, world, init_file, gloo_timeout, args, queue):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -12,15 +11,21 @@ import pytest
 import torch
 
 from tests.battery import scenarios
-from tests.multiproc import run_ranks
+from tests.multiproc import SUBPROCESS_DEADLINE_S, run_ranks, shared_run
+
+# One spawn per world runs every scenario: about 20 s at world 2 or 4 on the quiet 2-core machine,
+# so 300 s covers a 3x slower machine that is also running another job, with a 2x margin; the first
+# test that reads it (its fixture's setup) waits that long at most, plus the teardown.
+SCENARIOS_DEADLINE_S = 300
+pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
 
 # float32 sharded vs unsharded MLP(32, 96): sums of <= 96 O(1) terms in another order, a few ulps.
 ATOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
+@shared_run
 def _results(world: int) -> list[dict]:
-    return run_ranks(scenarios, world, timeout=600)
+    return run_ranks(scenarios, world, timeout=SCENARIOS_DEADLINE_S)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
@@ -102,7 +107,7 @@ def test_seed_example_on_four_ranks():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(root, "examples", "seed_scenario.py")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for rank in range(4):
         assert f"[RANK {rank}] PASSED (batches 100, 37, 5; full weight still held: False)" in done.stdout
@@ -128,7 +133,7 @@ def _run_world1(code: str) -> str:
         """
     ) + textwrap.dedent(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -181,7 +186,7 @@ def test_destroy_process_group_ends_the_groups_threads(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=root, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     counts = [tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines() if line.startswith("threads")]
     assert len(counts) == 2 and all(after < before for before, after in counts), done.stdout

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.multiproc import SUBPROCESS_DEADLINE_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,7 +24,7 @@ def test_benchmark_smoke(script, ranks, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            os.path.join(ROOT, "benchmarks", script), "--smoke", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["world_size"] == ranks and record["torch"].startswith("2.13") and record["results"]

@@ -8,10 +8,14 @@ from tests.battery import faults, special_cases
 from tests.multiproc import RankError, run_ranks, run_ranks_outcomes
 
 GLOO_TIMEOUT = 15  # seconds: a dead rank must surface as an error within about this long
+# Each fault spawn takes 3-9 s on the quiet 2-core machine (two wait out GLOO_TIMEOUT); the deadline
+# covers a 3x slower, busy machine with a 2x margin and stays under pytest-timeout's 300 s.
+FAULT_DEADLINE_S = 180
+SPECIAL_DEADLINE_S = 240  # one 4-rank spawn, 7 s quiet
 
 
 def _outcome(which: str, world: int = 2) -> list:
-    return run_ranks_outcomes(faults, world, which, timeout=180, gloo_timeout=GLOO_TIMEOUT)
+    return run_ranks_outcomes(faults, world, which, timeout=FAULT_DEADLINE_S, gloo_timeout=GLOO_TIMEOUT)
 
 
 def test_a_rank_failing_to_plan_fails_every_rank_naming_it():
@@ -51,7 +55,7 @@ def test_meta_device_model_is_refused_on_every_rank():
 
 @pytest.fixture(scope="module")
 def special():
-    return run_ranks(special_cases, 4, timeout=300)
+    return run_ranks(special_cases, 4, timeout=SPECIAL_DEADLINE_S)
 
 
 # float32 (and bfloat16 for MixedDtypes's second pair): see test_numerics.TOLERANCE.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests.multiproc import SUBPROCESS_DEADLINE_S
+
 SCRIPT = textwrap.dedent(
     """
     import torch
@@ -27,7 +29,7 @@ def _run(tmp_path, **env):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
     full_env.update(env, PYTHONPATH=root)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=full_env, cwd=root)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, env=full_env, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
