@@ -126,31 +126,75 @@ def exchange_blocks(t: torch.Tensor, dim: int, lengths: list[int], rank: int, gr
 
 
 CALL, COMPILE = 1, 2  # what a rank is doing when it meets the others in handshake()
+_PHASE = {CALL: "calls the compiled graph", COMPILE: "compiles a new graph (its inputs failed Dynamo's guards)"}
+_STAGE = {CALL: "call of the compiled graph", COMPILE: "planning step"}
+_HANDSHAKE_FAILURES = [0]
 
 
-def handshake(phase: int, shapes: list[int], group: dist.ProcessGroup) -> None:
-    """inputs="per_rank": one fixed-size all_reduce that every rank makes before each call *and*
-    before each compile, so ranks whose inputs differ meet on the same collective and all raise.
+def content_digest(tensors: list[torch.Tensor]) -> int:
+    """A checksum of the tensors' bytes (order-independent integer arithmetic: the same on every
+    rank for the same values, whatever the threads). Costs one pass over the inputs."""
+    total = 0
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1)
+        raw = flat.view(torch.int32) if (flat.numel() * flat.element_size()) % 4 == 0 else flat.view(torch.uint8)
+        raw = raw.to(torch.int64)
+        weights = torch.arange(raw.numel(), dtype=torch.int64, device=raw.device) % 65521 + 1
+        total = (total * 1000003 + int((raw * weights).sum())) % (1 << 61)
+    return total
 
-    Without it, a rank whose guards fail (other shapes) would recompile and enter the compile
-    agreement while the others run the program's collectives: a mismatch gloo aborts on.
+
+def handshake(phase: int, shapes: list[tuple[int, ...]], group: dist.ProcessGroup, per_rank: bool = False,
+              values: int = 0) -> None:
+    """One fixed-size all_reduce that every rank makes before each call *and* before each
+    compile of a graph, so ranks whose inputs differ meet on the same collective and all raise.
+
+    Without it, ranks calling with different shapes send collectives of different sizes (gloo
+    aborts the process), and a rank whose guards fail (other shapes) recompiles and enters the
+    compile agreement while the others run the program's collectives. ``shapes``: this rank's
+    input shapes; with ``per_rank`` inputs only the shapes must agree, else ``values`` too (a
+    :func:`content_digest`, 0 when not checked).
     """
     digest = zlib.crc32(repr(shapes).encode())
-    local = torch.tensor([phase, digest, -phase, -digest], dtype=torch.int64)
+    local = torch.tensor([phase, digest, values, -phase, -digest, -values], dtype=torch.int64)
     agreed = local.clone()
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
+        _HANDSHAKE_FAILURES[0] += 1  # the same count on every surviving rank: they fail here together
+        missing = RollCall(group, f"handshake-failed-{_HANDSHAKE_FAILURES[0]}").missing(wait_s=5.0)
+        raise RuntimeError(
+            f"dynashard: not every rank reached the {_STAGE[phase]} (the process group's timeout bounds the "
+            f"wait): {describe_missing(missing)}. The process group said: {type(e).__name__}: {e}"
+        ) from e
     if torch.equal(agreed, local):
         return
-    if int(agreed[0]) != -int(agreed[2]):  # some ranks compile while others call: no more collectives
+    # Every rank sees the same reduced tensor, so every rank takes this branch: safe to gather.
+    everyone = all_gather_objects((phase, shapes), group)
+    per_rank_shapes = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
+    if int(agreed[0]) != -int(agreed[3]):  # some ranks compile while others call
+        doing = "; ".join(f"rank {r} {_PHASE[p]}" for r, (p, _) in enumerate(everyone))
         raise ValueError(
-            "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call; "
-            "some ranks are recompiling this graph while others run it, so their inputs differ (in shape, "
-            "or in something else Dynamo guards on)."
+            f"dynashard: the ranks are not running the same compiled graph: {doing}. Expected every rank to "
+            f"call the model with inputs of the same shapes (and whatever else Dynamo guards on); input "
+            f"shapes per rank: {per_rank_shapes}."
         )
-    everyone = all_gather_objects(shapes, group)  # every rank took this branch: safe to gather
+    if per_rank:
+        raise ValueError(
+            "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call "
+            f"(the batch size may change between calls); input sizes per rank: {per_rank_shapes}."
+        )
+    if int(agreed[1]) != -int(agreed[4]):
+        raise ValueError(
+            "dynashard: inputs='replicated' needs every rank to call with the same inputs; found different "
+            f"shapes: {per_rank_shapes}. Pass the same batch on every rank, or options={{'inputs': 'per_rank'}} "
+            "if each rank has its own batch."
+        )
     raise ValueError(
-        "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call "
-        f"(the batch size may change between calls); input sizes per rank: {everyone}."
+        "dynashard: inputs='replicated' needs every rank to call with the same inputs; their shapes agree "
+        f"({per_rank_shapes}) but their values differ (options={{'check_inputs': 'values'}} compared checksums). "
+        "Pass the same batch on every rank (same seed, or broadcast it from rank 0), or "
+        "options={'inputs': 'per_rank'} if each rank has its own batch."
     )
 
 

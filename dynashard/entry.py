@@ -24,6 +24,7 @@ from dynashard.collectives import (
     RollCall,
     CALL,
     COMPILE,
+    content_digest,
     describe_missing,
     exchange_status,
     group_name,
@@ -164,6 +165,36 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class CallCheck:
+    """What a rank tells the others before every call and every compile of a graph: its input
+    shapes (and, with ``check_inputs``, a checksum of their values), in one small all_reduce.
+
+    Ranks that differ meet there and all raise, naming each rank's shapes, before any collective
+    of the graph (gloo aborts the process on collectives of different sizes) and before a rank
+    whose guards failed enters the compile agreement while the others run the graph.
+    """
+
+    module_state: frozenset[int]  # parameter and buffer slots: checked once, at compile time
+    per_rank: bool
+    values: bool
+
+    @classmethod
+    def for_graph(cls, gm: torch.fx.GraphModule, options: Options) -> CallCheck | None:
+        """None with ``check_inputs="off"``: no per-call collective (a mismatch then aborts or hangs)."""
+        if options.check_inputs == "off":
+            return None
+        slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        state = frozenset(i for i, n in enumerate(slots) if private.placeholder_source_fqn(n) is not None)
+        return cls(state, options.inputs == "per_rank", options.check_inputs == "values")
+
+    def __call__(self, phase: int, args: Any, group: dist.ProcessGroup) -> None:
+        inputs = [a for i, a in enumerate(args) if i not in self.module_state]
+        tensors = [a for a in inputs if torch.is_tensor(a)]  # (symbolic sizes arrive as ints: in these shapes)
+        values = content_digest(tensors) if self.values else 0
+        handshake(phase, [tuple(t.shape) for t in tensors], group, self.per_rank, values)
+
+
 class ShardedProgram:
     """What Dynamo calls: swaps this rank's shards in for the (freed) full weights.
 
@@ -181,13 +212,14 @@ class ShardedProgram:
         options: Options,
         group: dist.ProcessGroup,
         fingerprint: str,
+        check: CallCheck | None,
     ) -> None:
         self.compiled = compiled
         self.specs = specs  # input slot -> (FQN, how that parameter is cut)
         self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
         self._group = _WeakGroup(group)  # adoption, naming missing ranks after a failed call
-        self.per_rank = options.inputs == "per_rank"  # shapes checked every call
+        self.check = None if private.is_fake_group(group) else check  # a fake group moves no data
         self.options, self.fingerprint = dataclasses.replace(options, group=None), fingerprint
         self.failures = 0
 
@@ -197,8 +229,8 @@ class ShardedProgram:
 
     def __call__(self, *args: Any) -> Any:
         group = self.group  # a clear error if it was destroyed, not a failed lookup inside the graph
-        if self.per_rank:
-            handshake(CALL, _shapes(args, skip=self.specs), group)
+        if self.check is not None:
+            self.check(CALL, args, group)
         args = list(args)
         shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items()}
         fresh = [i for i, s in shards.items() if s is None]
@@ -244,15 +276,16 @@ class ShardedProgram:
         ) from error
 
 
-class _HandshakeFirst:
-    """inputs="per_rank", a graph left whole: no shards, but every call still meets the other ranks
-    in the handshake, so a rank that recompiles on other shapes is an error, not a hang."""
+class _CheckFirst:
+    """A graph left whole: no shards and no collectives, but every call still meets the other ranks
+    in the :class:`CallCheck`, so a rank that recompiles on other shapes is an error, not a hang in
+    the next graph's collectives."""
 
-    def __init__(self, compiled: Callable[..., Any], group: dist.ProcessGroup) -> None:
-        self.compiled, self._group = compiled, _WeakGroup(group)
+    def __init__(self, compiled: Callable[..., Any], group: dist.ProcessGroup, check: CallCheck) -> None:
+        self.compiled, self._group, self.check = compiled, _WeakGroup(group), check
 
     def __call__(self, *args: Any) -> Any:
-        handshake(CALL, _shapes(args), self._group())
+        self.check(CALL, args, self._group())
         return self.compiled(*args)
 
 
@@ -313,10 +346,6 @@ class _WeakGroup:
         return group
 
 
-def _shapes(args: Any, skip: Any = ()) -> list[int]:
-    return [int(d) for i, a in enumerate(args) if i not in skip and torch.is_tensor(a) for d in a.shape]
-
-
 def _float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
@@ -352,8 +381,9 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
     agree = not private.is_fake_group(group)
     _drain_gloo_at_exit(group)
-    if agree and opts.inputs == "per_rank":
-        handshake(COMPILE, _shapes(example_inputs), group)
+    check = CallCheck.for_graph(gm, opts)
+    if agree and check is not None:
+        check(COMPILE, example_inputs, group)
     fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     sharded = analysis.sharded_inputs() if analysis else {}
@@ -366,9 +396,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
         compiled = private.compile_graph(opts.compiler, gm, example_inputs)
-        if opts.inputs == "per_rank" and agree:  # still meet the others before every call (see handshake)
-            return _HandshakeFirst(compiled, group)
-        return compiled
+        return _CheckFirst(compiled, group, check) if agree and check is not None else compiled
     sharded_gm = compiled = None
     try:
         new_fakes = shard_fakes(analysis, fake_args)
@@ -388,7 +416,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         for i, (fqn, dim, split) in sharded.items()
     }
     _cut_and_free(specs, example_inputs, group)
-    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint)
+    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check)
 
 
 def _loud(error: Exception, stage: str) -> Exception:

@@ -360,9 +360,9 @@ def _attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
         first = _gqa_heads(lm, node, q, k, v, groups)
     else:
         first = _heads_alike(lm, node, [q, k, v], -3)
-    if first is None or lm.layouts.get(q) is None:
+    if first is None or (lm.layouts.get(q) is None and groups > 1):
         _off_heads_wish(lm, node, [q, k, v])
-        return False
+        return False  # (a replicated q with K/V cut alike by heads is narrowed to this rank's heads)
     origins = frozenset().union(*(lm.layouts[a].origins for a in (q, k, v) if lm.layouts.get(a) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
     for arg in _all_args(node):

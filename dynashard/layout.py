@@ -530,7 +530,7 @@ def _view(lm: LayoutMap, node: torch.fx.Node) -> None:
     lm.view_rows_scaled.add(node)
 
 
-def _aliases_input(node: torch.fx.Node) -> bool:
+def aliases_input(node: torch.fx.Node) -> bool:
     """True when ``node``'s output may share memory with its first argument (views, in-place ops)."""
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None and node.args)
@@ -540,7 +540,7 @@ def alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
     """For every node that may alias its first argument, the value whose memory it shares."""
     root: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and _aliases_input(node) and isinstance(node.args[0], torch.fx.Node):
+        if node.op == "call_function" and aliases_input(node) and isinstance(node.args[0], torch.fx.Node):
             root[node] = root.get(node.args[0], node.args[0])
     return root
 

@@ -14,6 +14,7 @@ STYLES = ("colwise", "rowwise", "replicate")
 COMPILERS = ("inductor", "aot_eager", "eager")
 WEIGHTS = ("replicated", "rank0", "per_rank")
 INPUTS = ("replicated", "per_rank")
+CHECKS = ("shapes", "values", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Options:
     # 64K elements the collective it needs (tens of microseconds on gloo) costs about what
     # the halved matmul saves.
     min_shard_numel: int = 1 << 16
+    # What every call compares across ranks before any collective (README, "Errors, agreement").
+    check_inputs: str = "shapes"
 
     @property
     def plan_dict(self) -> dict[str, str] | None:
@@ -105,6 +108,8 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TypeError(f"dynashard: option 'min_shard_numel' is {value!r}; expected an int >= 0.")
         kwargs["min_shard_numel"] = value
+    if "check_inputs" in raw:
+        kwargs["check_inputs"] = _check_choice("check_inputs", raw["check_inputs"], CHECKS)
     return Options(**kwargs)
 
 

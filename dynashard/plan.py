@@ -172,6 +172,8 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
         m = by_node[o]
         current = splits.get(o, even(m.out_features))
         new = current.cut(cuts.get(o, set()))
+        if _empties_a_rank(current, new, world):
+            new = current  # one-unit pieces (a per-head split) would all be dealt to the first ranks
         new = new.coarsen(units.get(o, new.unit) // new.unit) if units.get(o, new.unit) % new.unit == 0 else None
         if new is not None and new != current:
             splits[o] = new
@@ -187,6 +189,13 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
             forced[o] = Decision("replicate", f"kept whole: {w.reason}")
         changed = True
     return changed
+
+
+def _empties_a_rank(current: Split, new: Split, world: int) -> bool:
+    """Components are dealt out one by one, the first ranks taking each one's extra units: cutting
+    a dim into components smaller than the world (``q.split(1, dim=heads)``: 4 one-head pieces on
+    2 ranks) would give rank 0 every piece and leave another rank nothing it held before."""
+    return any(new.local(world, r) == 0 < current.local(world, r) for r in range(world))
 
 
 def _describe_cuts(linears: list[LinearMatch], decisions: dict, splits: dict) -> None:

@@ -42,7 +42,7 @@ from dynashard.layout import (
     LayoutMap,
     Shard,
     alias_roots,
-
+    aliases_input,
     mutated_roots,
 )
 from dynashard.plan import Plan
@@ -122,6 +122,8 @@ class _Sharder(torch.fx.Interpreter):
             shape = list(args[1])
             if not _is_size(shape[dim], -1):
                 shape[dim] = local if _is_size(shape[dim], full) else shape[dim] // full * local
+                if local == 0:  # a -1 elsewhere cannot be inferred from an empty shard: the traced size
+                    shape = [node.meta["val"].shape[i] if _is_size(d, -1) else d for i, d in enumerate(shape)]
             if node in self.lm.view_rows_scaled and shape[0] != -1:
                 shape[0] = shape[0] * self.lm.world
             args = (args[0], shape, *args[2:])
@@ -133,6 +135,8 @@ class _Sharder(torch.fx.Interpreter):
             if node.target is aten.slice.Tensor:
                 return aten.narrow(args[0], dim, *sizes)
             return aten.split_with_sizes(args[0], list(sizes), dim)
+        if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
+            args, kwargs = _as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
 
     def _view(self, node: torch.fx.Node, value: Any, shape: list) -> Any:
@@ -193,6 +197,36 @@ class _Sharder(torch.fx.Interpreter):
         if m.bias is not None:
             y = aten.add(y, self._read(node, m.bias, None))
         return y
+
+
+def _as_traced(node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Inputs given the memory layout the op was traced with, where a conversion changed it.
+
+    NOTE: some aten kernels rely on the layout their caller checked, without checking it
+    themselves: CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``) reads its
+    inputs as if the last dim had unit stride, which is why the composite SDPA picked it when
+    Dynamo traced the model. A converted input (gathered and moved back, narrowed, or built from
+    such pieces by cat) can have another layout; such an input is made contiguous wherever the
+    traced one had a unit-stride last dim and the converted one does not. Layouts the rewrite
+    keeps (a local shard through views) never copy.
+    """
+    def fix(value: Any, traced: Any) -> Any:
+        if not (isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor)) or value.dim() == 0:
+            return value
+        if traced.dim() != value.dim() or not private.known_equal(traced.stride(-1), 1):
+            return value
+        if private.known_equal(value.stride(-1), 1) or private.known_equal(value.shape[-1], 1):
+            return value
+        return value.contiguous()
+
+    def fix_all(new: Any, old: Any) -> Any:
+        if isinstance(old, torch.fx.Node):
+            return fix(new, old.meta.get("val"))
+        if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
+            return type(new)(fix_all(n, o) for n, o in zip(new, old))
+        return new
+
+    return fix_all(args, node.args), {k: fix_all(v, node.kwargs.get(k)) for k, v in kwargs.items()}
 
 
 def _is_size(a: Any, b: int) -> bool:

@@ -59,6 +59,10 @@ CASES = {
     "fused_gqa": ("fused_gqa", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
     "fused_gqa_probe": ("fused_gqa_probe", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
     "fused_gqa_heads": ("fused_gqa_heads", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),  # viewed whole into heads
+    # q split into one-head pieces, scaled per head, concatenated back (head_dim given or inferred):
+    # once a silent wrong result under eager and aot_eager (CPU flash attention fed a strided q)
+    "per_head_scale": ("per_head_scale", 256, 4, [(2, 5, 256), (3, 7, 256)], {}),
+    "per_head_scale_infer": ("per_head_scale_infer", 256, 4, [(2, 5, 256), (3, 7, 256)], {}),
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -89,6 +93,7 @@ SHARDED["llama_few_kv"] = {n for n in SHARDED["llama"] if "k_proj" not in n and 
 SHARDED["llama_sdpa_gqa"] = SHARDED["llama"]
 SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
+SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},
@@ -142,6 +147,13 @@ def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
 def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict:
     dtype = getattr(torch, dtype_name)
     return {case: run_case(case, compiler, dtype, rank) for case in cases}
+
+
+def models_mlp_ref(x: torch.Tensor) -> torch.Tensor:
+    """The unsharded MLP(32, 96) of seed 0 on ``x``."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        return models.MLP(32, 96)(x)
 
 
 def _compile_mlp(seed: int, **options):
@@ -244,6 +256,42 @@ def scenarios(rank: int, world: int) -> dict:
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**per_rank, "plan": {}})
         compiled(torch.randn(5, 32))
         out["pr_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
+    # inputs="replicated" (the default): ranks calling with other shapes than each other are an error
+    # naming every rank's shapes, on the first call, on a dynamic graph, and when only some ranks'
+    # guards fail (they recompile while the others call); never a gloo abort or a hang.
+    replicated = {"compiler": "eager", "min_shard_numel": 0}
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        out["rep_first_call_mismatch"] = _error_of(lambda: compiled(torch.randn(3 + rank, 32)))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        compiled(torch.randn(2, 3, 32))
+        compiled(torch.randn(2, 5, 32))  # now dynamic
+        out["rep_later_call_mismatch"] = _error_of(lambda: compiled(torch.randn(2, 10 + 2 * rank, 32)))
+        out["rep_after_mismatch_err"] = float((compiled(x) - models_mlp_ref(x)).abs().max())  # the group survives
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        compiled(torch.randn(5, 32))
+        out["rep_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
+        torch._dynamo.reset()
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**replicated, "plan": {}})
+        compiled(torch.randn(5, 32))
+        out["rep_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
+        # check_inputs="values": equal shapes, other values on one rank, caught by a checksum.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        values = {**replicated, "check_inputs": "values"}
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=values)
+        out["checked_same_err"] = float((compiled(x) - models_mlp_ref(x)).abs().max())
+        out["checked_other_values"] = _error_of(lambda: compiled(x + (rank == world - 1)))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        unchecked = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        out["unchecked_other_values"] = _error_of(lambda: unchecked(x + rank))
     # A graph left whole keeps its gradients (plan {} is the README's advice for training code).
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -501,6 +501,24 @@ class FusedGQAAttention(nn.Module):
         return out + qkv.mean(-1, keepdim=True) if self.probe == "mean" else out
 
 
+class PerHeadScaleAttention(nn.Module):
+    """A per-head scale on q applied by splitting q into one-head pieces and concatenating them
+    back (found by a new user: a silent wrong result under eager at world 2)."""
+
+    def __init__(self, hidden: int = 256, heads: int = 4, infer_head_dim: bool = False):
+        super().__init__()
+        self.h, self.infer = heads, infer_head_dim
+        self.g = nn.Parameter(torch.rand(heads) + 0.5)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        dh = -1 if self.infer else d // self.h
+        q, k, v = (lin(x).view(b, t, self.h, dh).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q = torch.cat([p * self.g[i] for i, p in enumerate(q.split(1, dim=1))], 1)
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -529,6 +547,8 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "fused_gqa": lambda: FusedGQAAttention(hidden, 8, ffn),  # ffn = KV heads
         "fused_gqa_probe": lambda: FusedGQAAttention(hidden, 8, ffn, probe="mean"),
         "fused_gqa_heads": lambda: FusedGQAAttention(hidden, 8, ffn, probe="heads"),
+        "per_head_scale": lambda: PerHeadScaleAttention(hidden, ffn),  # ffn = heads
+        "per_head_scale_infer": lambda: PerHeadScaleAttention(hidden, ffn, infer_head_dim=True),
     }[name]()
 
 

@@ -55,7 +55,8 @@ def test_unknown_style_option_and_compiler(per_rank):
     for r in per_rank:
         assert "expected one of ['colwise', 'rowwise', 'replicate']" in r["unknown_style"][1]
         assert "unknown option(s) ['shard_everything']" in r["unknown_option"][1]
-        assert "valid options are ['plan', 'group', 'compiler', 'weights', 'inputs', 'min_shard_numel']" in r["unknown_option"][1]
+        valid = "['plan', 'group', 'compiler', 'weights', 'inputs', 'min_shard_numel', 'check_inputs']"
+        assert f"valid options are {valid}" in r["unknown_option"][1]
         assert "expected one of ['inductor', 'aot_eager', 'eager']" in r["bad_compiler"][1]
 
 
@@ -94,12 +95,43 @@ def test_grad_enabled_forward_right_backward_refused(per_rank):
 
 
 def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(per_rank):
+    world = len(per_rank)
     for r in per_rank:
-        for case in ("pr_first_call_mismatch", "pr_later_call_mismatch", "pr_call_vs_recompile",
-                     "pr_whole_call_vs_recompile"):
+        for case in ("pr_first_call_mismatch", "pr_later_call_mismatch"):
             kind, msg = r[case]
             assert "inputs='per_rank' needs every rank to pass inputs of the same shape" in msg, (case, msg)
-        assert "input sizes per rank" in r["pr_later_call_mismatch"][1]
+        assert f"rank {world - 1}: [({6 + world - 1}, 32)]" in r["pr_later_call_mismatch"][1]
+        for case in ("pr_call_vs_recompile", "pr_whole_call_vs_recompile"):
+            kind, msg = r[case]
+            assert "not running the same compiled graph" in msg, (case, msg)
+            assert "rank 0 calls the compiled graph" in msg, (case, msg)
+            assert f"rank 1 compiles a new graph" in msg and "rank 1: [(7, 32)]" in msg, (case, msg)
+
+
+def test_replicated_inputs_of_different_shapes_raise_on_every_rank_naming_them(per_rank):
+    """Found by a new user: after a first call, batch 4 on one rank and 5 on another killed the job
+    with a gloo SIGABRT and no dynashard message; on a first call it read 'different graphs'."""
+    world = len(per_rank)
+    for r in per_rank:
+        kind, msg = r["rep_first_call_mismatch"]
+        assert "inputs='replicated' needs every rank to call with the same inputs; found different shapes" in msg, msg
+        assert "rank 0: [(3, 32)]; rank 1: [(4, 32)]" in msg, msg
+        kind, msg = r["rep_later_call_mismatch"]
+        assert "found different shapes" in msg and f"rank {world - 1}: [(2, {10 + 2 * (world - 1)}, 32)]" in msg, msg
+        assert r["rep_after_mismatch_err"] <= ATOL
+        for case in ("rep_call_vs_recompile", "rep_whole_call_vs_recompile"):
+            kind, msg = r[case]
+            assert "not running the same compiled graph" in msg and "rank 1: [(7, 32)]" in msg, (case, msg)
+
+
+def test_check_inputs_catches_other_values_of_equal_shape(per_rank):
+    for r in per_rank:
+        assert r["checked_same_err"] <= ATOL
+        kind, msg = r["checked_other_values"]
+        assert "shapes agree" in msg and "values differ" in msg and "rank 1: [(4, 32)]" in msg, msg
+        # Without the option, other values are the user's promise: no error (each rank computes on
+        # its own inputs, combined as if they were one).
+        assert r["unchecked_other_values"] is None
 
 
 def test_seed_example_on_four_ranks():

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
     "script,ranks",
     [("bench_mlp.py", 2), ("bench_seed.py", 4), ("bench_memory.py", 2), ("bench_collectives.py", 4), ("suite.py", 2),
-     ("bench_overlap.py", 2), ("bench_fused_kv.py", 2)],
+     ("bench_overlap.py", 2), ("bench_fused_kv.py", 2), ("bench_call_check.py", 2)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):
     out = tmp_path / "result.json"

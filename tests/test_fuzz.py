@@ -37,17 +37,36 @@ class RandomMLP(nn.Module):
         return x
 
 
-class Attention(nn.Module):
-    """Plain multi-head self-attention written with views and transposes (batch, seq, hidden)."""
+# A per-head scale written by taking the heads dim apart and putting it back together: these
+# forms once dealt every one-head piece to rank 0 and fed CPU flash attention a non-contiguous q
+# (a silent wrong result under eager).
+PER_HEAD = {
+    "split_cat": lambda t, g: torch.cat([p * g[i] for i, p in enumerate(t.split(1, dim=1))], 1),
+    "unbind_stack": lambda t, g: torch.stack([p * g[i] for i, p in enumerate(t.unbind(1))], 1),
+    "index_stack": lambda t, g: torch.stack([t[:, i] * g[i] for i in range(t.shape[1])], 1),
+    "index_list": lambda t, g: torch.cat([t[:, [i]] * g[i] for i in range(t.shape[1])], 1),
+    "chunk_cat": lambda t, g: torch.cat([p * g[i] for i, p in enumerate(t.chunk(2, dim=1))], 1),
+}
 
-    def __init__(self, hidden, heads):
+
+class Attention(nn.Module):
+    """Plain multi-head self-attention written with views and transposes (batch, seq, hidden);
+    optionally a per-head scale on q or k in one of the ``PER_HEAD`` forms."""
+
+    def __init__(self, hidden, heads, per_head=None, on="q", infer_head_dim=False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.per_head, self.on, self.infer = heads, per_head, on, infer_head_dim
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.g = nn.Parameter(torch.rand(heads) + 0.5)
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        dh = -1 if self.infer else c // self.heads
+        q, k, v = (p(x).view(b, t, self.heads, dh).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.per_head and self.on == "q":
+            q = PER_HEAD[self.per_head](q, self.g)
+        elif self.per_head:
+            k = PER_HEAD[self.per_head](k, self.g)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
 
@@ -90,7 +109,9 @@ def mlp_cases(draw):
 def attention_cases(draw):
     heads = draw(st.integers(1, 6))
     hidden = heads * draw(st.integers(1, 8))
-    return Attention(hidden, heads), hidden
+    per_head = draw(st.sampled_from([None, *sorted(PER_HEAD)]))
+    model = Attention(hidden, heads, per_head, draw(st.sampled_from(["q", "k"])), draw(st.booleans()))
+    return model, hidden
 
 
 @st.composite

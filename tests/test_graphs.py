@@ -341,3 +341,39 @@ if __name__ == "__main__":
     from torch.testing._internal.common_utils import run_tests
 
     run_tests()
+
+
+def test_kernels_get_the_layout_they_were_traced_with():
+    """The root of a silent wrong result: the one-head pieces of a per-head split were gathered one
+    by one, and ``cat`` of those gathers (each contiguous, with an arbitrary stride on its size-1
+    head dim) laid q out with a last-dim stride of 4; CPU flash attention reads its inputs as if
+    that stride were 1 (max error 1e20 under eager). Any op input whose traced value had a
+    unit-stride last dim and whose converted one does not is now made contiguous; others are
+    passed as they are (no copy)."""
+    from dynashard.rewrite import _as_traced
+
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    for p in (q, k, v):
+        p.meta["val"] = torch.empty(2, 4, 5, 64)
+    flash = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v))
+    strided_q = torch.randn(2, 5, 64, 4).permute(0, 3, 1, 2)  # what cat made of the gathered pieces
+    other = torch.randn(2, 4, 5, 64).transpose(1, 2).transpose(1, 2)  # unit last-dim stride: kept
+    (q2, k2, v2), _ = _as_traced(flash, (strided_q, other, other), {})
+    assert q2.stride()[-1] == 1 and torch.equal(q2, strided_q)
+    assert k2 is other and v2 is other
+
+
+def test_attention_kernels_get_the_layout_they_were_traced_with():
+    """A per-head split/cat of q (found by a new user: a silent wrong result under eager) is now
+    gathered before the split, the attention runs on this rank's heads of k and v, and every input
+    of the attention kernel has a unit-stride last dim, as when Dynamo traced the model."""
+    torch.manual_seed(0)
+    for rank in (0, 1):
+        gm = rewritten(models.PerHeadScaleAttention(256, 4), torch.randn(2, 5, 256), rank=rank)
+        flash = [n for n in gm.graph.nodes if "flash_attention" in str(n.target)]
+        assert len(flash) == 1 and _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 1
+        for arg in flash[0].args[:3]:
+            assert arg.meta["val"].stride()[-1] == 1, (rank, arg, arg.meta["val"].stride())
+        # q gathered (4 heads of 64), k and v this rank's 2 heads: the attention runs on 2 heads
+        assert [tuple(a.meta["val"].shape)[1] for a in flash[0].args[:3]] == [2, 2, 2]

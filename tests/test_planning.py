@@ -49,6 +49,9 @@ def test_options_validation():
         parse_options({"min_shard_numel": "big"})
     with pytest.raises(TypeError, match="expected a ProcessGroup or a 1-D DeviceMesh"):
         parse_options({"group": 3})
+    assert Options().check_inputs == "shapes" and parse_options({"check_inputs": "off"}).check_inputs == "off"
+    with pytest.raises(ValueError, match=r"'check_inputs' is True; expected one of \['shapes', 'values', 'off'\]"):
+        parse_options({"check_inputs": True})
 
 
 def test_dtensor_styles_accepted():
@@ -323,3 +326,19 @@ def test_fused_qkv_with_fewer_kv_heads_than_ranks_holds_kv_whole(world, n_kv, pr
     assert (qkv.style, o.style, o.collectives) == ("colwise", "rowwise", "all_reduce"), str(report)
     assert f"cut in 3 components of 8/{n_kv}/{n_kv} units of 16; components 2, 3 held whole" in qkv.reason
     assert qkv.collectives.startswith("all_gather") if probe else qkv.collectives == "-", str(report)
+
+
+@pytest.mark.parametrize("infer_head_dim", [False, True], ids=["view_dh", "view_minus_one"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_per_head_pieces_of_q_are_right_and_balanced(world, infer_head_dim):
+    """q split into one-head pieces, scaled, concatenated back: once cut into one-unit components
+    all dealt to rank 0 (which held the whole of q), with the gathered, permuted q fed to CPU
+    flash attention as if contiguous (max err 1.4, 1e20 on real ranks under eager), and with
+    ``view(B, T, h, -1)`` a compile error on the empty rank. Now q is cut evenly and gathered at
+    the split, the attention stays on each rank's heads, o is rowwise."""
+    torch.manual_seed(0)
+    model = models.PerHeadScaleAttention(256, 4, infer_head_dim)
+    report = dynashard.explain(model, torch.randn(2, 5, 256), world_size=world, verify=True)
+    rows = {r.fqn: r for r in report.rows}
+    assert rows["q"].style == "colwise" and rows["q"].weight_bytes == 256 * 256 * 4 // world, str(report)
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
