@@ -56,8 +56,13 @@ _ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
 _DIM_OPS = {  # op -> index of its dim argument; the op works along that dim only
     aten._softmax.default: 1,
     aten._log_softmax.default: 1,
+    aten._safe_softmax.default: 1,  # SDPA's math path
     aten.slice.Tensor: 1,
 }
+# Reductions over the dims in args[1] (keepdim in args[2] or kwargs): local when the cut dim is
+# not reduced (q/k RMSNorm over head_dim: Qwen3's q_norm, Gemma's; variance over the last dim).
+_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
+               aten.std.correction, aten.logsumexp.default)
 
 
 def _local(lm: LayoutMap, node: torch.fx.Node, out: Shard | None) -> bool:
@@ -160,6 +165,8 @@ def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
         return _bmm(lm, node)
     if t is aten.cat.default:
         return _cat(lm, node)
+    if t is aten.stack.default:
+        return _cat(lm, node, stack=True)
     src = lm.layouts.get(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
     if src is None or _val(node.args[0]) is None:
         return False
@@ -201,6 +208,16 @@ def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
         return _local(lm, node, src.moved(new - out_ndim))
     if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int):
         return _split(lm, node, src, ndim, p)
+    if t in _REDUCTIONS:
+        return _reduce(lm, node, src, ndim, p)
+    if t is aten.native_layer_norm.default:  # LayerNorm over trailing dims (Phi / StableLM qk_layernorm)
+        if p >= ndim - len(node.args[1]):
+            return False
+        for arg in _all_args(node):
+            lm.read(node, arg, LOCAL)  # weight and bias span the normalized dims only
+        lm.outputs[node] = [src, src, src]  # out, mean, rstd: the same dims before the normalized ones
+        lm.layouts[node] = None
+        return True
     if t in _DIM_OPS:
         d = _norm(node.args[_DIM_OPS[t]] if len(node.args) > _DIM_OPS[t] else 0, ndim)
         if d != p:
@@ -297,7 +314,21 @@ def _take_parts(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: in
     return _local(lm, node, out)  # None: whole components, held by every rank (replicated)
 
 
-def _cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def _reduce(lm: LayoutMap, node: torch.fx.Node, src: Shard, ndim: int, p: int) -> bool:
+    """A reduction over dims that do not include the cut dim: each rank reduces its own part."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return False  # every dim reduced
+    dims = {_norm(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    if p in dims:
+        return False
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    new = p if keepdim else p - sum(1 for d in dims if d < p)
+    return _local(lm, node, src.moved(new - (ndim if keepdim else ndim - len(dims))))
+
+
+def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool = False) -> bool:
+    """cat (or stack) of operands cut alike, along a dim that is not the cut one."""
     tensors = node.args[0]
     lays = [lm.layouts.get(a) for a in tensors]
     if any(lay is None or lay.split.whole for lay in lays):
@@ -306,11 +337,14 @@ def _cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
     if not all(first.alike(lay) for lay in lays):
         return False
     ndim = _val(tensors[0]).dim()
-    d = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
-    if d == ndim + first.dim:
+    out_ndim = ndim + 1 if stack else ndim
+    d = _norm(node.args[1] if len(node.args) > 1 else 0, out_ndim)
+    p = ndim + first.dim
+    if d == p and not stack:
         return False
+    new = p + 1 if stack and d <= p else p  # stack inserts a dim at d
     origins = frozenset().union(*(lay.origins for lay in lays))
-    return _local(lm, node, Shard(first.split, origins, first.dim, lm.world, lm.rank))
+    return _local(lm, node, Shard(first.split, origins, new - out_ndim, lm.world, lm.rank))
 
 
 def _heads_alike(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node], dim: int) -> Shard | None:

@@ -246,7 +246,8 @@ def _auto(
         return decisions[m.node].style
 
     by_node = {m.node: m for m in linears}
-    wishes.extend(propagate(graph, by_node, choose, world, rank, splits=splits, **modes).wishes)
+    walked = propagate(graph, by_node, choose, world, rank, splits=splits, **modes)
+    wishes.extend(walked.wishes)
     for m in linears:
         d = decisions[m.node]
         if d.style != "colwise":
@@ -255,15 +256,24 @@ def _auto(
             decisions[m.node] = Decision("colwise", f"pairs with rowwise {', '.join(sorted(set(partners[m.node])))}")
         elif m.in_features >= _GATHER_MIN_IN_FEATURES:
             decisions[m.node] = Decision(
-                "colwise", f"no rowwise partner; output gathered (in_features {m.in_features} >= {_GATHER_MIN_IN_FEATURES})"
+                "colwise", f"no rowwise partner{_stopped_at(walked, m)}; output gathered "
+                f"(in_features {m.in_features} >= {_GATHER_MIN_IN_FEATURES})"
             )
         else:
             decisions[m.node] = Decision(
-                "replicate", f"no rowwise partner and in_features {m.in_features} < {_GATHER_MIN_IN_FEATURES}: a gather would not pay"
+                "replicate", f"no rowwise partner{_stopped_at(walked, m)} and in_features {m.in_features} < "
+                f"{_GATHER_MIN_IN_FEATURES}: a gather would not pay"
             )
     for ms in _shared_conflicts(linears, decisions).values():
         _settle_shared(ms, decisions, blocked, modes["stacked"])
     return decisions
+
+
+def _stopped_at(walked: LayoutMap, m: LinearMatch) -> str:
+    """Where the tentatively colwise output of ``m`` was first gathered: the op no rule kept it
+    sharded through (or the graph output)."""
+    ops = [c.reason for c in walked.collectives if c.kind.startswith("all_gather") and m.node in c.origins]
+    return f" (its shard is gathered before {ops[0]})" if ops else ""
 
 
 def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool) -> None:

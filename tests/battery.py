@@ -63,6 +63,9 @@ CASES = {
     # once a silent wrong result under eager and aot_eager (CPU flash attention fed a strided q)
     "per_head_scale": ("per_head_scale", 256, 4, [(2, 5, 256), (3, 7, 256)], {}),
     "per_head_scale_infer": ("per_head_scale_infer", 256, 4, [(2, 5, 256), (3, 7, 256)], {}),
+    # q/k normalised over head_dim (Qwen3 RMSNorm; LayerNorm + GPT-J rotate_every_two): heads stay cut
+    "qk_norm": ("qk_norm", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
+    "qk_layernorm_rot2": ("qk_layernorm_rot2", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -94,6 +97,7 @@ SHARDED["llama_sdpa_gqa"] = SHARDED["llama"]
 SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
 SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
+SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

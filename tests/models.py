@@ -519,6 +519,36 @@ class PerHeadScaleAttention(nn.Module):
         return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
 
 
+class QKNormAttention(nn.Module):
+    """Attention with q/k normalised over head_dim before the heads are transposed, as Qwen3
+    (RMSNorm: ``pow``, ``mean(-1, keepdim)``, ``rsqrt``) or Phi / StableLM ``qk_layernorm``
+    (``nn.LayerNorm(head_dim)``) write it; optionally GPT-J's rotate_every_two RoPE (``stack``)."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4, norm: str = "rms", rotate_every_two: bool = False):
+        super().__init__()
+        self.h, self.dh, self.norm, self.rot2 = heads, hidden // heads, norm, rotate_every_two
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        if norm == "rms":
+            self.q_norm, self.k_norm = RMSNorm(self.dh), RMSNorm(self.dh)
+        else:
+            self.q_norm, self.k_norm = nn.LayerNorm(self.dh), nn.LayerNorm(self.dh)
+
+    @staticmethod
+    def _rotate_every_two(x):
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = self.q_norm(self.q(x).view(b, t, self.h, self.dh)).transpose(1, 2)
+        k = self.k_norm(self.k(x).view(b, t, self.h, self.dh)).transpose(1, 2)
+        v = self.v(x).view(b, t, self.h, self.dh).transpose(1, 2)
+        if self.rot2:
+            q, k = q + self._rotate_every_two(q), k + self._rotate_every_two(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -549,6 +579,8 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "fused_gqa_heads": lambda: FusedGQAAttention(hidden, 8, ffn, probe="heads"),
         "per_head_scale": lambda: PerHeadScaleAttention(hidden, ffn),  # ffn = heads
         "per_head_scale_infer": lambda: PerHeadScaleAttention(hidden, ffn, infer_head_dim=True),
+        "qk_norm": lambda: QKNormAttention(hidden, ffn),  # ffn = heads
+        "qk_layernorm_rot2": lambda: QKNormAttention(hidden, ffn, norm="layer", rotate_every_two=True),
     }[name]()
 
 

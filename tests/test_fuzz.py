@@ -53,16 +53,19 @@ class Attention(nn.Module):
     """Plain multi-head self-attention written with views and transposes (batch, seq, hidden);
     optionally a per-head scale on q or k in one of the ``PER_HEAD`` forms."""
 
-    def __init__(self, hidden, heads, per_head=None, on="q", infer_head_dim=False):
+    def __init__(self, hidden, heads, per_head=None, on="q", infer_head_dim=False, qk_norm=None):
         super().__init__()
         self.heads, self.per_head, self.on, self.infer = heads, per_head, on, infer_head_dim
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
         self.g = nn.Parameter(torch.rand(heads) + 0.5)
+        norm = {None: nn.Identity, "rms": models.RMSNorm, "layer": nn.LayerNorm}[qk_norm]  # over head_dim
+        self.q_norm, self.k_norm = norm(hidden // heads), norm(hidden // heads)
 
     def forward(self, x):
         b, t, c = x.shape
         dh = -1 if self.infer else c // self.heads
-        q, k, v = (p(x).view(b, t, self.heads, dh).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(x).view(b, t, self.heads, dh) for p in (self.q, self.k, self.v))
+        q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
         if self.per_head and self.on == "q":
             q = PER_HEAD[self.per_head](q, self.g)
         elif self.per_head:
@@ -110,7 +113,8 @@ def attention_cases(draw):
     heads = draw(st.integers(1, 6))
     hidden = heads * draw(st.integers(1, 8))
     per_head = draw(st.sampled_from([None, *sorted(PER_HEAD)]))
-    model = Attention(hidden, heads, per_head, draw(st.sampled_from(["q", "k"])), draw(st.booleans()))
+    model = Attention(hidden, heads, per_head, draw(st.sampled_from(["q", "k"])), draw(st.booleans()),
+                      draw(st.sampled_from([None, "rms", "layer"])))
     return model, hidden
 
 

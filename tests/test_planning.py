@@ -342,3 +342,52 @@ def test_per_head_pieces_of_q_are_right_and_balanced(world, infer_head_dim):
     rows = {r.fqn: r for r in report.rows}
     assert rows["q"].style == "colwise" and rows["q"].weight_bytes == 256 * 256 * 4 // world, str(report)
     assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
+
+
+@pytest.mark.parametrize("norm,rot2", [("rms", False), ("layer", False), ("rms", True), ("layer", True)])
+@pytest.mark.parametrize("world", [2, 4])
+def test_qk_norm_over_head_dim_keeps_heads_sharded(world, norm, rot2):
+    """q/k normalised over head_dim (Qwen3's RMSNorm: mean over the last dim; Phi/StableLM's
+    LayerNorm(head_dim): native_layer_norm) and GPT-J's rotate_every_two (stack on a new last dim)
+    reduce or stack along dims that are not the cut one: local. They used to gather q and k and
+    replicate the attention."""
+    torch.manual_seed(0)
+    model = models.QKNormAttention(128, 4, norm, rot2)
+    report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
+    assert all(r.collectives in ("-", "all_reduce") for r in report.rows), str(report)
+
+
+def test_a_replicated_layer_names_the_op_that_gathered_it():
+    """'no rowwise partner and in_features 32 < 256' hid why: the reason names the op no rule keeps
+    the shard through."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.Head(32, 90), torch.randn(3, 32), world_size=2, options={"min_shard_numel": 0})
+    assert "its shard is gathered before _softmax" in report.rows[0].reason, report.rows[0].reason
+
+
+class _MathSDPA(torch.nn.Module):
+    """SDPA forced onto its math path, which traces to ``_safe_softmax`` between two matmuls."""
+
+    def __init__(self, hidden: int = 128, heads: int = 4):
+        super().__init__()
+        self.h = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        b, t, d = x.shape
+        q, k, v = (lin(x).view(b, t, self.h, d // self.h).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        with sdpa_kernel(SDPBackend.MATH):
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_sdpa_math_path_keeps_heads_sharded():
+    """Before: q and k replicated, 'its shard is gathered before _safe_softmax.default'."""
+    torch.manual_seed(0)
+    report = dynashard.explain(_MathSDPA(), torch.randn(2, 5, 128), world_size=2, verify=True,
+                               options={"min_shard_numel": 0})
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
