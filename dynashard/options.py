@@ -7,6 +7,7 @@ other module has to second-guess what it was given.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,30 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 WEIGHTS = ("replicated", "rank0", "per_rank")
 INPUTS = ("replicated", "per_rank")
 CHECKS = ("shapes", "values", "off")
+
+# Hugging Face transformers 5.x plan styles (``base_model_tp_plan``; transformers/distributed/
+# tensor_parallel.py), as dynashard reads them. Where HF gathers an output or splits an input
+# explicitly, dynashard does so wherever the graph needs it, so those map to the plain style.
+HF_STYLES = {
+    "colwise_gather_output": "colwise", "colwise_rep": "colwise", "packed_colwise": "colwise",
+    "embedding_colwise": "colwise",
+    "rowwise_split_input": "rowwise", "rowwise_rep": "rowwise", "packed_rowwise": "rowwise",
+    "embedding_rowwise": "rowwise",
+}
+# Styles that name no linear layer for dynashard to cut. None: the meaning is what dynashard does
+# anyway (no warning); a string: why the entry has no effect (a warning names the key).
+HF_NOT_LINEAR = {
+    "replicated_with_grad_allreduce": None,  # a norm over sharded heads (Qwen3 q_norm): its parameter stays whole
+    "all_reduce": None,  # a module's partial output summed: each rowwise linear's all_reduce already is
+    "sequence_parallel": "dynashard does not shard activations along the sequence (inputs='replicated'); the "
+                         "module runs on every rank's whole sequence",
+    "moe_tp_experts": "dynashard does not shard mixture-of-experts experts yet; they stay whole on every rank",
+    "moe_identity_expert": "dynashard does not shard mixture-of-experts experts yet",
+    "local_params": "dynashard does not shard bare parameters outside linear layers; it stays whole",
+    "mla_kv_a_proj": "dynashard keeps DeepSeek MLA's kv_a_proj whole (its output is a latent and a rope part)",
+    "grouped_gemm": "an expert-parallel style; dynashard does not shard experts yet",
+    "ep_dispatch_experts": "an expert-parallel style; dynashard does not shard experts yet",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +63,32 @@ class Options:
         return None if self.plan == "auto" else dict(self.plan)
 
 
+def _linear_entries(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan without the HF entries that name no linear layer (norms, expert containers), and
+    without the keys under an expert container dynashard does not shard (its packed weights);
+    a warning names each entry that has no effect, and why."""
+    dropped = {k: HF_NOT_LINEAR[v] for k, v in plan.items() if isinstance(v, str) and v in HF_NOT_LINEAR}
+    containers = [k for k, v in plan.items() if v in ("moe_tp_experts", "ep_dispatch_experts")]
+    for k in plan:
+        parent = next((c for c in containers if k.startswith(c + ".")), None)
+        if parent is not None and k not in dropped:
+            dropped[k] = f"part of the experts {parent!r}, which dynashard does not shard yet; they stay whole"
+    for k, why in dropped.items():
+        if why is not None:
+            warnings.warn(f"dynashard: plan entry {k!r}: {plan[k]!r} has no effect: {why}.", UserWarning, stacklevel=4)
+    return {k: v for k, v in plan.items() if k not in dropped}
+
+
 def _style_name(value: Any, key: str) -> str:
-    """Map a plan value (string, DTensor ParallelStyle object) to one of STYLES."""
+    """Map a plan value (string, HF style name, DTensor ParallelStyle object) to one of STYLES."""
     if isinstance(value, str):
         if value in STYLES:
             return value
+        if value in HF_STYLES:
+            return HF_STYLES[value]
         raise ValueError(
-            f"dynashard: plan[{key!r}] is {value!r}; expected one of {list(STYLES)} "
-            "(or a DTensor ColwiseParallel()/RowwiseParallel() object)."
+            f"dynashard: plan[{key!r}] is {value!r}; expected one of {list(STYLES)}, a Hugging Face plan style "
+            f"({sorted(HF_STYLES) + sorted(HF_NOT_LINEAR)}) or a DTensor ColwiseParallel()/RowwiseParallel() object."
         )
     # NOTE: imported lazily; torch.distributed may be absent from a CPU-only build.
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -84,7 +127,7 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
             for k in plan:
                 if not isinstance(k, str):
                     raise TypeError(f"dynashard: plan keys must be module FQN strings, found {k!r}.")
-            kwargs["plan"] = tuple((k, _style_name(v, k)) for k, v in plan.items())
+            kwargs["plan"] = tuple((k, _style_name(v, k)) for k, v in _linear_entries(plan).items())
         else:
             raise TypeError(
                 f"dynashard: option 'plan' is a {type(plan).__name__}; expected \"auto\" or a dict "

@@ -391,3 +391,40 @@ def test_sdpa_math_path_keeps_heads_sharded():
     report = dynashard.explain(_MathSDPA(), torch.randn(2, 5, 128), world_size=2, verify=True,
                                options={"min_shard_numel": 0})
     assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
+
+
+# base_model_tp_plan entries as transformers 5.23 ships them (configuration_qwen3.py, _phi3.py,
+# _mixtral.py), with the "layers.*.self_attn." / "layers.*.mlp." prefixes of the test modules dropped.
+QWEN3_ATTENTION_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "q_norm": "replicated_with_grad_allreduce",
+                        "k_norm": "replicated_with_grad_allreduce", "o": "rowwise"}
+PHI3_PLAN = {"qkv_proj": "colwise_gather_output", "o_proj": "rowwise_split_input",
+             "gate_up": "colwise_gather_output", "down": "rowwise_split_input"}
+MIXTRAL_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise",
+                "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts"}
+
+
+def test_hf_plan_styles_as_they_ship():
+    """Qwen3, Phi-3 and Mixtral plan dicts raised ValueError ('replicated_with_grad_allreduce',
+    'colwise_gather_output', 'rowwise_split_input', 'packed_colwise', 'moe_tp_experts')."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a style whose meaning dynashard keeps is accepted silently
+        report = dynashard.explain(models.QKNormAttention(128, 4), torch.randn(2, 5, 128), world_size=2, verify=True,
+                                   options={"plan": QWEN3_ATTENTION_PLAN})
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
+    for model in (models.FusedGQAAttention(128, 8, 2), models.FusedGateUp(64, 96)):
+        x = torch.randn(2, 5, 128 if isinstance(model, models.FusedGQAAttention) else 64)
+        plan = {k: v for k, v in PHI3_PLAN.items() if any(n == k for n, _ in model.named_modules())}
+        report = dynashard.explain(model, x, world_size=2, verify=True, options={"plan": plan})
+        assert sorted(report.layers.values()) == ["colwise", "rowwise"], str(report)
+    with pytest.warns(UserWarning) as caught:
+        report = dynashard.explain(models.AttentionBlock(64, 4), torch.randn(2, 5, 64), world_size=2, verify=True,
+                                   options={"plan": MIXTRAL_PLAN})
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
+    said = " | ".join(str(w.message) for w in caught)
+    for key in ("experts", "experts.gate_up_proj", "experts.down_proj"):
+        assert f"plan entry {key!r}" in said and "does not shard" in said, said
+    with pytest.raises(ValueError, match=r"plan\['q'\] is 'colwise_sideways'; expected one of .*Hugging Face"):
+        parse_options({"plan": {"q": "colwise_sideways"}})
