@@ -144,7 +144,7 @@ def content_digest(tensors: list[torch.Tensor]) -> int:
     return total
 
 
-def handshake(phase: int, shapes: list[tuple[int, ...]], group: dist.ProcessGroup, per_rank: bool = False,
+def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank: bool = False,
               values: int = 0) -> None:
     """One fixed-size all_reduce that every rank makes before each call *and* before each
     compile of a graph, so ranks whose inputs differ meet on the same collective and all raise.
@@ -152,7 +152,7 @@ def handshake(phase: int, shapes: list[tuple[int, ...]], group: dist.ProcessGrou
     Without it, ranks calling with different shapes send collectives of different sizes (gloo
     aborts the process), and a rank whose guards fail (other shapes) recompiles and enters the
     compile agreement while the others run the program's collectives. ``shapes``: this rank's
-    input shapes; with ``per_rank`` inputs only the shapes must agree, else ``values`` too (a
+    input dtypes and shapes (``float32[4, 32]``); with ``per_rank`` inputs only the shapes must agree, else ``values`` too (a
     :func:`content_digest`, 0 when not checked).
     """
     digest = zlib.crc32(repr(shapes).encode())
@@ -171,7 +171,7 @@ def handshake(phase: int, shapes: list[tuple[int, ...]], group: dist.ProcessGrou
         return
     # Every rank sees the same reduced tensor, so every rank takes this branch: safe to gather.
     everyone = all_gather_objects((phase, shapes), group)
-    per_rank_shapes = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(everyone))
+    per_rank_shapes = "; ".join(f"rank {r}: {', '.join(s) or 'no tensors'}" for r, (_, s) in enumerate(everyone))
     if int(agreed[0]) != -int(agreed[3]):  # some ranks compile while others call
         doing = "; ".join(f"rank {r} {_PHASE[p]}" for r, (p, _) in enumerate(everyone))
         raise ValueError(
@@ -187,7 +187,7 @@ def handshake(phase: int, shapes: list[tuple[int, ...]], group: dist.ProcessGrou
     if int(agreed[1]) != -int(agreed[4]):
         raise ValueError(
             "dynashard: inputs='replicated' needs every rank to call with the same inputs; found different "
-            f"shapes: {per_rank_shapes}. Pass the same batch on every rank, or options={{'inputs': 'per_rank'}} "
+            f"shapes or dtypes: {per_rank_shapes}. Pass the same batch on every rank, or options={{'inputs': 'per_rank'}} "
             "if each rank has its own batch."
         )
     raise ValueError(

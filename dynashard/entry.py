@@ -192,7 +192,8 @@ class CallCheck:
         inputs = [a for i, a in enumerate(args) if i not in self.module_state]
         tensors = [a for a in inputs if torch.is_tensor(a)]  # (symbolic sizes arrive as ints: in these shapes)
         values = content_digest(tensors) if self.values else 0
-        handshake(phase, [tuple(t.shape) for t in tensors], group, self.per_rank, values)
+        described = [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors]
+        handshake(phase, described, group, self.per_rank, values)
 
 
 class ShardedProgram:
@@ -270,6 +271,8 @@ class ShardedProgram:
         self.failures += 1
         roll = RollCall(group, f"failed-call-{self.failures}")
         missing = roll.missing(wait_s=5.0)
+        if missing == []:
+            return  # every rank failed in this call alike: the model's own error, raised as it is
         raise RuntimeError(
             f"dynashard: the sharded program failed on rank {dist.get_rank(group)}: "
             f"{describe_missing(missing)}. The process group said: {error}"

@@ -280,6 +280,10 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
     """One split for a shared weight: a use replicated only for cost follows the sharded uses'
     dim (a tied LM head follows its vocab-parallel embedding); otherwise all stay whole."""
     names = ", ".join(sorted({f"{m.fqn} ({decisions[m.node].style})" for m in ms}))
+
+    def others(m: LinearMatch) -> str:  # the other uses (a tied head and its embedding share one FQN)
+        return ", ".join(sorted({f"{o.fqn} ({decisions[o.node].style} {o.kind})" for o in ms if o.node is not m.node}))
+
     dims = {_split_dim(m, decisions[m.node].style) for m in ms} - {None}
     stuck = any(blocked[m.node] or (stacked and m.kind == "embedding") for m in ms)
     if len(dims) == 1 and not stuck:
@@ -287,7 +291,7 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
         for m in ms:
             if decisions[m.node].style == "replicate":
                 style = "colwise" if m.out_dim == dim else "rowwise"
-                decisions[m.node] = Decision(style, f"shares its weight with {names}: split on the same dim")
+                decisions[m.node] = Decision(style, f"shares its weight with {others(m)}: split on the same dim")
         return
     for m in ms:
         decisions[m.node] = Decision("replicate", f"weight shared by uses that would split it differently: {names}")

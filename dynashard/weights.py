@@ -137,7 +137,7 @@ class WeightStore:
             fresh = []  # per_rank: every rank's weights are its own by design
         if error is not None:
             fresh = []
-        sums = [_checksum(t) for _, t in fresh] if mode == "replicated" else []
+        sums = [(_checksum(t), str(t.dtype).removeprefix("torch.")) for _, t in fresh] if mode == "replicated" else []
         everyone = exchange_status((fingerprint, sums), error, group, "planning")
         prints = [p for p, _ in everyone]
         if len(set(prints)) != 1:
@@ -148,7 +148,14 @@ class WeightStore:
             )
         if mode == "replicated":
             for i, (name, _) in enumerate(fresh):
-                per_rank = [s[i] for _, s in everyone]
+                dtypes = [s[i][1] for _, s in everyone]
+                if len(set(dtypes)) > 1:
+                    found = ", ".join(f"{d} on rank {r}" for r, d in enumerate(dtypes))
+                    raise ValueError(
+                        f"dynashard: parameter {name!r} has dtype {found}. Expected the same dtype on every "
+                        "rank with weights='replicated': convert the model the same way on every rank."
+                    )
+                per_rank = [s[i][0] for _, s in everyone]
                 if any(not _close(per_rank[0], s) for s in per_rank[1:]):
                     bad = [r for r, s in enumerate(per_rank) if not _close(per_rank[0], s)]
                     raise ValueError(

@@ -285,6 +285,37 @@ def scenarios(rank: int, world: int) -> dict:
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**replicated, "plan": {}})
         compiled(torch.randn(5, 32))
         out["rep_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
+        # Inputs of another dtype on one rank: named like shapes (the collectives would differ in bytes).
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        out["rep_dtype_mismatch"] = _error_of(lambda: compiled(x.to(torch.float64 if rank == 1 else torch.float32)))
+        # A parameter of another dtype on one rank (the model casts to its weights): its dtypes named.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        casts = models.CastsToWeights(32, 96).to(torch.float64 if rank == 1 else torch.float32)
+        out["param_dtype_mismatch"] = _error_of(
+            lambda: torch.compile(casts, backend="dynashard", options=replicated)(x))
+        # The model's own error inside the sharded program, on every rank: raised as it is, not as
+        # a process group failure ("every rank got there. The process group said: ...").
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        programs = []
+
+        def keeps_program(gm, example_inputs):
+            from dynashard.entry import dynashard_backend
+
+            programs.append(dynashard_backend(gm, example_inputs, replicated))
+            return programs[-1]
+
+        compiled = torch.compile(models.MLP(32, 96), backend=keeps_program)
+        compiled(x)
+
+        def model_error(*args):
+            raise RuntimeError("expected scalar type Float but found Half")  # what the model's code raised
+
+        programs[0].compiled = model_error
+        out["model_error"] = _error_of(lambda: compiled(x))
         # check_inputs="values": equal shapes, other values on one rank, caught by a checksum.
         torch._dynamo.reset()
         torch.manual_seed(0)

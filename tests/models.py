@@ -146,6 +146,17 @@ class MixedDtypes(nn.Module):
         return self.second(self.first(x).to(torch.bfloat16)).float()
 
 
+class CastsToWeights(nn.Module):
+    """An MLP that casts its input to its weights' dtype (whatever the model was converted to)."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 96) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x.to(self.up.weight.dtype)))).float()
+
+
 class TinyLM(nn.Module):
     """Embedding -> residual MLP -> LM head tied to the embedding (ids in, logits out)."""
 

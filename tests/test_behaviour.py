@@ -100,12 +100,12 @@ def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(per_rank):
         for case in ("pr_first_call_mismatch", "pr_later_call_mismatch"):
             kind, msg = r[case]
             assert "inputs='per_rank' needs every rank to pass inputs of the same shape" in msg, (case, msg)
-        assert f"rank {world - 1}: [({6 + world - 1}, 32)]" in r["pr_later_call_mismatch"][1]
+        assert f"rank {world - 1}: float32[{6 + world - 1}, 32]" in r["pr_later_call_mismatch"][1]
         for case in ("pr_call_vs_recompile", "pr_whole_call_vs_recompile"):
             kind, msg = r[case]
             assert "not running the same compiled graph" in msg, (case, msg)
             assert "rank 0 calls the compiled graph" in msg, (case, msg)
-            assert f"rank 1 compiles a new graph" in msg and "rank 1: [(7, 32)]" in msg, (case, msg)
+            assert f"rank 1 compiles a new graph" in msg and "rank 1: float32[7, 32]" in msg, (case, msg)
 
 
 def test_replicated_inputs_of_different_shapes_raise_on_every_rank_naming_them(per_rank):
@@ -114,21 +114,35 @@ def test_replicated_inputs_of_different_shapes_raise_on_every_rank_naming_them(p
     world = len(per_rank)
     for r in per_rank:
         kind, msg = r["rep_first_call_mismatch"]
-        assert "inputs='replicated' needs every rank to call with the same inputs; found different shapes" in msg, msg
-        assert "rank 0: [(3, 32)]; rank 1: [(4, 32)]" in msg, msg
+        assert "inputs='replicated' needs every rank to call with the same inputs; found different shapes or dtypes" in msg, msg
+        assert "rank 0: float32[3, 32]; rank 1: float32[4, 32]" in msg, msg
         kind, msg = r["rep_later_call_mismatch"]
-        assert "found different shapes" in msg and f"rank {world - 1}: [(2, {10 + 2 * (world - 1)}, 32)]" in msg, msg
+        assert "found different shapes or dtypes" in msg and f"rank {world - 1}: float32[2, {10 + 2 * (world - 1)}, 32]" in msg, msg
         assert r["rep_after_mismatch_err"] <= ATOL
         for case in ("rep_call_vs_recompile", "rep_whole_call_vs_recompile"):
             kind, msg = r[case]
-            assert "not running the same compiled graph" in msg and "rank 1: [(7, 32)]" in msg, (case, msg)
+            assert "not running the same compiled graph" in msg and "rank 1: float32[7, 32]" in msg, (case, msg)
+
+
+def test_dtypes_that_differ_across_ranks_are_named(per_rank):
+    for r in per_rank:
+        kind, msg = r["rep_dtype_mismatch"]
+        assert "found different shapes or dtypes" in msg and "rank 1: float64[4, 32]" in msg, msg
+        kind, msg = r["param_dtype_mismatch"]
+        assert "parameter 'up.weight' has dtype float32 on rank 0, float64 on rank 1" in msg, msg
+
+
+def test_the_models_own_error_is_not_blamed_on_the_process_group(per_rank):
+    for r in per_rank:
+        kind, msg = r["model_error"]
+        assert kind == "RuntimeError" and msg == "expected scalar type Float but found Half", msg
 
 
 def test_check_inputs_catches_other_values_of_equal_shape(per_rank):
     for r in per_rank:
         assert r["checked_same_err"] <= ATOL
         kind, msg = r["checked_other_values"]
-        assert "shapes agree" in msg and "values differ" in msg and "rank 1: [(4, 32)]" in msg, msg
+        assert "shapes agree" in msg and "values differ" in msg and "rank 1: float32[4, 32]" in msg, msg
         # Without the option, other values are the user's promise: no error (each rank computes on
         # its own inputs, combined as if they were one).
         assert r["unchecked_other_values"] is None

@@ -428,3 +428,14 @@ def test_hf_plan_styles_as_they_ship():
         assert f"plan entry {key!r}" in said and "does not shard" in said, said
     with pytest.raises(ValueError, match=r"plan\['q'\] is 'colwise_sideways'; expected one of .*Hugging Face"):
         parse_options({"plan": {"q": "colwise_sideways"}})
+
+
+def test_a_tied_weights_reason_names_the_other_use_not_itself():
+    """The LM head tied to the embedding read 'shares its weight with embed (colwise), embed
+    (rowwise)', listing itself; it names the embedding it follows."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.TinyLM(32, 50), torch.randint(0, 50, (2, 7)), world_size=2, verify=True,
+                               options={"min_shard_numel": 0})
+    shared = [r for r in report.rows if "shares its weight" in r.reason]
+    assert len(shared) == 1 and shared[0].style == "colwise", str(report)
+    assert "shares its weight with embed (rowwise embedding): split on the same dim" in shared[0].reason, str(report)
