@@ -20,8 +20,10 @@ depends on sizes only, never on this rank's offsets, so all ranks take the same 
   * transpose / permute / unsqueeze / squeeze / select / expand / view_as_complex / view_as_real
     move the cut with its dim; slice, split, unbind, cat, softmax on other dims keep it; a split
     or slice of the cut dim itself must fall on component boundaries (a fused [q | k | v]);
-  * attention (CPU flash SDPA, or bmm) whose operands are cut alike on the head/batch dim runs on
-    this rank's heads; a replicated operand (or mask with a head dim) is narrowed.
+  * attention (SDPA's CPU flash kernel, its CUDA flash / memory-efficient / cuDNN kernels, or bmm)
+    whose operands are cut alike on the head/batch dim runs on this rank's heads; a replicated
+    operand (or mask with a head dim) is narrowed;
+  * reductions, layer norm, softmax, stack and cat along dims that are not cut keep the cut.
 When a rule fails only because the origin linears are cut too finely or in one piece, it records
 a :class:`~dynashard.layout.Wish` (larger units, component boundaries, or keep KV projections
 whole when there are fewer KV heads than ranks: a separate projection entirely, a fused one only
@@ -30,6 +32,7 @@ in its k and v components); the plan re-cuts the origins and propagates again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -52,7 +55,24 @@ from dynashard.layout import (
 )
 
 aten = torch.ops.aten
-_ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
+@dataclasses.dataclass(frozen=True)
+class _AttentionOp:
+    """Where an SDPA kernel keeps its mask and its per-head log-sum-exp (output 1), and whether it
+    repeats K/V heads itself (GQA); outputs 2+ (RNG state, sequence offsets, sizes) hold no heads."""
+
+    mask: int | str | None  # positional index or keyword of the additive mask / bias
+    lse_dim: int  # the head dim of output 1, from the end
+    gqa: bool
+    debug_mask: int | None = None  # index of return_debug_mask (a [B, H, T, T] output when set)
+
+
+# NOTE: what F.scaled_dot_product_attention traces to, per device and backend (torch 2.13 schemas).
+_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _AttentionOp("attn_mask", -2, gqa=True),
+    aten._scaled_dot_product_flash_attention.default: _AttentionOp(None, -2, gqa=False, debug_mask=5),
+    aten._scaled_dot_product_efficient_attention.default: _AttentionOp(3, -2, gqa=False),  # lse [B, H, ceil32(T)]
+    aten._scaled_dot_product_cudnn_attention.default: _AttentionOp(3, -3, gqa=False, debug_mask=7),  # lse [B, H, T, 1]
+}
 _DIM_OPS = {  # op -> index of its dim argument; the op works along that dim only
     aten._softmax.default: 1,
     aten._log_softmax.default: 1,
@@ -382,13 +402,24 @@ def _replicate_wish(lm: LayoutMap, node: torch.fx.Node, shards: list[Shard]) -> 
                         f"them to its query heads at {_op_name(node)}")
 
 
+def _op_arg(node: torch.fx.Node, where: int | str | None, name: str) -> object:
+    if where is None:
+        return None
+    if isinstance(where, str):
+        return node.kwargs.get(where)
+    return node.args[where] if len(node.args) > where else node.kwargs.get(name)
+
+
 def _attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    spec = _ATTENTION[node.target]
     q, k, v = node.args[:3]
-    mask = node.kwargs.get("attn_mask")
+    mask = _op_arg(node, spec.mask, "attn_bias")
     if mask is not None and (lm.layouts.get(mask) is not None or _val(mask) is None):
         return False
+    if spec.debug_mask is not None and _op_arg(node, spec.debug_mask, "return_debug_mask"):
+        return False  # a debug mask output per head pair: run whole
     groups = _kv_groups(q, k)
-    if groups is None:
+    if groups is None or (groups > 1 and not spec.gqa):
         return False
     if groups > 1:
         first = _gqa_heads(lm, node, q, k, v, groups)
@@ -408,7 +439,7 @@ def _attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
             _read_as_shard(lm, node, arg, out)
         else:
             lm.read(node, arg, LOCAL)
-    lm.outputs[node] = [out, out.moved(-2)] + [None] * (len(_val_list(node)) - 2)
+    lm.outputs[node] = [out, out.moved(spec.lse_dim)] + [None] * (len(_val_list(node)) - 2)
     lm.layouts[node] = None
     return True
 

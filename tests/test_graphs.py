@@ -377,3 +377,21 @@ def test_attention_kernels_get_the_layout_they_were_traced_with():
             assert arg.meta["val"].stride()[-1] == 1, (rank, arg, arg.meta["val"].stride())
         # q gathered (4 heads of 64), k and v this rank's 2 heads: the attention runs on 2 heads
         assert [tuple(a.meta["val"].shape)[1] for a in flash[0].args[:3]] == [2, 2, 2]
+
+
+def test_cuda_sdpa_kernels_run_on_this_ranks_heads():
+    """The rewritten graph calls each CUDA kernel on this rank's 2 of 4 heads (log-sum-exp included),
+    with the per-head bias narrowed; one all_reduce, no gather."""
+    from tests.gpu_attention_on_cpu import CudaKernelAttention, register
+
+    register()
+    for kernel in ("flash", "efficient", "cudnn"):
+        torch.manual_seed(0)
+        gm = rewritten(CudaKernelAttention(kernel, 64, 4, bias=kernel != "flash"), torch.randn(2, 5, 64), rank=1)
+        (op,) = [n for n in gm.graph.nodes if f"_scaled_dot_product_{kernel}" in str(n.target)]
+        assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, kernel
+        assert [a.meta["val"].shape[1] for a in op.args[:3]] == [2, 2, 2], kernel
+        out, lse = op.meta["val"][:2]
+        assert out.shape[1] == 2 and lse.shape[1] == 2, (kernel, out.shape, lse.shape)
+        if kernel != "flash":
+            assert op.args[3].meta["val"].shape[1] == 2, kernel  # the bias, narrowed to 2 heads

@@ -439,3 +439,21 @@ def test_a_tied_weights_reason_names_the_other_use_not_itself():
     shared = [r for r in report.rows if "shares its weight" in r.reason]
     assert len(shared) == 1 and shared[0].style == "colwise", str(report)
     assert "shares its weight with embed (rowwise embedding): split on the same dim" in shared[0].reason, str(report)
+
+
+@pytest.mark.parametrize("kernel,bias", [("flash", False), ("efficient", False), ("efficient", True), ("cudnn", False),
+                                         ("cudnn", True)])
+@pytest.mark.parametrize("world", [2, 4])
+def test_cuda_sdpa_kernels_keep_heads_sharded(world, kernel, bias):
+    """On a GPU, SDPA traces to the CUDA flash, memory-efficient or cuDNN kernel; only the CPU flash
+    kernel had a rule, so every attention block would have gathered there. Run on CPU through the
+    math-path stand-ins of tests/gpu_attention_on_cpu.py (the CUDA kernels themselves are untested
+    here); a per-head additive bias (ALiBi-like) is narrowed to this rank's heads."""
+    from tests.gpu_attention_on_cpu import CudaKernelAttention, register
+
+    register()
+    torch.manual_seed(0)
+    report = dynashard.explain(CudaKernelAttention(kernel, 64, 4, bias), torch.randn(2, 5, 64), world_size=world,
+                               verify=True, options={"min_shard_numel": 0})
+    assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
+    assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"], str(report)
