@@ -181,7 +181,7 @@ def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
         return _local(lm, node, outs[node.args[1]])
     if t in _ATTENTION:
         return _attention(lm, node)
-    if t is aten.bmm.default:
+    if t in (aten.bmm.default, aten.baddbmm.default):
         return _bmm(lm, node)
     if t is aten.cat.default:
         return _cat(lm, node)
@@ -505,14 +505,20 @@ def _gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx
 
 
 def _bmm(lm: LayoutMap, node: torch.fx.Node) -> bool:
-    a, b = node.args[:2]
-    first = _heads_alike(lm, node, [a, b], -3)
+    """bmm on a batch dim that merges batch and heads (softmax-matmul attention), or baddbmm with
+    a bias added to it (BLOOM's ALiBi, ``[B * H, 1, T]``): a bias spanning the merged dim is cut
+    like the operands (narrowed if replicated); one of size 1 there broadcasts."""
+    bias = node.args[0] if node.target is aten.baddbmm.default else None
+    a, b = node.args[1:3] if bias is not None else node.args[:2]
+    bias_val = _val(bias) if bias is not None else None
+    spans = bias_val is not None and bias_val.dim() >= 3 and not private.known_equal(bias_val.shape[-3], 1)
+    first = _heads_alike(lm, node, [a, b, bias] if spans else [a, b], -3)
     if first is None:
         _off_heads_wish(lm, node, [a, b])
         return False
-    origins = frozenset().union(*(lm.layouts[x].origins for x in (a, b) if lm.layouts.get(x) is not None))
+    origins = frozenset().union(*(lm.layouts[x].origins for x in (a, b, bias) if lm.layouts.get(x) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
-    for arg in (a, b):
-        _read_as_shard(lm, node, arg, out)
+    for arg in _all_args(node):
+        _read_as_shard(lm, node, arg, out) if arg in (a, b, bias) else lm.read(node, arg, LOCAL)
     lm.layouts[node] = out
     return True

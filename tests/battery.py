@@ -66,6 +66,8 @@ CASES = {
     # q/k normalised over head_dim (Qwen3 RMSNorm; LayerNorm + GPT-J rotate_every_two): heads stay cut
     "qk_norm": ("qk_norm", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
     "qk_layernorm_rot2": ("qk_layernorm_rot2", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
+    # BLOOM: fused qkv interleaved per head, ALiBi added by baddbmm on merged batch*heads
+    "bloom_alibi": ("bloom_alibi", 64, 4, [(2, 5, 64), (3, 7, 64)], {}),
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -98,6 +100,7 @@ SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
 SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
 SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
+SHARDED["bloom_alibi"] = {"query_key_value.weight", "dense.weight"}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

@@ -560,6 +560,32 @@ class QKNormAttention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
+class BloomStyleAttention(nn.Module):
+    """BLOOM's attention as HF writes it: fused query_key_value viewed [B, T, H, 3, Dh], scores by
+    ``torch.baddbmm(alibi, q, k^T)`` on a merged batch*heads dim, softmax, bmm, dense out.
+    ``full_bias``: an ALiBi of ``[B * H, T, T]`` instead of ``[B * H, 1, T]``."""
+
+    def __init__(self, hidden: int = 64, heads: int = 4, full_bias: bool = False):
+        super().__init__()
+        self.h, self.dh, self.full = heads, hidden // heads, full_bias
+        self.query_key_value = nn.Linear(hidden, 3 * hidden)
+        self.dense = nn.Linear(hidden, hidden)
+        self.slopes = nn.Parameter(torch.rand(heads) + 0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        fused = self.query_key_value(x).view(b, t, self.h, 3, self.dh)
+        q, k, v = (fused[..., i, :].transpose(1, 2).reshape(b * self.h, t, self.dh) for i in range(3))
+        pos = torch.arange(t, dtype=x.dtype)
+        rel = pos[None, :] - pos[:, None] if self.full else pos[None, :]  # [T, T] or [1, T]
+        alibi = (self.slopes[:, None, None] * rel).expand(b, self.h, *rel.shape).reshape(b * self.h, *rel.shape)
+        scores = torch.baddbmm(alibi, q, k.transpose(-1, -2), beta=1.0, alpha=self.dh ** -0.5)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        y = torch.bmm(probs, v).view(b, self.h, t, self.dh).transpose(1, 2).reshape(b, t, d)
+        return self.dense(y)
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -592,6 +618,7 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "per_head_scale_infer": lambda: PerHeadScaleAttention(hidden, ffn, infer_head_dim=True),
         "qk_norm": lambda: QKNormAttention(hidden, ffn),  # ffn = heads
         "qk_layernorm_rot2": lambda: QKNormAttention(hidden, ffn, norm="layer", rotate_every_two=True),
+        "bloom_alibi": lambda: BloomStyleAttention(hidden, ffn, full_bias=True),  # ffn = heads
     }[name]()
 
 

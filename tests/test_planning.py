@@ -457,3 +457,16 @@ def test_cuda_sdpa_kernels_keep_heads_sharded(world, kernel, bias):
                                verify=True, options={"min_shard_numel": 0})
     assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
     assert [r.collectives for r in report.rows] == ["-", "-", "-", "all_reduce"], str(report)
+
+
+@pytest.mark.parametrize("full_bias", [False, True], ids=["alibi_row", "alibi_square"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_bloom_baddbmm_alibi_keeps_heads_sharded(world, full_bias):
+    """BLOOM adds ALiBi in torch.baddbmm on the merged batch*heads dim: only bmm had a rule, so the
+    fused query_key_value was gathered there. The bias ([B*H, 1, T] or [B*H, T, T]) is narrowed to
+    this rank's heads; one all_reduce."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.BloomStyleAttention(64, 4, full_bias), torch.randn(2, 5, 64), world_size=world,
+                               verify=True, options={"min_shard_numel": 0})
+    assert report.layers == {"query_key_value": "colwise", "dense": "rowwise"}, str(report)
+    assert [r.collectives for r in report.rows] == ["-", "all_reduce"], str(report)
