@@ -152,8 +152,8 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
     Without it, ranks calling with different shapes send collectives of different sizes (gloo
     aborts the process), and a rank whose guards fail (other shapes) recompiles and enters the
     compile agreement while the others run the program's collectives. ``shapes``: this rank's
-    input dtypes and shapes (``float32[4, 32]``); with ``per_rank`` inputs only the shapes must agree, else ``values`` too (a
-    :func:`content_digest`, 0 when not checked).
+    input dtypes and shapes (``float32[4, 32]``); with ``per_rank`` inputs only they must agree,
+    else ``values`` too (a :func:`content_digest`, 0 when not checked).
     """
     digest = zlib.crc32(repr(shapes).encode())
     local = torch.tensor([phase, digest, values, -phase, -digest, -values], dtype=torch.int64)
@@ -187,8 +187,8 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
     if int(agreed[1]) != -int(agreed[4]):
         raise ValueError(
             "dynashard: inputs='replicated' needs every rank to call with the same inputs; found different "
-            f"shapes or dtypes: {per_rank_shapes}. Pass the same batch on every rank, or options={{'inputs': 'per_rank'}} "
-            "if each rank has its own batch."
+            f"shapes or dtypes: {per_rank_shapes}. Pass the same batch on every rank, or "
+            "options={'inputs': 'per_rank'} if each rank has its own batch."
         )
     raise ValueError(
         "dynashard: inputs='replicated' needs every rank to call with the same inputs; their shapes agree "
