@@ -231,8 +231,8 @@ def propagate_heads(lm: LayoutMap, node: torch.fx.Node) -> bool:
     if t in _REDUCTIONS:
         return _reduce(lm, node, src, ndim, p)
     if t is aten.native_layer_norm.default:  # LayerNorm over trailing dims (Phi / StableLM qk_layernorm)
-        if p >= ndim - len(node.args[1]):
-            return False
+        if p >= ndim - len(node.args[1]) or any(lm.layouts.get(a) is not None for a in node.args[2:4]):
+            return False  # the cut dim normalized, or a weight / bias that is itself cut: gather
         for arg in _all_args(node):
             lm.read(node, arg, LOCAL)  # weight and bias span the normalized dims only
         lm.outputs[node] = [src, src, src]  # out, mean, rstd: the same dims before the normalized ones
