@@ -141,3 +141,8 @@ def known_multiple(a: Any, k: int) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a % k == 0))
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
+    return t._is_view()

@@ -31,7 +31,7 @@ from dynashard.collectives import (
     handshake,
     reduce_scatter_is_slow,
 )
-from dynashard.layout import Split
+from dynashard.shard import Split
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options, parse_options
 from dynashard.plan import Plan, make_plan

@@ -1,7 +1,7 @@
 """Plan: decide a style for every linear, with a reason, before anything is rewritten.
 
 Before: the matched linears of one graph. After: a :class:`Plan` (style + reason per linear)
-and the :class:`~dynashard.layout.LayoutMap` the rewrite will follow.
+and the :class:`~dynashard.shard.LayoutMap` the rewrite will follow.
 
 ``plan="auto"`` pairs linears Megatron-style from the graph alone: walking the graph in order,
 a shardable linear whose input arrives sharded (a colwise output, through pointwise ops and
@@ -24,11 +24,15 @@ import dataclasses
 import difflib
 import fnmatch
 import hashlib
+import logging
 import math
 
 import torch.fx
 
-from dynashard.layout import LayoutMap, Shard, Split, Wish, even, propagate, unsafe_mutations
+from dynashard.errors import UsageError
+from dynashard.propagate import propagate
+from dynashard.rules.inplace import unsafe_mutations
+from dynashard.shard import LayoutMap, Shard, Split, Wish, WishKind, even
 from dynashard.match import LinearMatch
 from dynashard.options import Options
 
@@ -36,15 +40,17 @@ from dynashard.options import Options
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
 # multiply-adds of one core, so 256 leaves a margin for the collective's fixed latency.
 _GATHER_MIN_IN_FEATURES = 256
-# Rounds of re-cutting colwise outputs for the shape rules (heads.py): a fused qkv needs two
-# (component boundaries, then whole heads), GQA a third.
+# Rounds of re-cutting colwise outputs for the rules' wishes (see recut_until_stable).
 _MAX_ROUNDS = 8
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     style: str  # "colwise" | "rowwise" | "replicate"
     reason: str
+    fed_by: frozenset[str] = frozenset()  # auto rowwise: the FQNs of the colwise linears sharding its input
 
 
 @dataclasses.dataclass
@@ -103,18 +109,17 @@ def make_plan(
     }
     auto = options.plan == "auto"
     user = None if auto else _user(linears, blocked, options.plan_dict, modes["stacked"])
-    splits: dict[torch.fx.Node, Split] = {}  # how each colwise output is cut (heads, fused parts)
-    forced: dict[torch.fx.Node, Decision] = {}  # auto: kept whole so that the rest can stay sharded
-    for _ in range(_MAX_ROUNDS):
-        wishes: list[Wish] = []
-        if auto:
-            decisions = _auto(linears, blocked, graph, options, world, rank, modes, splits, forced, wishes)
-            _follow_earlier_splits(linears, decisions, blocked, presplit or {})
-        else:
-            decisions = dict(user)
-        layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, **modes)
-        if not _grant(wishes + layouts.wishes, splits, forced if auto else None, linears, world):
-            break
+    cuts = Cuts()
+
+    def decide(wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:
+        if not auto:
+            return dict(user)
+        decisions = _auto(linears, blocked, graph, options, world, rank, modes, cuts, wishes)
+        _follow_earlier_splits(linears, decisions, blocked, presplit or {})
+        return decisions
+
+    decisions = recut_until_stable(decide, graph, by_node, cuts, modes, world, rank, auto)
+    splits = cuts.splits
     _describe_cuts(linears, decisions, splits)
     while True:
         layouts = propagate(
@@ -126,7 +131,7 @@ def make_plan(
         node, shard = unsafe[0]
         names = sorted(by_node[o].fqn for o in shard.origins)
         if options.plan != "auto":
-            raise ValueError(
+            raise UsageError(
                 f"dynashard: the in-place op {node.target} writes into the output of {names}, which the plan "
                 "shards, through a view dynashard cannot keep sharded; expected out-of-place code there, "
                 f"or mark {names} 'replicate'."
@@ -134,11 +139,44 @@ def make_plan(
         for o in shard.origins:  # keep the written-to layers whole and plan again
             decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
         for n, d in list(decisions.items()):  # partners now read a replicated input: say so
-            if d.style == "rowwise" and d.reason.startswith("input sharded by") and any(x in d.reason for x in names):
+            if d.style == "rowwise" and d.fed_by & set(names):
                 decisions[n] = Decision("rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
 
 
-def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[LinearMatch], world: int) -> bool:
+@dataclasses.dataclass
+class Cuts:
+    """What the re-cut loop changes between rounds: how each colwise output is cut (heads, fused
+    parts), and, for the auto plan, the linears kept whole so that the rest can stay sharded."""
+
+    splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)
+    forced: dict[torch.fx.Node, Decision] = dataclasses.field(default_factory=dict)
+
+
+def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts, modes: dict, world: int, rank: int,
+                       auto: bool) -> dict[torch.fx.Node, Decision]:
+    """The planning fixpoint: decide styles -> propagate -> collect the rules' wishes -> re-cut
+    the origins they name -> again, until no wish changes a cut.
+
+    A fused qkv needs two rounds (component boundaries, then whole heads), GQA a third. Stopping
+    at the round limit is safe (the final layout is recomputed from the final cuts: at worst a
+    value is gathered that a finer cut could have kept sharded) and logged.
+    """
+    for _ in range(_MAX_ROUNDS):
+        wishes: list[Wish] = []
+        decisions = decide(wishes)
+        layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank,
+                            splits=cuts.splits, **modes)
+        if not _grant(wishes + layouts.wishes, cuts, auto, list(by_node.values()), world):
+            return decisions
+    log.warning(
+        "dynashard: planning stopped re-cutting after %d rounds with wishes still changing cuts (%s); the plan "
+        "is correct but may gather values a finer cut would keep sharded. Please report this model.",
+        _MAX_ROUNDS, "; ".join(sorted({w.reason for w in wishes + layouts.wishes}))[:400],
+    )
+    return decide([])
+
+
+def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch], world: int) -> bool:
     """Re-cut (or, for the auto plan, keep whole) the origins the shape rules asked about.
 
     A fused origin asked to stay whole keeps only its components with fewer units than ranks
@@ -148,6 +186,7 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
     weight shared by several layers keeps its cut (its uses must agree). True if anything changed.
     """
     by_node = {m.node: m for m in linears}
+    splits, forced = cuts.splits, cuts.forced
     uses: dict[torch.fx.Node, int] = {}
     for m in linears:
         uses[m.weight] = uses.get(m.weight, 0) + 1
@@ -161,10 +200,10 @@ def _grant(wishes: list[Wish], splits: dict, forced: dict | None, linears: list[
             if uses[m.weight] > 1:
                 continue
             current = splits.get(o, even(m.out_features))
-            if w.kind == "replicate":
-                if forced is not None and o not in forced:
+            if w.kind == WishKind.REPLICATE:
+                if auto and o not in forced:
                     whole.setdefault(o, w)
-            elif w.kind == "cut":
+            elif w.kind == WishKind.CUT:
                 cuts.setdefault(o, set()).update(w.arg)
             else:
                 units[o] = math.lcm(units.get(o, current.unit), current.unit * w.arg)
@@ -208,11 +247,11 @@ def _describe_cuts(linears: list[LinearMatch], decisions: dict, splits: dict) ->
         if split.whole:
             held = ", ".join(str(i + 1) for i in sorted(split.whole))
             note += f"; component{'s' if len(split.whole) > 1 else ''} {held} held whole by every rank (fewer units than ranks)"
-        decisions[m.node] = Decision(d.style, f"{d.reason}; {note}" if d.reason else note)
+        decisions[m.node] = dataclasses.replace(d, reason=f"{d.reason}; {note}" if d.reason else note)
 
 
 def _auto(
-    linears, blocked, graph, options: Options, world: int, rank: int, modes: dict, splits: dict, forced: dict,
+    linears, blocked, graph, options: Options, world: int, rank: int, modes: dict, cuts: Cuts,
     wishes: list[Wish],
 ) -> dict[torch.fx.Node, Decision]:
     """Styles from one walk of the graph (tentatively colwise, rowwise where the input arrives
@@ -222,8 +261,8 @@ def _auto(
 
     def choose(m: LinearMatch, src: Shard | None) -> str:
         numel = m.in_features * m.out_features
-        if m.node in forced:
-            decisions[m.node] = forced[m.node]
+        if m.node in cuts.forced:
+            decisions[m.node] = cuts.forced[m.node]
         elif blocked[m.node]:
             decisions[m.node] = Decision("replicate", blocked[m.node])
         elif numel < options.min_shard_numel:
@@ -240,13 +279,14 @@ def _auto(
             for o in src.origins:
                 partners.setdefault(o, []).append(m.fqn)
             reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
-            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one {reduce}")
+            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one {reduce}",
+                                         frozenset(names))
         else:
             decisions[m.node] = Decision("colwise", "")
         return decisions[m.node].style
 
     by_node = {m.node: m for m in linears}
-    walked = propagate(graph, by_node, choose, world, rank, splits=splits, **modes)
+    walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, **modes)
     wishes.extend(walked.wishes)
     for m in linears:
         d = decisions[m.node]
@@ -272,7 +312,7 @@ def _auto(
 def _stopped_at(walked: LayoutMap, m: LinearMatch) -> str:
     """Where the tentatively colwise output of ``m`` was first gathered: the op no rule kept it
     sharded through (or the graph output)."""
-    ops = [c.reason for c in walked.collectives if c.kind.startswith("all_gather") and m.node in c.origins]
+    ops = [c.reason for c in walked.collectives if c.kind.gathers and m.node in c.origins]
     return f" (its shard is gathered before {ops[0]})" if ops else ""
 
 
@@ -317,7 +357,7 @@ def _user(linears, blocked, plan: dict[str, str], stacked: bool) -> dict[torch.f
     for key in plan:
         if not any(key_matches(key, n) for n in names):
             close = difflib.get_close_matches(key, names, n=5, cutoff=0.3) or names[:5]
-            raise ValueError(
+            raise UsageError(
                 f"dynashard: plan key {key!r} matches no linear layer in the compiled graph; "
                 f"closest linear FQNs: {close}. Fix the key (globs like 'layers.*.mlp.up' are "
                 "matched against module FQNs as in model.named_modules())."
@@ -330,20 +370,20 @@ def _user(linears, blocked, plan: dict[str, str], stacked: bool) -> dict[torch.f
             continue
         style = plan[keys[-1]]
         if style != "replicate" and blocked[m.node]:
-            raise ValueError(
+            raise UsageError(
                 f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "
                 "cannot be sharded. Expected a weight used only by linear layers; set its style to "
                 "'replicate' or remove it from the plan."
             )
         if stacked and m.kind == "embedding" and style != "replicate":
-            raise ValueError(
+            raise UsageError(
                 f"dynashard: plan asks for {style} on embedding {m.fqn!r} with weights='per_rank'; expected "
                 "'replicate' (every rank's own embedding stays whole)."
             )
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
     for ms in _shared_conflicts(linears, decisions).values():
         uses = ", ".join(sorted({f"{m.fqn} as {decisions[m.node].style}" for m in ms}))
-        raise ValueError(
+        raise UsageError(
             f"dynashard: one weight is used by several layers that the plan splits differently ({uses}); "
             "expected every use of a shared weight to have styles that split the same dim (e.g. a tied "
             "embedding 'rowwise' with its LM head 'colwise'), or all 'replicate'."

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dynashard import _torch_private as private
+from dynashard.shard import CollectiveKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +53,14 @@ class GraphReport:
         for c in lm.collectives:
             val = c.node.meta["val"]
             nbytes = math.prod(private.size_hint(s) for s in val.shape) * val.element_size()
-            if c.kind in ("all_gather_rows", "reduce_scatter"):
+            if c.kind in (CollectiveKind.ALL_GATHER_ROWS, CollectiveKind.REDUCE_SCATTER):
                 nbytes *= analysis.world  # the payload holds every rank's rows
             lay = lm.layouts.get(c.node)
-            if c.kind == "all_gather" and lay is not None and lay.split.whole:  # whole parts are not sent
+            if c.kind == CollectiveKind.ALL_GATHER and lay is not None and lay.split.whole:  # whole parts are not sent
                 cut = sum(p for i, p in enumerate(lay.split.parts) if i not in lay.split.whole)
                 nbytes = nbytes * cut // sum(lay.split.parts)
             owners = sorted((o for o in c.origins if o in charged), key=lambda o: o.name)
-            label = c.kind if c.kind in ("all_reduce", "reduce_scatter") else f"{c.kind} (before {c.reason})"
+            label = c.kind.value if c.kind.reduces else f"{c.kind.value} (before {c.reason})"
             for o in owners:
                 charged[o].append((label, nbytes // max(1, len(owners))))
         rows = []

@@ -12,7 +12,7 @@ After (this rank's graph; ``w_up``/``w_down`` placeholders now carry shards)::
     out = aten.add(down, b_down)
 
 With ``inputs="per_rank"`` the colwise input is first all-gathered along rows and the rowwise
-output reduce-scattered back (see layout.py). With ``weights="per_rank"`` a sharded weight
+output reduce-scattered back (see shard.py). With ``weights="per_rank"`` a sharded weight
 placeholder holds ``[world, *block]`` (this rank's block of every rank's weight) and each
 linear becomes a ``bmm`` over the rank-major row blocks.
 
@@ -33,18 +33,9 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import collectives
-from dynashard.layout import (
-    GATHER,
-    GLOBAL,
-    GLOBAL_NARROW,
-    NARROW,
-    NARROW_GROUPS,
-    LayoutMap,
-    Shard,
-    alias_roots,
-    aliases_input,
-    mutated_roots,
-)
+from dynashard.errors import InternalError, UsageError
+from dynashard.rules.inplace import alias_roots, aliases_input, mutated_roots
+from dynashard.shard import LayoutMap, Read, Shard
 from dynashard.plan import Plan
 
 aten = torch.ops.aten
@@ -66,16 +57,16 @@ class _Sharder(torch.fx.Interpreter):
     def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None) -> Any:
         lm, group = self.lm, self.group_name
         lay = lm.layouts[producer]
-        if how == NARROW:
+        if how == Read.NARROW:
             assert out is not None, f"narrow of {producer} without a sharded output"
             return take(value, out)
-        if how == GLOBAL_NARROW:
+        if how == Read.GLOBAL_NARROW:
             if not lm.per_rank:
                 return take(value, out)
             return self.comm.own_rows_to_shard(value, out.split.lengths(lm.world)[0], lm.rank, group)
-        if how == GLOBAL and lay is None:
+        if how == Read.GLOBAL and lay is None:
             return self.comm.all_gather_rows(value, group) if lm.per_rank else value
-        if how == GATHER and lm.per_rank:
+        if how == Read.GATHER and lm.per_rank:
             return self.comm.shard_to_own_rows(value, lay.split.lengths(lm.world)[0], lm.rank, group)
         # GATHER / GLOBAL of a Shard: gather its cut dim (moved last, then back)
         moved = value if lay.dim == -1 else value.movedim(lay.dim, -1)
@@ -85,7 +76,7 @@ class _Sharder(torch.fx.Interpreter):
         merged = not _is_size(producer.meta["val"].shape[lay.dim], lay.size)
         if merged:
             if lay.length == 0:
-                raise RuntimeError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
+                raise InternalError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
         full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group, lay.split.whole)
         if merged:
@@ -97,11 +88,11 @@ class _Sharder(torch.fx.Interpreter):
     def _read(self, consumer: torch.fx.Node, producer: torch.fx.Node, out: Shard | None) -> Any:
         how = self.lm.reads.get((consumer, producer))
         value = self.env[producer]
-        if how is None or how == "local":
+        if how is None or how == Read.LOCAL:
             return value
-        if how == NARROW_GROUPS:
+        if how == Read.NARROW_GROUPS:
             return take_groups(value, out)
-        if how in (NARROW, GLOBAL_NARROW):  # cheap or consumer-specific: not shared
+        if how in (Read.NARROW, Read.GLOBAL_NARROW):  # cheap or consumer-specific: not shared
             return self._convert(how, producer, value, out)
         key = (how, producer)
         if key not in self.converted:
@@ -144,8 +135,8 @@ class _Sharder(torch.fx.Interpreter):
         differently in memory than in the model, so ``reshape`` keeps it valid. A copy is only
         wrong if something writes through it, which is refused loudly."""
         out = aten.reshape(value, shape)
-        if not out._is_view() and self.roots.get(node, node.args[0]) in self.written:
-            raise RuntimeError(
+        if not private.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
+            raise UsageError(
                 f"dynashard: {node.name} must copy on this rank (its input is laid out differently once "
                 "sharded), and an in-place op writes through it; expected out-of-place code there."
             )
@@ -181,9 +172,9 @@ class _Sharder(torch.fx.Interpreter):
             return y
         how = lm.reads.get((node, m.input))
         src = lm.layouts.get(m.input)
-        in_shard = src if how == "local" and src is not None else lm.shard(lm.weight_splits[node], frozenset())
+        in_shard = src if how == Read.LOCAL and src is not None else lm.shard(lm.weight_splits[node], frozenset())
         x = self._read(node, m.input, in_shard)
-        if how == GATHER and not lm.per_rank:  # sharded on another dim: gathered, now take this rank's features
+        if how == Read.GATHER and not lm.per_rank:  # sharded on another dim: gathered, now take this rank's features
             x = take(x, in_shard)
         if m.kind == "embedding":
             y = self._vocab_lookup(self.env[m.weight], x, in_shard)

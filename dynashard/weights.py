@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dynashard import _torch_private as private
 from dynashard.collectives import broadcast_from_first, exchange_blocks, exchange_status
-from dynashard.layout import Split
+from dynashard.shard import Split
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard.layout import Split, shard_bounds
+from dynashard.shard import Split, shard_bounds
 from dynashard.options import Options, parse_options
 from tests import models
 

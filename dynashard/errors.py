@@ -1,0 +1,60 @@
+"""The errors dynashard raises itself. Catch :class:`DynashardError` for all of them.
+
+Each also subclasses the builtin users caught before these classes existed, so
+``except ValueError`` / ``except RuntimeError`` keep working:
+
+* :class:`UsageError` (``ValueError``): the model, options, plan or inputs cannot be sharded as
+  asked; the message says what was expected, what was found and the fix.
+* :class:`OptionTypeError` (``TypeError``): an option of the wrong type.
+* :class:`SetupError` (``RuntimeError``): the process group is missing or was destroyed.
+* :class:`PeerError` (``RuntimeError``): another rank failed, died, hangs or differs; raised on
+  every rank that is still running.
+* :class:`VerificationError` (``RuntimeError``): ``explain(verify=True)`` found the sharded
+  computation differs from the model.
+* :class:`InternalError` (``RuntimeError``): anything else that went wrong while planning,
+  rewriting or compiling, wrapped with the stage (a bug: please report it).
+"""
+
+from __future__ import annotations
+
+
+class DynashardError(Exception):
+    """Base of every error dynashard raises itself."""
+
+
+class UsageError(DynashardError, ValueError):
+    pass
+
+
+class OptionTypeError(DynashardError, TypeError):
+    pass
+
+
+class SetupError(DynashardError, RuntimeError):
+    pass
+
+
+class PeerError(DynashardError, RuntimeError):
+    pass
+
+
+class VerificationError(DynashardError, RuntimeError):
+    pass
+
+
+class InternalError(DynashardError, RuntimeError):
+    pass
+
+
+def wrap(error: BaseException, stage: str) -> DynashardError:
+    """Our own errors as they are; anything else wrapped in an :class:`InternalError` naming the stage.
+
+    NOTE: Dynamo turns some backend exceptions (e.g. fake-tensor ``DataDependentOutputException``)
+    into a graph break and runs the frame eagerly -- unsharded, with only a warning. Wrapped, it
+    is an error like any other.
+    """
+    if isinstance(error, DynashardError):
+        return error
+    wrapped = InternalError(f"dynashard: internal error while {stage}: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped

@@ -1,0 +1,71 @@
+"""Layout propagation: which values are sharded, and what each consumer must do to read them.
+
+A pure analysis over an aten graph and a style per linear; nothing is mutated. The rewrite
+emits exactly what this records, and the plan and ``explain`` read the same record.
+
+Before (styles only)::
+
+    up:   colwise      gelu      view     down: rowwise     output
+After (a layout per value, a read per edge: a :class:`~dynashard.shard.LayoutMap`)::
+
+    addmm_up -> Shard(4096)   gelu -> Shard   view -> Shard (last dim 4096 -> 2048)
+    mm_down: input used locally, output all_reduce'd -> Replicated; output: nothing to gather
+
+One walk in graph order. Matched linears go to :func:`dynashard.rules.origins.linear` with the
+style ``choose`` gives them; every other op to its rule in the registry (``dynashard/rules/``:
+pointwise, views, shapes, reductions, attention, in-place); an op without a rule, or whose rule
+declines, and the graph's outputs read every Shard gathered (one gather per value, shared by its
+consumers). Correct by construction: an unknown op costs a gather, never a wrong value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from dynashard import rules
+from dynashard.match import LinearMatch
+from dynashard.rules.origins import feeds_features, linear
+from dynashard.shard import LayoutMap, Shard, Split, all_args
+
+StyleChooser = Callable[[LinearMatch, Shard | None], str]
+
+
+def propagate(
+    graph: torch.fx.Graph,
+    linears: dict[torch.fx.Node, LinearMatch],
+    choose: StyleChooser,
+    world: int,
+    rank: int,
+    per_rank: bool = False,
+    uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
+    stacked: bool = False,
+    splits: dict[torch.fx.Node, Split] | None = None,
+) -> LayoutMap:
+    """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
+
+    ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
+    under replicated weights); they matter only with ``per_rank``.
+    """
+    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}))
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            lm.layouts[node] = None
+            if node.op == "get_attr" or node in uniform_inputs:
+                lm.uniform.add(node)
+            continue
+        seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())  # randn differs per rank
+        if node.op == "call_function" and not seeded and all(a in lm.uniform for a in all_args(node)):
+            lm.uniform.add(node)
+        if node in linears:
+            match = linears[node]
+            style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)
+            lm.styles[node] = style
+            linear(lm, match, style)
+            continue
+        found = rules.lookup(node, per_rank) if node.op != "output" else None
+        if found is None or not found(lm, node):
+            lm.gather_all(node)
+    return lm

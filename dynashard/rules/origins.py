@@ -1,0 +1,98 @@
+"""Where shards come from: colwise and rowwise linears, vocab-parallel embeddings.
+
+Before: ``up = addmm(b_up, x, t(w_up))`` colwise, ``down = mm(gelu(up), t(w_down))`` rowwise.
+After: ``up`` is Shard(out_features) of this rank's weight rows (its bias narrowed); ``down``
+reads its sharded input locally and its partial sums are all-reduced (the bias added once, after
+the reduction). A replicated input of a rowwise linear is narrowed to this rank's features; an
+input sharded another way is gathered first. An embedding "rowwise" is vocab-parallel: every rank
+looks up every id in its slice of the vocabulary, and the rows are all-reduced.
+
+Linears are found by :mod:`dynashard.match` (any form: ``nn.Linear``, ``x @ W.t()``, HF Conv1D's
+addmm), not by op, so the driver calls :func:`linear` for each matched node with its style.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from dynashard.errors import UsageError
+from dynashard.match import LinearMatch
+from dynashard.shard import LayoutMap, Read, even, size_at, val, all_args
+
+
+def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
+    """The linear's input is sharded on exactly its input features (a rowwise input as it is);
+    a shard on another dim (heads fed to a per-head linear, a merged dim) must be gathered."""
+    src = lm.layouts.get(match.input)
+    return (src is not None and src.dim == -1 and not src.split.whole
+            and src.size == match.in_features == size_at(match.input))
+
+
+def linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
+    node = match.node
+    if style == "replicate":
+        lm.gather_all(node)
+        return
+    for arg in all_args(node):
+        lm.read(node, arg, Read.LOCAL)  # the weight's transpose reads the (already sharded) weight
+    if style == "colwise":
+        _colwise(lm, match)
+    elif match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
+        lm.weight_splits[node] = even(match.in_features)
+        lm.read(node, match.input, Read.GLOBAL if lm.per_rank else Read.LOCAL)
+        lm.reduce(node)
+        lm.layouts[node] = None
+    else:
+        _rowwise(lm, match)
+
+
+def _colwise(lm: LayoutMap, match: LinearMatch) -> None:
+    node, src = match.node, lm.layouts.get(match.input)
+    if lm.per_rank:
+        lm.read(node, match.input, Read.GLOBAL)
+    elif src is not None:
+        lm.read(node, match.input, Read.GATHER)
+    out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]))
+    lm.weight_splits[node] = out.split
+    lm.layouts[node] = out
+    if match.bias is None:
+        return
+    bias = val(match.bias)
+    if lm.stacked:
+        if match.bias.op != "placeholder" or bias.dim() != 1:
+            raise UsageError(
+                f"dynashard: colwise {match.fqn!r} with weights='per_rank' needs its bias to be a "
+                "1-D parameter (it is exchanged like the weight). Mark it 'replicate' in the plan."
+            )
+        lm.read(node, match.bias, Read.LOCAL)  # the rewrite adds every rank's bias block itself
+        return
+    if lm.per_rank and not (match.bias in lm.uniform and bias.dim() <= 1):
+        raise UsageError(
+            f"dynashard: colwise {match.fqn!r} with inputs='per_rank' needs a 1-D bias that is the "
+            f"same on every rank; found a {bias.dim()}-D bias. Mark it 'replicate' in the plan."
+        )
+    lm.read_as_shard(node, match.bias, out)
+
+
+def _rowwise(lm: LayoutMap, match: LinearMatch) -> None:
+    node, src = match.node, lm.layouts.get(match.input)
+    usable = feeds_features(lm, match)
+    if src is not None and not usable and lm.per_rank:
+        raise UsageError(
+            f"dynashard: rowwise {match.fqn!r} with inputs='per_rank' needs its input sharded on its "
+            f"{match.in_features} input features; found it sharded on dim {src.dim}. Mark it 'colwise' or "
+            "'replicate' in the plan."
+        )
+    lm.weight_splits[node] = src.split if usable else even(match.in_features)
+    # an input sharded some other way is gathered, then this rank's features taken (rewrite.py)
+    if usable:
+        how = Read.LOCAL
+    elif src is not None:
+        how = Read.GATHER
+    else:
+        how = Read.GLOBAL_NARROW if lm.per_rank else Read.NARROW
+    lm.read(node, match.input, how)
+    if match.bias is not None and lm.layouts.get(match.bias) is not None:
+        lm.read(node, match.bias, Read.GATHER)
+    lm.reduce(node)
+    lm.layouts[node] = None

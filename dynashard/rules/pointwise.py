@@ -1,0 +1,49 @@
+"""Pointwise ops (``torch.Tag.pointwise``) and dtype/copy ops: a Shard passes through.
+
+Before: ``gelu(addmm_up)`` with ``addmm_up`` Shard(ffn). After: ``gelu`` on this rank's columns,
+its output Shard(ffn). A Shard is kept when every sharded operand holds the same elements on every
+rank and spans the output's whole cut dim; replicated operands broadcast over the cut dim or are
+narrowed. In-place ops keep their ``self`` operand's layout (writing into a replicated tensor needs
+it whole). Operands cut differently (GQA keys against queries) gather, with a wish for a common cut.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.rules.registry import rule
+from dynashard.shard import LayoutMap, Read, Shard, finest, mutates_self, op_name, tensor_args, all_args, val
+
+aten = torch.ops.aten
+COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)
+
+
+@rule(*COPIES, per_rank=True, tags=(torch.Tag.pointwise,))
+def pointwise(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    args = tensor_args(node)
+    sharded = [lm.layouts[a] for a in args if lm.layouts.get(a) is not None]
+    first = finest(sharded) if sharded else None
+    if first is not None and not all(first.alike(s) for s in sharded):
+        lm.unify(sharded, op_name(node))
+        return False
+    out_val = val(node)
+    ok = (
+        first is not None
+        and out_val is not None
+        and out_val.dim() >= -first.dim
+        # a shard never broadcasts: every sharded operand spans the output's whole cut dim
+        and all(private.known_equal(val(a).shape[lm.layouts[a].dim], out_val.shape[lm.layouts[a].dim])
+                for a in args if lm.layouts.get(a) is not None)
+        and all(lm.can_read_as_shard(a, first, out_val.dim()) for a in args)
+    )
+    if ok and mutates_self(node):
+        ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole
+    if not ok:
+        return False
+    out = Shard(first.split, frozenset().union(*(s.origins for s in sharded)), first.dim, lm.world, lm.rank)
+    for arg in all_args(node):
+        lm.read_as_shard(node, arg, out) if arg in args else lm.read(node, arg, Read.LOCAL)
+    lm.layouts[node] = out
+    return True

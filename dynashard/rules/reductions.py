@@ -1,0 +1,74 @@
+"""Ops that work along some dims: softmax, reductions, layer norm (and scans, when added).
+
+Before (q/k RMSNorm over head_dim, heads cut: Qwen3's q_norm)::
+
+    var = mean(pow(q, 2), [-1], True); q = q * rsqrt(var + eps) * w
+After: each rank reduces its own heads; the cut (on the head dim) is kept. Along the cut dim
+itself none of these is local (a partial reduction would need a collective): gather.
+A scan along one dim (``aten.cumsum``) belongs in ``_ALONG_ONE_DIM``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from dynashard.rules.registry import rule
+from dynashard.shard import LayoutMap, Read, all_args, norm_dim
+
+aten = torch.ops.aten
+
+_ALONG_ONE_DIM = {  # op -> index of its dim argument; the op works along that dim only
+    aten._softmax.default: 1,
+    aten._log_softmax.default: 1,
+    aten._safe_softmax.default: 1,  # SDPA's math path
+}
+# Reductions over the dims in args[1] (keepdim in args[2] or kwargs): local when the cut dim is
+# not reduced (q/k RMSNorm over head_dim: Qwen3's q_norm, Gemma's; variance over the last dim).
+_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
+               aten.std.correction, aten.logsumexp.default)
+
+
+@rule(*_ALONG_ONE_DIM)
+def along_one_dim(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    found = lm.input_shard(node)
+    if found is None:
+        return False
+    src, ndim, p = found
+    index = _ALONG_ONE_DIM[node.target]
+    d = norm_dim(node.args[index] if len(node.args) > index else 0, ndim)
+    return d != p and lm.keep(node, src)
+
+
+@rule(*_REDUCTIONS)
+def reduce(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """A reduction over dims that do not include the cut dim: each rank reduces its own part."""
+    found = lm.input_shard(node)
+    if found is None:
+        return False
+    src, ndim, p = found
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return False  # every dim reduced
+    dims = {norm_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    if p in dims:
+        return False
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    new = p if keepdim else p - sum(1 for d in dims if d < p)
+    return lm.keep(node, src.moved(new - (ndim if keepdim else ndim - len(dims))))
+
+
+@rule(aten.native_layer_norm.default)
+def layer_norm(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """LayerNorm over trailing dims that are not cut (Phi / StableLM qk_layernorm)."""
+    found = lm.input_shard(node)
+    if found is None:
+        return False
+    src, ndim, p = found
+    if p >= ndim - len(node.args[1]) or any(lm.layouts.get(a) is not None for a in node.args[2:4]):
+        return False  # the cut dim normalized, or a weight / bias that is itself cut: gather
+    for arg in all_args(node):
+        lm.read(node, arg, Read.LOCAL)  # weight and bias span the normalized dims only
+    lm.outputs[node] = [src, src, src]  # out, mean, rstd: the same dims before the normalized ones
+    lm.layouts[node] = None
+    return True

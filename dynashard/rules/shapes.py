@@ -1,0 +1,150 @@
+"""Taking apart and putting together: split, unbind, slice, cat, stack and the getitem of a tuple.
+
+Before (a fused qkv colwise on [B, T, 3*D])::
+
+    q, k, v = split(addmm_qkv, D, -1)          # getitem 0, 1, 2
+After: each rank splits its own ``[q_r | k_r | v_r]`` at its local sizes; q, k and v are each
+a Shard of D. Along a dim that is not cut, every op here keeps the cut. On the cut dim, a split or
+slice must fall on component boundaries (a fused ``[q | k | v]``; otherwise a wish asks the plan
+to cut the origin into those components), and a cat or stack is not followed (gather).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.rules.registry import rule
+from dynashard.shard import LayoutMap, Shard, Split, WishKind, finest, norm_dim, op_name, val, val_list
+
+aten = torch.ops.aten
+
+
+@rule(operator.getitem)
+def getitem(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    outs = lm.outputs.get(node.args[0])
+    if outs is None or not isinstance(node.args[1], int):
+        return False
+    return lm.keep(node, outs[node.args[1]])
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def split(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    t = node.target
+    found = lm.input_shard(node, whole_ok=t is not aten.unbind.int)
+    if found is None:
+        return False
+    src, ndim, p = found
+    dim = node.args[1] if t is aten.unbind.int and len(node.args) > 1 else node.args[2] if len(node.args) > 2 else 0
+    d = norm_dim(dim, ndim)
+    if any(u.target is not operator.getitem for u in node.users):
+        return False
+    n_out = len(val_list(node))
+    if d != p:
+        out = src if t is not aten.unbind.int else src.moved(src.dim + (1 if d > p else 0))
+        lm.keep(node, None)
+        lm.outputs[node] = [out] * n_out
+        return True
+    size = val(node.args[0]).shape[p]
+    if t is aten.unbind.int or not private.known_equal(size, src.size):
+        return False
+    widths = [node.args[1]] * n_out if t is aten.split.Tensor else list(node.args[1])
+    edges = [0]
+    for w in widths:
+        edges.append(min(edges[-1] + w, src.size))
+    ranges = _part_ranges(src.split, edges)
+    if ranges is None:
+        _cut_wish(lm, node, src, edges)
+        return False
+    lm.keep(node, None)
+    lm.outputs[node] = [_sub(src, i, j) for i, j in ranges]  # a whole component is a replicated output
+    lm.part_sizes[node] = tuple(_sub_length(src, i, j) for i, j in ranges)
+    return True
+
+
+@rule(aten.slice.Tensor)
+def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """Along another dim: the cut kept. ``x[..., a:b]`` on the cut dim: whole components only (a
+    fused output's q, k or v)."""
+    found = lm.input_shard(node, whole_ok=True)
+    if found is None:
+        return False
+    src, ndim, p = found
+    if norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim) != p:
+        return lm.keep(node, src)
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2] or 0, args[3], args[4] or 1
+    size = val(node.args[0]).shape[p]
+    if step != 1 or not private.known_equal(size, src.size) or not isinstance(start, int):
+        return False
+    end = src.size if end is None or (isinstance(end, int) and end > src.size) else end
+    if not isinstance(end, int):
+        return False
+    start, end = start % src.size if start < 0 else start, end % src.size if end < 0 else end
+    ranges = _part_ranges(src.split, [start, end])
+    if ranges is None:
+        _cut_wish(lm, node, src, [0, start, end, src.size])
+        return False
+    (i, j), = ranges
+    lm.part_sizes[node] = (_sub_length(src, 0, i), _sub_length(src, i, j))
+    return lm.keep(node, _sub(src, i, j))  # None: whole components, held by every rank (replicated)
+
+
+@rule(aten.cat.default)
+def cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    return _cat(lm, node, stack=False)
+
+
+@rule(aten.stack.default)
+def stack(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    return _cat(lm, node, stack=True)
+
+
+def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> bool:
+    """cat (or stack) of operands cut alike, along a dim that is not the cut one."""
+    tensors = node.args[0]
+    lays = [lm.layouts.get(a) for a in tensors]
+    if any(lay is None or lay.split.whole for lay in lays):
+        return False
+    first = finest(lays)
+    if not all(first.alike(lay) for lay in lays):
+        return False
+    ndim = val(tensors[0]).dim()
+    out_ndim = ndim + 1 if stack else ndim
+    d = norm_dim(node.args[1] if len(node.args) > 1 else 0, out_ndim)
+    p = ndim + first.dim
+    if d == p and not stack:
+        return False
+    new = p + 1 if stack and d <= p else p  # stack inserts a dim at d
+    origins = frozenset().union(*(lay.origins for lay in lays))
+    return lm.keep(node, Shard(first.split, origins, new - out_ndim, lm.world, lm.rank))
+
+
+def _part_ranges(split: Split, edges: list[int]) -> list[tuple[int, int]] | None:
+    """Component ranges ``[i, j)`` covering element ranges between ``edges``; None if an edge
+    falls inside a component."""
+    offsets, acc = [0], 0
+    for part in split.parts:
+        acc += part * split.unit
+        offsets.append(acc)
+    if any(e not in offsets for e in edges):
+        return None
+    return [(offsets.index(a), offsets.index(b)) for a, b in zip(edges, edges[1:])]
+
+
+def _cut_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) -> None:
+    if all(e % src.split.unit == 0 for e in edges):
+        lm.wish(src.origins, WishKind.CUT, frozenset(e // src.split.unit for e in edges[1:-1]),
+                f"{op_name(node)} of a fused output")
+
+
+def _sub(src: Shard, i: int, j: int) -> Shard | None:
+    sub = src.split.sub(i, j)
+    return None if sub is None else src.moved(src.dim, sub)
+
+
+def _sub_length(src: Shard, i: int, j: int) -> int:
+    return sum(length for _, length in src.pieces[i:j])

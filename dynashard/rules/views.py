@@ -1,0 +1,204 @@
+"""Views and dim moves: follow the cut dim through one dim map per op.
+
+Before (q colwise on [B*T, H*Dh])::
+
+    q = view(mm_q, [B, T, H, Dh]); q = transpose(q, 1, 2); q = unsqueeze(q, 2)
+After: the same ops on this rank's heads, ``H`` in the view's size argument rewritten (8 -> 2
+on 4 ranks); the Shard moves from the last dim to the head dim and on.
+
+Every op here is described by a :class:`DimMap` (in the spirit of DTensor's ``_view_ops``): where
+each input dim goes (one to one, or removed), plus, for a reshape, the group of dims that is
+regrouped. One function, :func:`follow`, moves the cut through it:
+  * a dim that maps one to one carries the cut (a removed or broadcast cut dim: gather);
+  * in a regrouped group the cut must land on a dim whose inner dims fit inside one unit
+    (``[H*Dh] -> [H, Dh]`` with units of ``Dh``; ``[B, H] -> [B*H]``; ``[Hkv, n] -> [Hkv*n]``
+    makes units of ``n`` heads). When it does not only because the origins are cut too finely, a
+    wish asks for coarser units (or, for fewer KV heads than ranks, for the projection whole).
+A new view-like op needs a dim-map function in ``_DIM_MAPS`` and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.rules.registry import rule
+from dynashard.shard import LayoutMap, Shard, Split, WishKind, is_one, norm_dim, op_name, size_at, val
+
+aten = torch.ops.aten
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_SIZED = (*RESHAPES, aten.expand.default)  # ops whose size argument names the cut dim's size
+
+
+@dataclasses.dataclass(frozen=True)
+class DimMap:
+    """Input dim ``i`` (from the left) becomes output dim ``moves[i]``, or carries no cut (None).
+    ``group``: a reshape's regrouped dims, ``(in_start, in_end, out_start, out_end)`` as positions
+    in the shapes without their size-1 dims, with ``kept_in`` / ``kept_out`` mapping those
+    positions back to real dims."""
+
+    moves: tuple[int | None, ...]
+    group: tuple[int, int, int, int] | None = None
+    kept_in: tuple[int, ...] = ()
+    kept_out: tuple[int, ...] = ()
+
+
+def _transpose(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    a, b = (norm_dim(int(d), ndim) for d in node.args[1:3])
+    return DimMap(tuple(b if i == a else a if i == b else i for i in range(ndim)))
+
+
+def _permute(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    order = [norm_dim(d, ndim) for d in node.args[1]]
+    return DimMap(tuple(order.index(i) for i in range(ndim)))
+
+
+def _unsqueeze(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    d = norm_dim(node.args[1], out_ndim)
+    return DimMap(tuple(i + (1 if d <= i else 0) for i in range(ndim)))
+
+
+def _remove_dim(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    """select, squeeze.dim: the dim goes (a squeeze of a dim that is not 1 keeps the rest in place)."""
+    d = norm_dim(node.args[1], ndim)
+    removed = out_ndim < ndim
+    return DimMap(tuple(None if i == d else i - (1 if d < i and removed else 0) for i in range(ndim)))
+
+
+def _expand(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    """New leading dims; a dim keeps its cut only where its size is unchanged (not broadcast)."""
+    shift, in_shape = out_ndim - ndim, val(node.args[0]).shape
+
+    def kept(i: int) -> bool:  # (a size computed in the graph is an fx node: not provably equal)
+        size = node.args[1][i + shift]
+        return not isinstance(size, torch.fx.Node) and (size == -1 or private.known_equal(size, in_shape[i]))
+
+    return DimMap(tuple(i + shift if kept(i) else None for i in range(ndim)))
+
+
+def _view_as_complex(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    return DimMap(tuple(i if i < ndim - 1 else None for i in range(ndim)))  # the trailing pair is gone
+
+
+def _same_dims(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    return DimMap(tuple(range(ndim)))  # view_as_real adds a trailing pair dim
+
+
+def _reshape(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
+    """Dims equal from the left or from the right map one to one; the rest is one regrouped group.
+    Size-1 dims carry no elements and are matched around (einsum views [B, H, T, Dh, 1] -> [B*H, T, Dh])."""
+    full_before, full_after = list(val(node.args[0]).shape), list(val(node).shape)
+    kept_in = tuple(i for i, d in enumerate(full_before) if not is_one(d))
+    kept_out = tuple(i for i, d in enumerate(full_after) if not is_one(d))
+    before, after = [full_before[i] for i in kept_in], [full_after[i] for i in kept_out]
+    left = 0
+    while left < min(len(before), len(after)) and private.known_equal(before[left], after[left]):
+        left += 1
+    right = 0
+    while right < min(len(before), len(after)) - left and private.known_equal(before[-1 - right], after[-1 - right]):
+        right += 1
+    moves: list[int | None] = [None] * ndim
+    for pos, i in enumerate(kept_in):
+        if pos < left:
+            moves[i] = kept_out[pos]
+        elif pos >= len(before) - right:
+            moves[i] = kept_out[len(after) - (len(before) - pos)]
+    group = (left, len(before) - right, left, len(after) - right)
+    return DimMap(tuple(moves), group, kept_in, kept_out)
+
+
+_DIM_MAPS = {
+    aten.transpose.int: _transpose,
+    aten.permute.default: _permute,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.dim: _remove_dim,
+    aten.select.int: _remove_dim,
+    aten.expand.default: _expand,
+    aten.view_as_complex.default: _view_as_complex,
+    aten.view_as_real.default: _same_dims,
+    **{op: _reshape for op in RESHAPES},
+}
+
+
+@rule(*(op for op in _DIM_MAPS if op not in RESHAPES))
+def follow(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """Keep the input's Shard through ``node``'s dim map; False: gather instead."""
+    reshape = node.target in RESHAPES
+    found = lm.input_shard(node, whole_ok=reshape)  # (a reshape keeps whole components only one to one)
+    if found is None:
+        return False
+    src, ndim, p = found
+    out_ndim = val(node).dim()
+    if reshape and is_one(val(node.args[0]).shape[p]):
+        return False
+    dims = _DIM_MAPS[node.target](node, ndim, out_ndim)
+    if dims.moves[p] is not None:
+        return _moved(lm, node, src.moved(dims.moves[p] - out_ndim))
+    if dims.group is None:
+        return False
+    out = _regroup(lm, node, src, dims, dims.kept_in.index(p))
+    return out is not None and _moved(lm, node, out)
+
+
+def _moved(lm: LayoutMap, node: torch.fx.Node, out: Shard) -> bool:
+    if node.target in _SIZED:
+        lm.view_sizes[node] = (out.dim, out.size, out.length)
+    return lm.keep(node, out)
+
+
+def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: int) -> Shard | None:
+    """The cut dim (position ``p`` in the shape without size-1 dims) inside a regrouped group."""
+    if src.split.whole:  # a regrouped dim would deal out the whole components too: gather instead
+        return None
+    before = [val(node.args[0]).shape[i] for i in dims.kept_in]
+    after = [val(node).shape[i] for i in dims.kept_out]
+    in_start, in_end, out_start, out_end = dims.group
+    mid_in, mid_out = before[in_start:in_end], after[out_start:out_end]
+    inner_in = mid_in[p - in_start + 1 :]
+    if not all(isinstance(d, int) for d in inner_in):
+        return None
+    elems = src.split.unit * math.prod(inner_in)  # elements of the flattened group per unit
+    units = sum(src.split.parts)
+    out_ndim = val(node).dim()
+    inner_out = 1
+    for o in range(len(mid_out) - 1, -1, -1):
+        if o < len(mid_out) - 1:
+            if not isinstance(mid_out[o + 1], int):
+                return None
+            inner_out *= mid_out[o + 1]
+        if elems % inner_out == 0:
+            new_unit = elems // inner_out
+            if private.known_multiple(mid_out[o], units * new_unit):
+                out = src.moved(dims.kept_out[out_start + o] - out_ndim, Split(src.split.parts, new_unit))
+                merged = not private.known_equal(mid_out[o], units * new_unit)
+                if merged and out.split.fewest_units(lm.world) < 1:
+                    return None  # a merged dim needs a part on every rank (its outer size is recovered from it)
+                return out
+            continue
+        k = math.lcm(elems, inner_out) // elems  # units k times larger would fit this dim
+        coarser = src.split.coarsen(k)
+        if coarser is not None and coarser.fewest_units(lm.world) >= 1:
+            lm.wish(src.origins, WishKind.COARSEN, k, f"{op_name(node)} into dims of {inner_out} elements")
+        elif coarser is not None:  # e.g. fewer KV heads than ranks: keep the projection whole
+            lm.wish(src.origins, WishKind.REPLICATE, k,
+                    f"{'/'.join(map(str, coarser.parts))} heads of {inner_out} cannot be cut over {lm.world} "
+                    "ranks, so every rank computes them (narrowed where they meet sharded heads)")
+        return None
+    return None
+
+
+@rule(*RESHAPES, per_rank=True)
+def reshape(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """Reshapes under both input modes: ``inputs="per_rank"`` keeps only a last-dim cut whose dim
+    is unchanged (every rank's rows: the first size scales by the world size)."""
+    if not lm.per_rank:
+        return follow(lm, node)
+    src = lm.layouts.get(node.args[0])
+    if src is None or not (src.dim == -1 and size_at(node) == src.size == size_at(node.args[0])):
+        return False
+    lm.view_rows_scaled.add(node)
+    return _moved(lm, node, src)

@@ -1,0 +1,395 @@
+"""The layout vocabulary every propagation rule speaks: how a value is cut, how a consumer reads it.
+
+Values are Replicated (``None``) or a :class:`Shard`: one dim cut by a :class:`Split` (whole units
+per component, balanced over ranks). A :class:`LayoutMap` records, for one graph and one rank, the
+layout of every value, how each consumer reads each producer (a :class:`Read`), the collectives
+that follow from those reads, and the :class:`Wish` es of rules that could keep a value sharded if
+its origins were cut differently. The rules (``dynashard/rules/``) fill it in; the plan and the
+rewrite read it. This module imports no rule.
+
+With ``inputs="per_rank"`` every rank computes its own batch, so a replicated value is this
+rank's rows only, while a Shard holds the rows of *all* ranks (concatenated, rank-major) and
+this rank's columns -- Megatron's sequence-parallel layout. The reads change meaning
+accordingly (see :class:`Read`). Only rank-uniform values (parameters and what is computed from
+them alone) may be broadcast into a Shard's rows; anything else meets it after a gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import torch
+import torch.fx
+
+
+
+class Read(str, enum.Enum):
+    """How a consumer reads one producer."""
+
+    LOCAL = "local"  # use the value as it is (a shard, or replicated)
+    GATHER = "gather"  # all-gather the producer's shards first (per_rank: an all-to-all to own rows)
+    NARROW = "narrow"  # slice this rank's part out of a replicated value
+    # every rank's rows, all columns (a colwise input under per_rank; replicated mode: GATHER/LOCAL)
+    GLOBAL = "global"
+    GLOBAL_NARROW = "global_narrow"  # every rank's rows, this rank's columns (a rowwise input)
+    NARROW_GROUPS = "narrow_groups"  # of whole K/V heads, those of this rank's query heads (GQA)
+
+
+class CollectiveKind(str, enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    ALL_GATHER_ROWS = "all_gather_rows"  # per_rank: every rank's rows of a replicated value
+    ALL_TO_ALL = "all_to_all"
+    REDUCE_SCATTER = "reduce_scatter"
+
+    @property
+    def gathers(self) -> bool:
+        return self in (CollectiveKind.ALL_GATHER, CollectiveKind.ALL_GATHER_ROWS)
+
+    @property
+    def reduces(self) -> bool:
+        return self in (CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER)
+
+
+class WishKind(str, enum.Enum):
+    COARSEN = "coarsen"  # units ``arg`` times larger
+    CUT = "cut"  # components also split at the unit offsets in ``arg``
+    REPLICATE = "replicate"  # keep the origins whole; each rank narrows what it needs
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one dim is cut across ranks; the same on every rank.
+
+    The dim holds ``len(parts)`` components side by side (a fused ``[q | k | v]`` has three);
+    component ``i`` is ``parts[i]`` units of ``unit`` elements (a head: ``head_dim`` features).
+    Each component's units are dealt out balanced, the first ranks taking one more: 6 heads on
+    4 ranks are 2/2/1/1. A dim whose size is a multiple of :attr:`size` (a batch dim merged in
+    front, ``[B * H]``) repeats the pattern for every outer index. Components listed in
+    ``whole`` are held whole by every rank (a fused [q | k | v] with fewer KV heads than ranks:
+    q is cut, k and v are not).
+    """
+
+    parts: tuple[int, ...]
+    unit: int = 1
+    whole: frozenset[int] = frozenset()
+
+    @property
+    def size(self) -> int:
+        return sum(self.parts) * self.unit
+
+    def counts(self, world: int) -> list[list[int]]:
+        """Units per component per rank."""
+        return [[p] * world if i in self.whole else [p // world + (r < p % world) for r in range(world)]
+                for i, p in enumerate(self.parts)]
+
+    def pieces(self, world: int, rank: int) -> list[tuple[int, int]]:
+        """``(start, length)`` in elements of the dim, per component, for ``rank``."""
+        out, offset = [], 0
+        for i, (p, counts) in enumerate(zip(self.parts, self.counts(world))):
+            before = 0 if i in self.whole else sum(counts[:rank])
+            out.append(((offset + before) * self.unit, counts[rank] * self.unit))
+            offset += p
+        return out
+
+    def sub(self, i: int, j: int) -> Split | None:
+        """Components ``[i, j)`` alone; None when all of them are whole (a replicated value)."""
+        if all(c in self.whole for c in range(i, j)):
+            return None
+        return Split(self.parts[i:j], self.unit, frozenset(c - i for c in self.whole if i <= c < j))
+
+    def local(self, world: int, rank: int) -> int:
+        return sum(length for _, length in self.pieces(world, rank))
+
+    def lengths(self, world: int) -> list[list[int]]:
+        """Elements per component per rank."""
+        return [[c * self.unit for c in counts] for counts in self.counts(world)]
+
+    def owned(self, world: int) -> list[list[tuple[int, int]]]:
+        """Per rank, the element ranges ``[start, end)`` it holds, adjacent ones merged."""
+        out = []
+        for rank in range(world):
+            ranges: list[tuple[int, int]] = []
+            for start, length in self.pieces(world, rank):
+                if ranges and ranges[-1][1] == start:
+                    ranges[-1] = (ranges[-1][0], start + length)
+                elif length:
+                    ranges.append((start, start + length))
+            out.append(ranges)
+        return out
+
+    def fewest_units(self, world: int) -> int:
+        """The fewest units any rank holds of any component (0: some rank holds nothing)."""
+        return min(p if i in self.whole else p // world for i, p in enumerate(self.parts))
+
+    def coarsen(self, k: int) -> Split | None:
+        """Units ``k`` times larger (``None`` when a component is not a whole number of them)."""
+        if any(p % k for p in self.parts):
+            return None
+        return Split(tuple(p // k for p in self.parts), self.unit * k, self.whole)
+
+    def cut(self, boundaries: set[int]) -> Split:
+        """Components also split at these unit offsets (the pieces of a whole one stay whole)."""
+        parts, whole, offset = [], set(), 0
+        for i, p in enumerate(self.parts):
+            inner = sorted(b - offset for b in boundaries if offset < b < offset + p)
+            edges = [0, *inner, p]
+            for a, b in zip(edges, edges[1:]):
+                if i in self.whole:
+                    whole.add(len(parts))
+                parts.append(b - a)
+            offset += p
+        return Split(tuple(parts), self.unit, frozenset(whole))
+
+    def keep_whole(self, world: int) -> Split | None:
+        """The components with fewer units than ranks held whole by every rank, the rest still
+        cut; None if that leaves nothing cut or nothing whole."""
+        small = frozenset(i for i, p in enumerate(self.parts) if p < world) | self.whole
+        if small == self.whole or len(small) == len(self.parts):
+            return None
+        return Split(self.parts, self.unit, small)
+
+
+def even(size: int) -> Split:
+    return Split((size,), 1)
+
+
+def shard_bounds(size: int, world: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of rank's part of an evenly split ``size``."""
+    return even(size).pieces(world, rank)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A value cut by ``split`` on dim ``dim`` (counted from the end); this rank holds
+    :attr:`pieces` of it. Linear outputs are sharded on the last dim; the view and attention
+    rules move a shard onto the head dim of an attention block and back."""
+
+    split: Split
+    origins: frozenset[torch.fx.Node]  # the colwise linears this shard comes from
+    dim: int = -1
+    world: int = 1
+    rank: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.split.size
+
+    @property
+    def pieces(self) -> list[tuple[int, int]]:
+        return self.split.pieces(self.world, self.rank)
+
+    @property
+    def length(self) -> int:
+        return self.split.local(self.world, self.rank)
+
+    @property
+    def start(self) -> int:
+        """First element held (a single-component split)."""
+        return self.pieces[0][0]
+
+    def alike(self, other: Shard | None) -> bool:
+        """Every rank holds the same elements of the same dim in both (elementwise partners), even
+        if the splits say it differently (8 heads in 4 + 4 = 4 pairs of heads in 2 + 2)."""
+        if other is None or (self.dim, self.size) != (other.dim, other.size):
+            return False
+        return self.split == other.split or self.split.owned(self.world) == other.split.owned(other.world)
+
+    def moved(self, dim: int, split: Split | None = None) -> Shard:
+        return Shard(split or self.split, self.origins, dim, self.world, self.rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wish:
+    """A rule that could keep a value sharded if its origins were cut differently (see
+    :class:`WishKind`); the plan grants wishes between rounds of propagation."""
+
+    origins: frozenset[torch.fx.Node]
+    kind: WishKind
+    arg: Any
+    reason: str
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: CollectiveKind
+    node: torch.fx.Node  # where it is inserted (the producer for a gather, the linear for a reduce)
+    origins: frozenset[torch.fx.Node]  # the linears it is charged to
+    reason: str  # for a gather: the op that could not read the shard ("" for a linear's reduce)
+
+
+@dataclasses.dataclass
+class LayoutMap:
+    world: int
+    rank: int
+    styles: dict[torch.fx.Node, str]  # linear node -> style
+    per_rank: bool = False  # inputs="per_rank": replicated values are this rank's rows only
+    stacked: bool = False  # weights="per_rank": sharded weights hold one block of every rank's weight
+    uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
+    layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
+    reads: dict[tuple[torch.fx.Node, torch.fx.Node], Read] = dataclasses.field(default_factory=dict)
+    splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # colwise output splits (plan)
+    # A shape argument to rewrite: (dim, full size of the split, this rank's part); a dim of
+    # ``k * full`` (a batch dim merged in front) becomes ``k * local``.
+    view_sizes: dict[torch.fx.Node, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    outputs: dict[torch.fx.Node, list[Shard | None]] = dataclasses.field(default_factory=dict)  # tuple-valued ops
+    part_sizes: dict[torch.fx.Node, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # split/slice, local
+    weight_splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # linear -> its weight's
+    wishes: list[Wish] = dataclasses.field(default_factory=list)
+    view_rows_scaled: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # per_rank: first size x world
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
+
+    def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:
+        return Shard(split, origins, dim, self.world, self.rank)
+
+    def wish(self, origins: frozenset[torch.fx.Node], kind: WishKind, arg: Any, reason: str) -> None:
+        self.wishes.append(Wish(origins, kind, arg, reason))
+
+    def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: Read) -> None:
+        self.reads[(consumer, producer)] = how
+        if how in (Read.LOCAL, Read.NARROW, Read.NARROW_GROUPS) or (how, producer) in self._gathered:
+            return
+        self._gathered.add((how, producer))
+        lay = self.layouts[producer]
+        if how == Read.GATHER:
+            kind = CollectiveKind.ALL_TO_ALL if self.per_rank else CollectiveKind.ALL_GATHER
+            self.collectives.append(Collective(kind, producer, lay.origins, op_name(consumer)))
+        elif how == Read.GLOBAL and lay is not None:
+            self.collectives.append(Collective(CollectiveKind.ALL_GATHER, producer, lay.origins, op_name(consumer)))
+        elif how == Read.GLOBAL:
+            self.collectives.append(
+                Collective(CollectiveKind.ALL_GATHER_ROWS, producer, frozenset([consumer]), op_name(consumer)))
+        else:  # GLOBAL_NARROW of a replicated value
+            self.collectives.append(
+                Collective(CollectiveKind.ALL_TO_ALL, producer, frozenset([consumer]), op_name(consumer)))
+
+    def reduce(self, linear: torch.fx.Node) -> None:
+        """A rowwise linear's (or vocab-parallel embedding's) partial sums, combined."""
+        kind = CollectiveKind.REDUCE_SCATTER if self.per_rank else CollectiveKind.ALL_REDUCE
+        self.collectives.append(Collective(kind, linear, frozenset([linear]), ""))
+
+    # Reads shared by many rules.
+
+    def gather_all(self, node: torch.fx.Node) -> None:
+        """The default: every sharded operand gathered, the output replicated."""
+        for arg in all_args(node):
+            self.read(node, arg, Read.GATHER if self.layouts.get(arg) is not None else Read.LOCAL)
+        self.layouts[node] = None
+
+    def keep(self, node: torch.fx.Node, out: Shard | None) -> bool:
+        """Every operand used as it is; the output's layout is ``out``. True (the rule applied)."""
+        for arg in all_args(node):
+            self.read(node, arg, Read.LOCAL)
+        self.layouts[node] = out
+        return True
+
+    def read_as_shard(self, consumer: torch.fx.Node, arg: torch.fx.Node, out: Shard) -> None:
+        """Read ``arg`` in a computation whose output is ``out`` (broadcast, slice or use a shard)."""
+        v = val(arg)
+        if self.layouts.get(arg) is not None:
+            self.read(consumer, arg, Read.LOCAL)
+        elif v is not None and v.dim() >= -out.dim and size_at(arg, out.dim) != 1:
+            self.read(consumer, arg, Read.NARROW)  # (a symbolic size is never 1: Dynamo specialises 0 and 1)
+        else:
+            self.read(consumer, arg, Read.LOCAL)  # broadcasts over the sharded dim (size 1, or does not reach it)
+
+    def can_read_as_shard(self, arg: torch.fx.Node, out: Shard, out_ndim: int) -> bool:
+        lay = self.layouts.get(arg)
+        if lay is not None:
+            return out.alike(lay)
+        v = val(arg)
+        if self.per_rank and not (arg in self.uniform and (v.dim() < out_ndim or v.shape[0] == 1)):
+            return False  # a Shard's rows are every rank's: only rank-uniform, row-broadcast values fit
+        if self.per_rank and v.dim() >= -out.dim and size_at(arg, out.dim) not in (1, out.size):
+            return False
+        return True
+
+    def input_shard(self, node: torch.fx.Node, whole_ok: bool = False) -> tuple[Shard, int, int] | None:
+        """``(shard, ndim, cut dim from the left)`` of ``node``'s first operand, if it is sharded.
+        A fused output with whole components is followed only by rules that say ``whole_ok``
+        (its split into components); others gather it."""
+        src_node = node.args[0] if node.args else None
+        src = self.layouts.get(src_node) if isinstance(src_node, torch.fx.Node) else None
+        if src is None or val(src_node) is None or (src.split.whole and not whole_ok):
+            return None
+        ndim = val(src_node).dim()
+        return src, ndim, ndim + src.dim
+
+    def unify(self, shards: list[Shard], where: str) -> None:
+        """Shards of one dim cut differently meet (e.g. GQA keys against queries): wish for the
+        coarsest common cut, when every rank still holds something of it."""
+        if len({s.dim for s in shards}) != 1 or len({s.size for s in shards}) != 1:
+            return
+        if any(len(s.split.parts) != 1 for s in shards):
+            return
+        unit = math.lcm(*(s.split.unit for s in shards))
+        for s in shards:
+            target = s.split.coarsen(unit // s.split.unit)
+            if target is not None and target.fewest_units(self.world) >= 1 and target != s.split:
+                self.wish(s.origins, WishKind.COARSEN, unit // s.split.unit, f"{where} needs units of {unit}")
+
+
+def finest(shards: list[Shard]) -> Shard:
+    """Of equally owned shards, the one cut in the smallest units (the most views fit it)."""
+    return min(shards, key=lambda s: s.split.unit)
+
+
+def union_origins(shards: list[Shard | None]) -> frozenset[torch.fx.Node]:
+    return frozenset().union(*(s.origins for s in shards if s is not None))
+
+
+# Node helpers.
+
+def op_name(node: torch.fx.Node) -> str:
+    return "output" if node.op == "output" else getattr(node.target, "__name__", str(node.target))
+
+
+def val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def val_list(node: torch.fx.Node) -> list:
+    v = node.meta.get("val")
+    return list(v) if isinstance(v, (list, tuple)) else []
+
+
+def size_at(node, dim: int = -1) -> int | None:
+    """The static size of ``node``'s dim ``dim`` (counted from the end), if it has one."""
+    v = val(node)
+    if v is None or v.dim() < -dim or not isinstance(v.shape[dim], int):
+        return None
+    return v.shape[dim]
+
+
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) if val(a) is not None else None)
+    return list(dict.fromkeys(found))
+
+
+def all_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return list(dict.fromkeys(found))
+
+
+def mutates_self(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return bool(alias is not None and alias.is_write)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    """A dim argument counted from the left (``ndim`` 0: a scalar, dim 0)."""
+    return d % ndim if ndim else 0
+
+
+def is_one(d) -> bool:
+    return isinstance(d, int) and d == 1
