@@ -10,7 +10,7 @@ __all__ = ["backend", "explain", "__version__"]
 
 def backend(**options):
     """Return the dynashard backend with ``options`` bound (see the README's options table)."""
-    from dynashard.entry import backend as _backend
+    from dynashard.dynamo_backend import backend as _backend
 
     return _backend(**options)
 

@@ -37,6 +37,12 @@ def placeholder_source_fqn(node: torch.fx.Node) -> tuple[str, str] | None:
     return ".".join(parts[:-1]), parts[-1]
 
 
+def placeholder_source_name(node: torch.fx.Node) -> str:
+    """Dynamo's name for where a placeholder's value comes from (``""`` if it has none)."""
+    grapharg = node.meta.get("grapharg")
+    return "" if grapharg is None or grapharg.source is None else grapharg.source.name
+
+
 def example_value(node: torch.fx.Node) -> Any:
     """The fake value Dynamo recorded for a placeholder (a FakeTensor or a SymInt)."""
     return node.meta["example_value"]

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from dynashard.errors import PeerError, SetupError, UsageError
+
 
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return funcol.all_reduce(x, "sum", group_name)
@@ -163,7 +165,7 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
     except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
         _HANDSHAKE_FAILURES[0] += 1  # the same count on every surviving rank: they fail here together
         missing = RollCall(group, f"handshake-failed-{_HANDSHAKE_FAILURES[0]}").missing(wait_s=5.0)
-        raise RuntimeError(
+        raise PeerError(
             f"dynashard: not every rank reached the {_STAGE[phase]} (the process group's timeout bounds the "
             f"wait): {describe_missing(missing)}. The process group said: {type(e).__name__}: {e}"
         ) from e
@@ -174,23 +176,23 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
     per_rank_shapes = "; ".join(f"rank {r}: {', '.join(s) or 'no tensors'}" for r, (_, s) in enumerate(everyone))
     if int(agreed[0]) != -int(agreed[3]):  # some ranks compile while others call
         doing = "; ".join(f"rank {r} {_PHASE[p]}" for r, (p, _) in enumerate(everyone))
-        raise ValueError(
+        raise UsageError(
             f"dynashard: the ranks are not running the same compiled graph: {doing}. Expected every rank to "
             f"call the model with inputs of the same shapes (and whatever else Dynamo guards on); input "
             f"shapes per rank: {per_rank_shapes}."
         )
     if per_rank:
-        raise ValueError(
+        raise UsageError(
             "dynashard: inputs='per_rank' needs every rank to pass inputs of the same shape in a call "
             f"(the batch size may change between calls); input sizes per rank: {per_rank_shapes}."
         )
     if int(agreed[1]) != -int(agreed[4]):
-        raise ValueError(
+        raise UsageError(
             "dynashard: inputs='replicated' needs every rank to call with the same inputs; found different "
             f"shapes or dtypes: {per_rank_shapes}. Pass the same batch on every rank, or "
             "options={'inputs': 'per_rank'} if each rank has its own batch."
         )
-    raise ValueError(
+    raise UsageError(
         "dynashard: inputs='replicated' needs every rank to call with the same inputs; their shapes agree "
         f"({per_rank_shapes}) but their values differ (options={{'check_inputs': 'values'}} compared checksums). "
         "Pass the same batch on every rank (same seed, or broadcast it from rank 0), or "
@@ -282,7 +284,7 @@ def exchange_status(payload: Any, error: BaseException | None, group: dist.Proce
     except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
         missing = roll.missing()
         what = "not every rank reached" if missing != [] else "every rank reached, but the collective failed at"
-        raise RuntimeError(
+        raise PeerError(
             f"dynashard: {what} the {stage} step (the process group's timeout bounds the wait): "
             f"{describe_missing(missing)}. The process group said: {type(e).__name__}: {e}"
         ) from (error or e)
@@ -291,7 +293,7 @@ def exchange_status(payload: Any, error: BaseException | None, group: dist.Proce
         if error is not None:
             raise error
         rank, msg = failed[0]
-        raise RuntimeError(
+        raise PeerError(
             f"dynashard: rank {rank} failed during {stage}: {msg}\nThis rank stops too rather than "
             "wait for it in a collective."
         )
@@ -304,3 +306,15 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src=src, group=group)
+
+
+def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """``group``, or the default group; a clear error when torch.distributed is not set up."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise SetupError(
+            "dynashard: no process group is initialized. Expected torch.distributed to be set up "
+            "before the first call of the compiled model: call dist.init_process_group() (launched "
+            "with torchrun, e.g. `torchrun --nproc-per-node 2 app.py`), or use dynashard.explain() "
+            "to inspect a plan in a single process."
+        )
+    return group if group is not None else dist.group.WORLD

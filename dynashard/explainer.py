@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from dynashard import _torch_private as private
 from dynashard import simulate
-from dynashard.entry import analyse, resolve_group
+from dynashard.analysis import analyse
+from dynashard.collectives import resolve_group
+from dynashard.errors import UsageError, VerificationError
 from dynashard.options import parse_options
 from dynashard.report import GraphReport, LayerRow, format_table
 from dynashard.weights import STORE
@@ -53,19 +55,19 @@ def explain(
     own_group = False
     if not (dist.is_available() and dist.is_initialized()):
         if world_size is None:
-            raise ValueError(
+            raise UsageError(
                 "dynashard.explain: no process group is initialized and world_size is None. "
                 "Expected world_size=N to plan for N ranks in this process (a fake group is used)."
             )
         if world_size < 1:
-            raise ValueError(f"dynashard.explain: world_size must be >= 1, found {world_size}.")
+            raise UsageError(f"dynashard.explain: world_size must be >= 1, found {world_size}.")
         private.init_fake_process_group(world_size)
         own_group = True
     try:
-        group = resolve_group(opts)
+        group = resolve_group(opts.group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if world_size is not None and world_size != world:
-            raise ValueError(
+            raise UsageError(
                 f"dynashard.explain: world_size={world_size} but the process group has {world} ranks. "
                 "Pass world_size=None to use the group, or call explain before init_process_group."
             )
@@ -73,7 +75,7 @@ def explain(
 
         def capture(gm, example_inputs):
             if any(torch.is_tensor(t) and STORE.is_sharded(t) for t in example_inputs):
-                raise ValueError(
+                raise UsageError(
                     "dynashard.explain: this model's weights were sharded (and freed) by an earlier "
                     "dynashard compile; explain runs the model once on the example inputs and needs them "
                     "whole. Expected an uncompiled model: call explain before torch.compile."
@@ -96,7 +98,7 @@ def explain(
             raise RuntimeError("dynashard.explain: Dynamo captured no graph for this model and inputs.")
         report = Report(graphs, world, rank)
         if verify and not all(g.verified_ok for g in graphs):
-            raise RuntimeError(f"dynashard.explain(verify=True): the sharded computation differs from the model\n{report}")
+            raise VerificationError(f"dynashard.explain(verify=True): the sharded computation differs from the model\n{report}")
         return report
     finally:
         if own_group:

@@ -11,6 +11,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from dynashard.errors import OptionTypeError, UsageError
+
 STYLES = ("colwise", "rowwise", "replicate")
 COMPILERS = ("inductor", "aot_eager", "eager")
 WEIGHTS = ("replicated", "rank0", "per_rank")
@@ -86,7 +88,7 @@ def _style_name(value: Any, key: str) -> str:
             return value
         if value in HF_STYLES:
             return HF_STYLES[value]
-        raise ValueError(
+        raise UsageError(
             f"dynashard: plan[{key!r}] is {value!r}; expected one of {list(STYLES)}, a Hugging Face plan style "
             f"({sorted(HF_STYLES) + sorted(HF_NOT_LINEAR)}) or a DTensor ColwiseParallel()/RowwiseParallel() object."
         )
@@ -97,7 +99,7 @@ def _style_name(value: Any, key: str) -> str:
         return "colwise"
     if isinstance(value, RowwiseParallel):
         return "rowwise"
-    raise TypeError(
+    raise OptionTypeError(
         f"dynashard: plan[{key!r}] is a {type(value).__name__}; expected one of "
         f"{list(STYLES)} or a DTensor ColwiseParallel()/RowwiseParallel() object."
     )
@@ -105,7 +107,7 @@ def _style_name(value: Any, key: str) -> str:
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"dynashard: option {key!r} is {value!r}; expected one of {list(choices)}.")
+        raise UsageError(f"dynashard: option {key!r} is {value!r}; expected one of {list(choices)}.")
     return value
 
 
@@ -117,7 +119,7 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
     valid = [f.name for f in dataclasses.fields(Options)]
     unknown = sorted(set(raw) - set(valid))
     if unknown:
-        raise ValueError(f"dynashard: unknown option(s) {unknown}; valid options are {valid}.")
+        raise UsageError(f"dynashard: unknown option(s) {unknown}; valid options are {valid}.")
     kwargs: dict[str, Any] = {}
     if "plan" in raw:
         plan = raw["plan"]
@@ -126,10 +128,10 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
         elif isinstance(plan, Mapping):
             for k in plan:
                 if not isinstance(k, str):
-                    raise TypeError(f"dynashard: plan keys must be module FQN strings, found {k!r}.")
+                    raise OptionTypeError(f"dynashard: plan keys must be module FQN strings, found {k!r}.")
             kwargs["plan"] = tuple((k, _style_name(v, k)) for k, v in _linear_entries(plan).items())
         else:
-            raise TypeError(
+            raise OptionTypeError(
                 f"dynashard: option 'plan' is a {type(plan).__name__}; expected \"auto\" or a dict "
                 'from module FQN glob to style, e.g. {"layers.*.mlp.up": "colwise"}.'
             )
@@ -142,14 +144,14 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
     if "inputs" in raw:
         kwargs["inputs"] = _check_choice("inputs", raw["inputs"], INPUTS)
     if kwargs.get("weights") == "per_rank" and kwargs.get("inputs") != "per_rank":
-        raise ValueError(
+        raise UsageError(
             "dynashard: weights='per_rank' (every rank its own model) needs inputs='per_rank' (every "
             "rank its own batch); found inputs='replicated'. Pass options={'inputs': 'per_rank', ...}."
         )
     if "min_shard_numel" in raw:
         value = raw["min_shard_numel"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"dynashard: option 'min_shard_numel' is {value!r}; expected an int >= 0.")
+            raise OptionTypeError(f"dynashard: option 'min_shard_numel' is {value!r}; expected an int >= 0.")
         kwargs["min_shard_numel"] = value
     if "check_inputs" in raw:
         kwargs["check_inputs"] = _check_choice("check_inputs", raw["check_inputs"], CHECKS)
@@ -167,11 +169,11 @@ def _check_group(group: Any) -> Any:
 
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(
+            raise UsageError(
                 f"dynashard: option 'group' is a {group.ndim}-D DeviceMesh; expected a 1-D mesh "
                 "(slice it, e.g. mesh['tp'])."
             )
         return group.get_group()
-    raise TypeError(
+    raise OptionTypeError(
         f"dynashard: option 'group' is a {type(group).__name__}; expected a ProcessGroup or a 1-D DeviceMesh."
     )

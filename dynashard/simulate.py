@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from dynashard.errors import InternalError
 from dynashard.rewrite import _Sharder
 from dynashard.weights import cut
 
@@ -137,7 +138,7 @@ def verify(analyses: list[Any], inputs: list[Any]) -> tuple[dict[str, float], fl
     failed = [(rank, r) for rank, r in enumerate(results) if not isinstance(r, tuple)]
     if failed:  # the first real failure, not a rank whose barrier was aborted because of it
         rank, r = next(((k, e) for k, e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
-        raise RuntimeError(f"dynashard.explain(verify=True): simulated rank {rank} failed: {r!r}") from (
+        raise InternalError(f"dynashard.explain(verify=True): simulated rank {rank} failed: {r!r}") from (
             r if isinstance(r, BaseException) else None
         )
     per_layer = _layer_errors(analyses, results, reference.seen)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dynashard import _torch_private as private
 from dynashard.collectives import broadcast_from_first, exchange_blocks, exchange_status
+from dynashard.errors import PeerError, UsageError
 from dynashard.shard import Split
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class WeightStore:
         if entry is None:
             return None
         if not entry.spec.same_cut(spec):
-            raise ValueError(
+            raise UsageError(
                 f"dynashard: {fqn!r} was sharded as {entry.spec} by another compile, and this program "
                 f"needs {spec}. Its full value was freed, so it cannot be re-split: expected every "
                 "compile that reads a weight to split it the same way (same plan, group and model)."
@@ -86,7 +87,7 @@ class WeightStore:
         entry = self._shards.get(param)
         if entry is not None:
             if not entry.spec.same_cut(spec):
-                raise ValueError(
+                raise UsageError(
                     f"dynashard: {fqn!r} was sharded as {entry.spec} by an earlier compile, and this "
                     f"graph needs {spec}. Its full value was freed, so it cannot be re-split: use the "
                     "same plan and group for every compile of a model."
@@ -141,7 +142,7 @@ class WeightStore:
         everyone = exchange_status((fingerprint, sums), error, group, "planning")
         prints = [p for p, _ in everyone]
         if len(set(prints)) != 1:
-            raise RuntimeError(
+            raise PeerError(
                 "dynashard: ranks compiled different graphs or plans (plan fingerprints per rank: "
                 f"{prints}). Every rank must run the same model on inputs of the same shapes and the "
                 "same options; check for rank-dependent code or inputs."
@@ -151,14 +152,14 @@ class WeightStore:
                 dtypes = [s[i][1] for _, s in everyone]
                 if len(set(dtypes)) > 1:
                     found = ", ".join(f"{d} on rank {r}" for r, d in enumerate(dtypes))
-                    raise ValueError(
+                    raise UsageError(
                         f"dynashard: parameter {name!r} has dtype {found}. Expected the same dtype on every "
                         "rank with weights='replicated': convert the model the same way on every rank."
                     )
                 per_rank = [s[i][0] for _, s in everyone]
                 if any(not _close(per_rank[0], s) for s in per_rank[1:]):
                     bad = [r for r, s in enumerate(per_rank) if not _close(per_rank[0], s)]
-                    raise ValueError(
+                    raise UsageError(
                         f"dynashard: parameter {name!r} differs across ranks (ranks {bad} differ from "
                         "rank 0). Expected identical weights on every rank with weights='replicated'. "
                         "Seed every rank the same before building the model, load the same checkpoint, "

@@ -132,7 +132,7 @@ def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
     compiles = []
 
     def counting_backend(gm, example_inputs):
-        from dynashard.entry import dynashard_backend
+        from dynashard.dynamo_backend import dynashard_backend
 
         compiles.append(len(gm.graph.nodes))
         return dynashard_backend(gm, example_inputs, _options(extra, compiler))
@@ -306,7 +306,7 @@ def scenarios(rank: int, world: int) -> dict:
         programs = []
 
         def keeps_program(gm, example_inputs):
-            from dynashard.entry import dynashard_backend
+            from dynashard.dynamo_backend import dynashard_backend
 
             programs.append(dynashard_backend(gm, example_inputs, replicated))
             return programs[-1]
@@ -347,7 +347,7 @@ def scenarios(rank: int, world: int) -> dict:
         graphs: list[int] = []
 
         def counting(gm, example_inputs):
-            from dynashard.entry import dynashard_backend
+            from dynashard.dynamo_backend import dynashard_backend
 
             graphs.append(len(gm.graph.nodes))
             return dynashard_backend(gm, example_inputs, {"compiler": "eager", "min_shard_numel": 0})

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import dynashard
 from dynashard import _torch_private as private
-from dynashard.entry import dynashard_backend
+from dynashard.dynamo_backend import dynashard_backend
 from tests import models
 
 

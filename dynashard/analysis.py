@@ -1,0 +1,112 @@
+"""Analysis: trace a captured graph to aten, match its linears and plan it; nothing is touched.
+
+Before: the Dynamo graph and its fake inputs. After: an :class:`Analysis` (the aten graph, which
+inputs are parameters, the :class:`~dynashard.plan.Plan`), shared by the backend and ``explain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.match import ParamInfo, find_linears
+from dynashard.options import Options
+from dynashard.plan import Plan, make_plan
+from dynashard.shard import Split
+from dynashard.weights import STORE
+
+
+@dataclasses.dataclass
+class Analysis:
+    """Everything decided about one captured graph, before any weight is touched."""
+
+    aten: torch.fx.GraphModule
+    params: dict[int, tuple[str, torch.fx.Node]]  # input index -> (param FQN, aten placeholder)
+    plan: Plan
+    world: int
+    rank: int
+    stacked: bool  # weights="per_rank"
+
+    def sharded_inputs(self) -> dict[int, tuple[str, int, Split]]:
+        """Input index -> (FQN, dim to split, how) for every parameter the plan shards.
+
+        Weights always; with ``weights="per_rank"`` colwise biases too (every rank's differ).
+        """
+        index = {node: i for i, (_, node) in self.params.items()}
+        out: dict[int, tuple[str, int, Split]] = {}
+        for m in self.plan.sharded():
+            style = self.plan.decisions[m.node].style
+            dim = m.out_dim if style == "colwise" else m.in_dim
+            split = self.plan.layouts.weight_splits[m.node]
+            out[index[m.weight]] = (self.params[index[m.weight]][0], dim, split)
+            if self.stacked and style == "colwise" and m.bias in index:
+                out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)
+        return out
+
+
+def _merge_duplicate_views(gm: torch.fx.GraphModule) -> None:
+    """One node per distinct view of a value: ``nn.Linear`` on one input twice (q/k/v, gate/up)
+    traces one ``view`` each, and a sharded layout would gather each of them separately.
+
+    Views alias their input, so merging identical ones is safe even next to in-place ops.
+    """
+    seen: dict[tuple, torch.fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.view.default, torch.ops.aten.t.default):
+            continue
+        key = (node.target, node.args[0], tuple(node.args[1]) if len(node.args) > 1 else ())
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            gm.graph.erase_node(node)
+        else:
+            seen[key] = node
+    gm.recompile()
+
+
+def analyse(
+    gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int, real_args: list[Any]
+) -> Analysis:
+    aten_gm = private.trace_aten(gm, fake_args)
+    _merge_duplicate_views(aten_gm)
+    dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    params: dict[int, tuple[str, torch.fx.Node]] = {}
+    infos: dict[torch.fx.Node, ParamInfo] = {}
+    for i, (dyn, node) in enumerate(zip(dyn_phs, aten_phs, strict=True)):
+        source = private.placeholder_source_fqn(dyn)
+        if source is None:
+            continue
+        module_fqn, attr = source
+        fqn = f"{module_fqn}.{attr}" if module_fqn else attr
+        is_param = isinstance(private.example_value(dyn), torch.nn.Parameter) or "_parameters[" in str(
+            private.placeholder_source_name(dyn)
+        )
+        infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param)
+        params[i] = (fqn, node)
+    linears, other_uses = find_linears(aten_gm.graph, infos)
+    stacked = options.weights == "per_rank"
+    uniform = frozenset() if stacked else frozenset(infos)
+    # Weights an earlier graph (e.g. across a graph break) already split: later uses follow that split.
+    split = {node: STORE.split_dim(real) for real, node in zip(real_args, aten_phs) if torch.is_tensor(real)}
+    presplit = {node: dim for node, dim in split.items() if dim is not None}
+    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit)
+    return Analysis(aten_gm, params, plan, world, rank, stacked)
+
+
+def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
+    """``fake_args`` with every sharded weight replaced by a fake of this rank's shard shape."""
+    out = list(fake_args)
+    fake_mode = private.fake_mode_of(fake_args)
+    for i, (_, dim, split) in analysis.sharded_inputs().items():
+        full = fake_args[i]
+        shape = list(full.shape)
+        shape[dim] = split.local(analysis.world, analysis.rank)
+        if analysis.stacked:
+            shape = [analysis.world, *shape]
+        with fake_mode:
+            out[i] = torch.empty(shape, dtype=full.dtype, device=full.device)
+    return out

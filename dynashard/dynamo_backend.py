@@ -1,0 +1,128 @@
+"""The Dynamo backend: options -> analysis (match, plan) -> agree -> rewrite -> compile -> cut.
+
+Registered through the ``torch_dynamo_backends`` entry point as ``"dynashard"``; Dynamo calls
+``dynashard_backend(gm, example_inputs, options={...})`` once per captured graph and shape, and
+then the :class:`~dynashard.program.ShardedProgram` it returns on every call.
+
+Every rank reaches each agreement point, failed or not, so a failure on one rank is an error on
+all of them instead of a hang in the next collective; the full weights are cut and freed only
+once every rank compiled (a failed compile leaves the model whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.analysis import Analysis, analyse, shard_fakes
+from dynashard.collectives import COMPILE, exchange_status, group_name, reduce_scatter_is_slow, resolve_group
+from dynashard.errors import UsageError, wrap
+from dynashard.options import Options, parse_options
+from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
+from dynashard.report import GraphReport, format_table
+from dynashard.rewrite import rewrite
+from dynashard.weights import STORE, ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None):
+    """The Dynamo backend: plan, agree, rewrite and compile one captured graph for this rank."""
+    opts = parse_options(options)
+    group = resolve_group(opts.group)
+    outside = group is dist.GroupMember.NON_GROUP_MEMBER
+    world, rank = (1, -1) if outside else (dist.get_world_size(group), dist.get_rank(group))
+    if world == 1 or outside:
+        log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
+        return private.compile_graph(opts.compiler, gm, example_inputs)
+    # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
+    # error on all of them instead of a hang in the next collective. A fake group moves no data.
+    agree = not private.is_fake_group(group)
+    drain_gloo_at_exit(group)
+    check = CallCheck.for_graph(gm, opts)
+    if agree and check is not None:
+        check(COMPILE, example_inputs, group)
+    fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
+    sharded = analysis.sharded_inputs() if analysis else {}
+    named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
+    fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
+    if agree:
+        STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
+    elif error is not None:
+        raise error
+    grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+    if not sharded:  # left whole: compiled as it is (gradients included)
+        compiled = private.compile_graph(opts.compiler, gm, example_inputs)
+        return CheckFirst(compiled, group, check) if agree and check is not None else compiled
+    sharded_gm = compiled = None
+    try:
+        new_fakes = shard_fakes(analysis, fake_args)
+        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group))
+        log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
+        private.log_artifact("dynashard_rewritten_graph", sharded_gm)
+        with grad_guard:
+            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
+        error = wrap(e, "rewriting and compiling")
+    if agree:
+        exchange_status(None, error, group, "compiling")
+    elif error is not None:
+        raise error
+    specs = {
+        i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
+        for i, (fqn, dim, split) in sharded.items()
+    }
+    cut_and_free(specs, example_inputs, group)
+    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check)
+
+
+def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -> tuple[Analysis | None, Exception | None]:
+    """This rank's analysis, or the error it raised (to be shared with every rank)."""
+    try:
+        analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)
+        if log.isEnabledFor(logging.INFO):
+            table = format_table([GraphReport.build(analysis, example_inputs)])
+            log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
+            log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
+        _check_weights(analysis, example_inputs, analysis.sharded_inputs())
+        return analysis, None
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement
+        return None, wrap(e, "planning")
+
+
+def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[int, Any]) -> None:
+    """Real weights only, and a weight an earlier compile sharded (and freed) is sharded again."""
+    for i, (fqn, _) in analysis.params.items():
+        if example_inputs[i].is_meta:
+            raise UsageError(
+                f"dynashard: parameter {fqn!r} is on the meta device. Expected materialised weights "
+                "(dynashard checks and cuts real values at compile time). Materialise the model first: "
+                "model.to_empty(device=...) and load a checkpoint on every rank, or load it on rank 0 "
+                "and pass options={'weights': 'rank0'}."
+            )
+    for i, (fqn, _) in analysis.params.items():
+        if i not in sharded and STORE.is_sharded(example_inputs[i]):
+            raise UsageError(
+                f"dynashard: {fqn!r} was sharded by an earlier dynashard compile of this model and its "
+                "full value freed, but this compile's plan replicates it (were the options different?). "
+                "Expected the same options for every compile of a model: compile it once and reuse "
+                "the compiled module, or rebuild the model to change the plan."
+            )
+
+
+def backend(**options: Any) -> Callable[..., Any]:
+    """``torch.compile(model, backend=dynashard.backend(plan=..., ...))``: options bound up front."""
+    bound = parse_options(options)
+
+    def dynashard_with_options(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        return dynashard_backend(gm, example_inputs, bound)
+
+    return dynashard_with_options

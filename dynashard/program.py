@@ -1,0 +1,255 @@
+"""The runtime program: what Dynamo calls on every call of a sharded graph.
+
+Before each call every rank meets the others in one small handshake (:class:`CallCheck`: its
+input shapes agree), then this rank's shards are swapped in for the freed full weights (a
+parameter seen for the first time -- another instance of the module class -- is adopted: agreed
+across ranks, cut and freed) and the compiled graph runs. A failure names the ranks that did not
+fail with this one (dead or hung peers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.collectives import CALL, RollCall, content_digest, describe_missing, handshake
+from dynashard.errors import PeerError, SetupError
+from dynashard.options import Options
+from dynashard.weights import STORE, ShardSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCheck:
+    """What a rank tells the others before every call and every compile of a graph: its input
+    shapes (and, with ``check_inputs``, a checksum of their values), in one small all_reduce.
+
+    Ranks that differ meet there and all raise, naming each rank's shapes, before any collective
+    of the graph (gloo aborts the process on collectives of different sizes) and before a rank
+    whose guards failed enters the compile agreement while the others run the graph.
+    """
+
+    module_state: frozenset[int]  # parameter and buffer slots: checked once, at compile time
+    per_rank: bool
+    values: bool
+
+    @classmethod
+    def for_graph(cls, gm: torch.fx.GraphModule, options: Options) -> CallCheck | None:
+        """None with ``check_inputs="off"``: no per-call collective (a mismatch then aborts or hangs)."""
+        if options.check_inputs == "off":
+            return None
+        slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        state = frozenset(i for i, n in enumerate(slots) if private.placeholder_source_fqn(n) is not None)
+        return cls(state, options.inputs == "per_rank", options.check_inputs == "values")
+
+    def __call__(self, phase: int, args: Any, group: dist.ProcessGroup) -> None:
+        inputs = [a for i, a in enumerate(args) if i not in self.module_state]
+        tensors = [a for a in inputs if torch.is_tensor(a)]  # (symbolic sizes arrive as ints: in these shapes)
+        values = content_digest(tensors) if self.values else 0
+        described = [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors]
+        handshake(phase, described, group, self.per_rank, values)
+
+
+class ShardedProgram:
+    """What Dynamo calls: swaps this rank's shards in for the (freed) full weights.
+
+    Looks the shard up by the parameter passed in each slot (the store is keyed weakly by
+    parameter, so shards die with the model): Dynamo reuses one compiled program for every
+    instance of a module class (two models, or each block of a model compiled on its own), and a
+    parameter it has not seen yet is adopted -- agreed across ranks, cut and freed -- on first use.
+    """
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        specs: dict[int, tuple[str, ShardSpec]],
+        graph: torch.fx.GraphModule,
+        options: Options,
+        group: dist.ProcessGroup,
+        fingerprint: str,
+        check: CallCheck | None,
+    ) -> None:
+        self.compiled = compiled
+        self.specs = specs  # input slot -> (FQN, how that parameter is cut)
+        self.fqns = sorted({fqn for fqn, _ in specs.values()})
+        self.graph = graph  # this rank's rewritten aten graph, before the compiler
+        self._group = _WeakGroup(group)  # adoption, naming missing ranks after a failed call
+        self.check = None if private.is_fake_group(group) else check  # a fake group moves no data
+        self.options, self.fingerprint = dataclasses.replace(options, group=None), fingerprint
+        self.failures = 0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group()
+
+    def __call__(self, *args: Any) -> Any:
+        group = self.group  # a clear error if it was destroyed, not a failed lookup inside the graph
+        if self.check is not None:
+            self.check(CALL, args, group)
+        args = list(args)
+        shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items()}
+        fresh = [i for i, s in shards.items() if s is None]
+        if fresh:
+            self._adopt(args, fresh)
+            shards.update({i: STORE.shard_of(args[i]) for i in fresh})
+        for i, shard in shards.items():
+            args[i] = shard
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+            try:
+                outs = self.compiled(*args)
+            except RuntimeError as e:
+                self._diagnose(e)
+                raise
+        if not torch.is_grad_enabled():
+            return outs
+        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not anchors:
+            return outs
+        return type(outs)(_NoBackward.apply(o, anchors[0], self.fqns) if _float(o) else o for o in outs)
+
+
+    def _adopt(self, args: list[Any], fresh: list[int]) -> None:
+        """Parameters of another instance of the compiled module class: check them across ranks
+        like a compile does, then cut and free them. Every rank calls with its instance, so every
+        rank adopts at the same call."""
+        if not private.is_fake_group(self.group):
+            named = [(self.specs[i][0], args[i]) for i in fresh]
+            STORE.agree(named, f"adopt:{self.fingerprint}", self.group, self.options.weights, check_values=True)
+        cut_and_free({i: self.specs[i] for i in fresh}, args, self.group)
+
+    def _diagnose(self, error: RuntimeError) -> None:
+        """After a failed call, name the ranks that did not fail with us (dead or hung ones)."""
+        group = self._group.get()
+        if group is None or private.is_fake_group(group):
+            return
+        self.failures += 1
+        roll = RollCall(group, f"failed-call-{self.failures}")
+        missing = roll.missing(wait_s=5.0)
+        if missing == []:
+            return  # every rank failed in this call alike: the model's own error, raised as it is
+        raise PeerError(
+            f"dynashard: the sharded program failed on rank {dist.get_rank(group)}: "
+            f"{describe_missing(missing)}. The process group said: {error}"
+        ) from error
+
+
+class CheckFirst:
+    """A graph left whole: no shards and no collectives, but every call still meets the other ranks
+    in the :class:`CallCheck`, so a rank that recompiles on other shapes is an error, not a hang in
+    the next graph's collectives."""
+
+    def __init__(self, compiled: Callable[..., Any], group: dist.ProcessGroup, check: CallCheck) -> None:
+        self.compiled, self._group, self.check = compiled, _WeakGroup(group), check
+
+    def __call__(self, *args: Any) -> Any:
+        self.check(CALL, args, self._group())
+        return self.compiled(*args)
+
+
+_GLOO_GROUPS: weakref.WeakSet = weakref.WeakSet()  # gloo groups compiled for (alive at exit?)
+_GLOO_EXIT_GRACE_S = 0.2
+_EXIT_HOOK: list[bool] = []  # registered once
+
+
+def drain_gloo_at_exit(group: dist.ProcessGroup) -> None:
+    """Give gloo's worker threads time to let go of finished collectives before the interpreter
+    shuts down.
+
+    NOTE: torch 2.13 keeps a process group alive past ``destroy_process_group()`` once Dynamo is
+    imported after ``init_process_group()`` (it holds references to the group object), so its
+    worker threads outlive the script. A worker that drops a finished collective's tensors takes
+    the GIL; if the interpreter is already finalizing, the thread is ended inside a destructor
+    and the process aborts ("terminate called without an active exception", SIGABRT), after a
+    run that succeeded. Seen in CI; reproduced 3 times in 30 four-rank runs of a bare funcol loop.
+    Sleeping here (GIL released, before finalization) lets them finish.
+    """
+    if private.is_fake_group(group) or dist.get_backend(group) != "gloo":
+        return
+    if not _EXIT_HOOK:
+        atexit.register(_let_gloo_workers_finish)
+        _EXIT_HOOK.append(True)
+    _GLOO_GROUPS.add(group)
+
+
+def _let_gloo_workers_finish() -> None:
+    if len(_GLOO_GROUPS):
+        time.sleep(_GLOO_EXIT_GRACE_S)
+
+
+class _WeakGroup:
+    """A compiled program's process group, held weakly.
+
+    Dynamo keeps compiled programs until the interpreter exits. A strong reference would keep the
+    group alive past ``dist.destroy_process_group()``, and with it gloo's worker threads, which
+    then free a collective's tensors during interpreter shutdown and abort the process
+    ("terminate called without an active exception").
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._ref = weakref.ref(group)
+        self._name = getattr(group, "group_name", "?")
+
+    def get(self) -> dist.ProcessGroup | None:
+        return self._ref()
+
+    def __call__(self) -> dist.ProcessGroup:
+        group = self._ref()
+        if group is None:
+            raise SetupError(
+                f"dynashard: the process group {self._name!r} this model was compiled for has been destroyed "
+                "(dist.destroy_process_group). Expected the group to outlive every call of the compiled "
+                "model; after a new init_process_group, compile again (torch.compiler.reset() first)."
+            )
+        return group
+
+
+def _float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+class _NoBackward(torch.autograd.Function):
+    """Forward is the identity; backward explains that sharded training is not supported yet."""
+
+    @staticmethod
+    def forward(ctx, out, anchor, fqns):  # noqa: ARG004
+        ctx.fqns = fqns
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ARG004
+        raise RuntimeError(
+            "dynashard: backward through a tensor-parallel graph is not supported yet (sharded "
+            f"layers: {ctx.fqns[:4]}{'...' if len(ctx.fqns) > 4 else ''}); gradients would be wrong, "
+            "so none are computed. Run inference under torch.no_grad()/torch.inference_mode(), or "
+            "compile training code with options={'plan': {}} (everything replicated)."
+        )
+
+
+def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group) -> None:
+    """Cut this rank's shards into the store and free the full weights, one at a time (peak:
+    model + one shard).
+
+    At compile time this runs only once the sharded program compiled on every rank: a failed
+    compile leaves the model whole.
+    """
+    keep = [a for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and i not in specs]
+    freed = 0
+    order = sorted(specs.items())
+    for n, (i, (fqn, spec)) in enumerate(order):
+        STORE.shard(inputs[i], spec, fqn, group)
+        later = [inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
+        freed += STORE.free([inputs[i]], keep + later)
+    freed += STORE.free([inputs[i] for i, _ in order], keep)
+    log.info("dynashard: freed %.1f MiB of full weights", freed / 2**20)
