@@ -29,9 +29,7 @@ def test_held_bytes_counts_this_ranks_shards_after_compile():
     private.init_fake_process_group(2, 0)
     try:
         with torch.no_grad():
-            torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(
-                torch.randn(4, 32)
-            )
+            torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(torch.randn(4, 32))
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
