@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmark scripts: process group, RSS, per-call timing, JSON records,
-the MLP block, parameter bytes held, and a progress bar.
+"""Helpers shared by the benchmark scripts: process group, RSS, per-call timing, JSON records
+and where they go, the MLP block, and a progress bar.
 
 Every function here is plain and stateless; the scripts own all configuration.
 """
@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,23 +111,6 @@ def _max_or_none(values: Any) -> float | None:
     return max(present) if present else None
 
 
-def held_bytes(model: nn.Module) -> int:
-    """Parameter bytes this rank holds: DTensor local shards, dynashard shards, or full tensors."""
-    from torch.distributed.tensor import DTensor
-
-    from dynashard.weights import STORE
-
-    total = 0
-    for p in model.parameters():
-        if isinstance(p, DTensor):
-            total += p.to_local().nbytes
-        elif STORE.is_sharded(p):
-            total += STORE.shard_of(p).nbytes + p.untyped_storage().nbytes()  # storage is 0 once freed
-        else:
-            total += p.nbytes
-    return total
-
-
 class Progress:
     """A one-line progress bar on stderr, rank 0 only: ``[#####.....] 12/40  block t=256: timing``.
 
@@ -191,6 +175,20 @@ def record(config: dict[str, Any], results: Any, world: int, threads: int) -> di
         "config": config,
         "results": results,
     }
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OUT_HELP = "the JSON record (default: benchmarks/results/<script>.json; --smoke: a temporary directory)"
+
+
+def out_path(out: str | None, name: str, smoke: bool) -> str:
+    """Where a record goes: ``out`` if given; a real run's record to ``benchmarks/results/<name>.json``
+    (committed); a smoke run's to a temporary directory, so that it never lands among the records."""
+    if out:
+        return out
+    if smoke:
+        return os.path.join(tempfile.gettempdir(), "dynashard-bench", f"{name}_smoke.json")
+    return os.path.join(RESULTS, f"{name}.json")
 
 
 def write_json(path: str, rec: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@ input shapes in one all_reduce of 6 int64 (``check_inputs="shapes"``, the defaul
 adds a checksum of the input values; ``"off"`` skips it), so that ranks calling with different
 shapes get a clear error instead of a gloo abort or a hang.
 
-Launch: torchrun --standalone --nproc-per-node 2 benchmarks/bench_call_check.py [--hidden 1024 --ffn 4096]
+Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_call_check [--hidden 1024 --ffn 4096]
 
 Systems, timed interleaved (one call of each per round, a barrier before every call), slowest
 rank's median: the same residual MLP block (``x + down(gelu(up(x)))``, one all_reduce) compiled
@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import MLP, init, record, summarize, time_interleaved, write_json
+from benchmarks._common import MLP, OUT_HELP, init, out_path, record, summarize, time_interleaved, write_json
 
 CHECKS = ("off", "shapes", "values")
 
@@ -30,9 +30,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--compiler", default="inductor")
-    ap.add_argument("--out", default="benchmarks/results/call_check.json")
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    args.out = out_path(args.out, "call_check", args.smoke)
     if args.smoke:
         args.hidden, args.ffn, args.tokens, args.iters, args.compiler = 16, 64, [1, 4], 2, "eager"
     rank, world = init(1)

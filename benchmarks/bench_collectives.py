@@ -1,6 +1,6 @@
 """Cost of each collective dynashard can emit, on this machine's process group.
 
-Launch: torchrun --standalone --nproc-per-node 4 benchmarks/bench_collectives.py [--rows 256 --features 1024]
+Launch: torchrun --standalone --nproc-per-node 4 -m benchmarks.bench_collectives [--rows 256 --features 1024]
 
 Why it exists: dynashard picks between equivalent collectives by measurement (e.g. gloo's
 reduce_scatter against an all-to-all plus a local sum for ``inputs="per_rank"``); this records
@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import init, record, summarize, time_interleaved, write_json
+from benchmarks._common import OUT_HELP, init, out_path, record, summarize, time_interleaved, write_json
 
 
 def main() -> None:
@@ -23,9 +23,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--features", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--out", default="benchmarks/results/collectives.json")
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    args.out = out_path(args.out, "collectives", args.smoke)
     if args.smoke:
         args.rows, args.features, args.iters = 4, 8, 2
     rank, world = init(1)

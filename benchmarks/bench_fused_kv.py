@@ -1,6 +1,6 @@
 """Fused qkv with fewer KV heads than ranks (Falcon-style MQA, Phi-3-style GQA): latency and memory.
 
-Launch: torchrun --standalone --nproc-per-node 2 benchmarks/bench_fused_kv.py [--smoke] [--out PATH]
+Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_fused_kv [--smoke] [--out PATH]
 
 Model: one ``qkv_proj`` producing [q | k | v] (``heads`` query heads, ``kv`` KV heads, sliced
 apart), RoPE-free causal SDPA with K/V repeated by expand + reshape, ``o_proj``; input
@@ -10,7 +10,7 @@ cuts q (and ``o_proj``) by heads. Before that, the whole fused projection was ke
 it the attention, which is what "unsharded" measures.
 
 Systems: unsharded eager / inductor, dynashard eager / inductor (plan "auto"). Timing, the
-correctness check (exit 1 above --tol) and the report follow bench_mlp.py.
+correctness check (exit 1 above --tol) and the report follow the suite (``suite.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _common import held_bytes, init, mib, record, rss, summarize, time_call, time_interleaved, write_json
+from benchmarks._common import (OUT_HELP, init, mib, out_path, record, rss, summarize, time_call, time_interleaved,
+                                write_json)
+from dynashard import held_bytes
 
 SYSTEMS = ("unsharded eager", "unsharded inductor", "dynashard eager", "dynashard inductor")
 
@@ -58,8 +60,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, Dynamo-only compiles (seconds)")
-    ap.add_argument("--out", default="benchmarks/results/fused_kv.json")
+    ap.add_argument("--out", help=OUT_HELP)
     args = ap.parse_args()
+    args.out = out_path(args.out, "fused_kv", args.smoke)
     if args.smoke:
         args.hidden, args.heads, args.tokens, args.iters, args.warmup = 64, 8, 8, 2, 1
     rank, world = init()

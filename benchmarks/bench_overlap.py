@@ -1,8 +1,8 @@
 """Does overlapping a rowwise all_reduce with the next chunk's matmuls pay here? (async-TP style)
 
-Launch: torchrun --standalone --nproc-per-node 2 benchmarks/bench_overlap.py [--tokens 256] [--smoke]
+Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_overlap [--tokens 256] [--smoke]
 
-The MLP pair of bench_mlp (hidden 1024, ffn 4096) sharded by hand on this rank's 1/N weights,
+The suite's MLP pair (hidden 1024, ffn 4096) sharded by hand on this rank's 1/N weights,
 ``all_reduce(gelu(x @ Wu^T) @ Wd^T)`` with funcol, written three ways and compiled with Inductor
 (and run eagerly): "plain" (one matmul pair, one all_reduce), and "chunks k" (the tokens cut into
 k chunks; chunk i's all_reduce is issued before chunk i+1's matmuls, all waited at the end, so
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from _common import init, record, summarize, time_interleaved, write_json
+from benchmarks._common import OUT_HELP, init, out_path, record, summarize, time_interleaved, write_json
 
 
 def main() -> None:
@@ -29,9 +29,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default="benchmarks/results/overlap.json")
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    args.out = out_path(args.out, "overlap", args.smoke)
     if args.smoke:
         args.tokens, args.hidden, args.ffn, args.iters = 8, 16, 32, 2
     rank, world = init(1)

@@ -1,6 +1,6 @@
 """The seed prototype's scenario: its fx algorithm against dynashard, per call, side by side.
 
-Launch: torchrun --standalone --nproc-per-node 4 benchmarks/bench_seed.py [--smoke] [--out PATH]
+Launch: torchrun --standalone --nproc-per-node 4 -m benchmarks.bench_seed [--smoke] [--out PATH]
 
 Scenario (shared/seed/torch_sharding.py): every rank runs torch.manual_seed(rank), builds its own
 nn.Linear(in, out), then its own batch torch.rand(batch, in): different weights and inputs per
@@ -15,7 +15,7 @@ own model from the same seed; the batch is the same):
   {"inputs": "per_rank", "weights": "per_rank", "plan": {"*": "rowwise"}, "compiler": ...}):
   per call one all_to_all, one batched matmul, one reduce_scatter.
 
-Timing as in bench_mlp.py (all under torch.no_grad()): every system is set up and called once
+Timing as in the suite (all under torch.no_grad()): every system is set up and called once
 ("first call s" covers setup, tracing/compiling and that call), then the systems are timed
 interleaved, one call each per round after a barrier: ``warmup`` untimed rounds, then ``iters``
 timed ones. The slowest rank's median and min are reported. Correctness: max abs difference to
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import replace_pattern, symbolic_trace
 
-from _common import gather, init, record, rss, summarize, time_interleaved, write_json
+from benchmarks._common import OUT_HELP, gather, init, out_path, record, rss, summarize, time_interleaved, write_json
 
 SYSTEMS = ("unsharded", "seed algorithm", "dynashard eager", "dynashard inductor")
 OPTIONS = {"inputs": "per_rank", "weights": "per_rank", "plan": {"*": "rowwise"}}
@@ -117,13 +117,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tol", type=float, default=1e-3, help="exit 1 if any max abs diff exceeds this")
-    ap.add_argument("--out", default="benchmarks/results/seed.json")
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--smoke", action="store_true", help="the seed's sizes: Linear(64, 24), batch 100, 2 iters")
     args = ap.parse_args()
+    args.out = out_path(args.out, "seed", args.smoke)
     if args.smoke:
         args.in_features, args.out_features, args.batch, args.iters, args.warmup = 64, 24, 100, 2, 1
-        if args.out == ap.get_default("out"):
-            args.out = "benchmarks/results/seed_smoke.json"
 
     rank, world = init(args.threads)
     assert args.in_features % world == 0, "the seed's all_to_all splits in_features evenly"
@@ -143,10 +142,8 @@ def main() -> None:
             fn = build(system, model, rank, world, args.batch)
             y = fn(x)
         first[system] = time.perf_counter() - t0
-        if system.startswith("dynashard"):
-            from dynashard.weights import STORE
-
-            assert STORE.is_sharded(model.weight), f"{system}: weight was not sharded"
+        if system.startswith("dynashard"):  # per_rank weights: the shard is as large as the weight, freed
+            assert model.weight.untyped_storage().nbytes() == 0, f"{system}: weight was not sharded and freed"
         built[system], diffs[system], mem[system] = fn, (y - ref).abs().max().item(), rss()
 
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """Tables and plots from the suite's JSON records (benchmarks/results/suite*.json).
 
-Run: python benchmarks/report.py [--results benchmarks/results] [--scaling-tokens 256] [--smoke]
-(``--smoke``: the smoke records instead, written as ``suite_smoke_*``)
+Run: python -m benchmarks.report [--results benchmarks/results] [--scaling-tokens 256] [--smoke]
+(``--smoke``: the smoke records instead, from the smoke runs' temporary directory, written as
+``suite_smoke_*`` there)
 
 Records of runs at different world sizes (or of different workloads / token counts at one world
 size) combine: for every (world size, workload, tokens, system) the newest record holding it
@@ -22,6 +23,8 @@ import glob
 import json
 import os
 from typing import Any
+
+from benchmarks._common import out_path
 
 BASELINES = (("dtensor inductor", "DTensor compiled"), ("dtensor eager", "DTensor eager"), ("bound", "bound"))
 
@@ -52,7 +55,7 @@ def group_table(group: list[dict[str, Any]], world: int) -> str:
            f"{first['loadavg'][1]:.1f} before timing, {first['loadavg'][2]:.1f} after.", ""]
           if first.get("loadavg") else []),
         "| system | median ms | min ms | vs DTensor compiled | vs DTensor eager | vs bound | first call s "
-        "| recompile s | params MiB/rank | RSS / peak MiB | max abs diff | collectives per call |",
+        "| recompile s | held MiB/rank | RSS / peak MiB | max abs diff | collectives per call |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in group:
@@ -217,13 +220,15 @@ def scaling_table(best: dict[tuple[int, str, int, str], dict[str, Any]], tokens:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--results", default=None,
+                    help="records directory (default: benchmarks/results; --smoke: the smoke runs' one)")
     ap.add_argument("--scaling-tokens", type=int, default=256, help="token count of the scaling plot and table")
     ap.add_argument("--smoke", action="store_true", help="use the smoke records instead of the real ones")
     args = ap.parse_args()
+    args.results = args.results or os.path.dirname(out_path(None, "suite", args.smoke))
     best = load(args.results, args.smoke)
     if not best:
-        raise SystemExit(f"no suite records in {args.results} (run benchmarks/suite.py first)")
+        raise SystemExit(f"no suite records in {args.results} (run python -m benchmarks.suite first)")
     prefix = "suite_smoke" if args.smoke else "suite"
     table = scaling_table(best, args.scaling_tokens)
     with open(os.path.join(args.results, f"{prefix}_scaling.md"), "w") as f:

@@ -1,9 +1,9 @@
 """The benchmark suite: every workload x token count x system, side by side in one process group.
 
-Launch: torchrun --standalone --nproc-per-node 2 benchmarks/suite.py [--workloads mlp,block,decoder]
+Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.suite [--workloads mlp,block,decoder]
         [--tokens 1,64,256,1024] [--systems "dtensor inductor,dynashard inductor,bound"] [--iters 20]
         [--smoke] [--out PATH]
-Plots and the scaling table, from the records of runs at world 1, 2 and 4: python benchmarks/report.py
+Plots and the scaling table, from the records of runs at world 1, 2 and 4: python -m benchmarks.report
 
 Workloads (workloads.py; weights and inputs from the same seed on every rank, float32):
   mlp      x + down(gelu(up(x))), hidden 1024, ffn 4096, input [1, tokens, 1024]
@@ -59,9 +59,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-import report
-from _common import Progress, gather, held_bytes, init, record, rss, summarize, time_call, time_interleaved, write_json
-from workloads import SMOKE, WORKLOADS, CommOnly, Sizes, collectives_of, dtensor_parallelize, shard_by_hand
+from benchmarks import report
+from benchmarks._common import (OUT_HELP, Progress, gather, init, out_path, record, rss, summarize, time_call,
+                                time_interleaved, write_json)
+from benchmarks.workloads import SMOKE, WORKLOADS, CommOnly, Sizes, collectives_of, dtensor_parallelize, shard_by_hand
+from dynashard import held_bytes
 
 SYSTEMS = (
     "unsharded eager",
@@ -138,8 +140,9 @@ def build(system: str, workload: str, base: nn.Module, inputs: tuple[Any, ...], 
         import dynashard
 
         # NOTE: a fresh backend object per build. Dynamo does not guard on module identity, so a
-        # second copy compiled with the *same* backend reuses the first copy's program -- and with
-        # it the first copy's shards (dynashard at b7a1b02; see the README's notes).
+        # second copy compiled with the *same* backend reuses the first copy's program (correct
+        # since ebe6a35: the program looks shards up by the parameter passed), and this system's
+        # own compile time and collectives would then go unmeasured.
         inner = dynashard.backend(compiler=compiler if variant == "inductor" else variant,
                                   min_shard_numel=ctx["min_shard_numel"])
         graphs: list[Any] = []
@@ -282,7 +285,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--min-shard-numel", type=int, default=1 << 16, help="dynashard option (its default: 65536)")
     ap.add_argument("--compiler", choices=("inductor", "aot_eager", "eager"), default="inductor",
                     help="what the 'inductor' systems and the bound compile with (--smoke: eager)")
-    ap.add_argument("--out", default=None, help="JSON record (default benchmarks/results/suite[_smoke]_w<world>.json)")
+    ap.add_argument("--out", default=None, help=OUT_HELP.replace("<script>", "suite_w<world>"))
     ap.add_argument("--smoke", action="store_true",
                     help="CI sizes: hidden 64, 1 layer, vocab 512, tokens 1,8, 2 iterations, Dynamo only (no Inductor)")
     args = ap.parse_args()
@@ -308,7 +311,7 @@ def main() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     rank, world = init(args.threads)
     sizes = SMOKE if args.smoke else Sizes()
-    out = args.out or f"benchmarks/results/suite{'_smoke' if args.smoke else ''}_w{world}.json"
+    out = out_path(args.out, f"suite_w{world}", args.smoke)
     ctx = {"cache_root": cache, "world": world, "rank": rank, "max_tokens": max(args.tokens),
            "min_shard_numel": args.min_shard_numel, "compiler": args.compiler}
     per_tokens = len(args.systems) + args.warmup + args.iters

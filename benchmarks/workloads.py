@@ -23,8 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +32,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from _common import MLP
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
-from tests.models import LlamaAttention, LlamaBlock, LlamaDecoder, rope_tables  # noqa: E402
+from benchmarks._common import MLP
+from tests.models import LlamaAttention, LlamaBlock, LlamaDecoder, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)

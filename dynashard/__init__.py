@@ -5,7 +5,7 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["backend", "explain", "__version__"]
+__all__ = ["backend", "explain", "held_bytes", "__version__"]
 
 
 def backend(**options):
@@ -20,3 +20,11 @@ def explain(model, *args, world_size=None, options=None, **kwargs):
     from dynashard.explainer import explain as _explain
 
     return _explain(model, *args, world_size=world_size, options=options, **kwargs)
+
+
+def held_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers this rank holds: its shards of the weights
+    dynashard sharded (their full tensors are freed), everything else whole."""
+    from dynashard.weights import held_bytes as _held_bytes
+
+    return _held_bytes(model)

@@ -67,13 +67,10 @@ def main() -> None:
         references = [model(x) for x in inputs]
         if rank == 0:
             print(dynashard.explain(model, inputs[0]))
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        total = dynashard.held_bytes(model)
         fast = torch.compile(model, backend="dynashard", options={"compiler": args.compiler})
         diffs = [float((fast(x) - ref).abs().max()) for x, ref in zip(inputs, references)]
-    kept = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    from dynashard.weights import STORE
-
-    kept += sum(STORE.shard_of(p).nbytes for p in model.parameters() if STORE.shard_of(p) is not None)
+    kept = dynashard.held_bytes(model)
     report = f"rank {rank}/{world}: max |sharded - unsharded| = {max(diffs):.2e} over batch shapes " + ", ".join(
         str(tuple(x.shape)) for x in inputs
     )

@@ -193,3 +193,23 @@ def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 
 STORE = WeightStore()
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers that this rank holds.
+
+    A weight dynashard sharded counts as its shard in :data:`STORE` (plus the full tensor, if its
+    storage could not be freed because an unsharded tensor shares it); a DTensor counts as its
+    local shard; anything else as its own bytes. Shared tensors are counted once.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if isinstance(t, DTensor):
+            total += t.to_local().nbytes
+            continue
+        shard = STORE.shard_of(t)
+        total += 0 if shard is None else shard.nbytes
+        total += t.nbytes if t.untyped_storage().nbytes() else 0  # a freed weight's storage is empty
+    return total
