@@ -51,7 +51,7 @@ def main() -> None:
             x = torch.randn(1, tokens, args.hidden)
             ref = unsharded(x)
             errors = {c: float((compiled[c](x) - ref).abs().max()) for c in CHECKS}  # also compiles
-            calls = {f"check_inputs={c}": (lambda c=c: compiled[c](x)) for c in CHECKS}
+            calls = {f"check_inputs={c}": (lambda c=c, x=x: compiled[c](x)) for c in CHECKS}
             times = time_interleaved(calls, 3, args.iters)
             per_system = {f"check_inputs={c}": {"first_s": 0.0, "max_abs_diff": errors[c]} for c in CHECKS}
             results = summarize(rank, per_system, times)

@@ -37,7 +37,8 @@ def main() -> None:
     tiny = torch.zeros(4, dtype=torch.int64)
     calls = {
         f"all_reduce [{world * rows}x{feats}]": lambda: dist.all_reduce(big),
-        f"reduce_scatter [{world * rows}x{feats}] -> [{rows}x{feats}]": lambda: dist.reduce_scatter_tensor(out_small, big),
+        f"reduce_scatter [{world * rows}x{feats}] -> [{rows}x{feats}]":
+            lambda: dist.reduce_scatter_tensor(out_small, big),
         f"all_to_all [{world * rows}x{feats}] + sum": lambda: dist.all_to_all_single(out_big, big)
         or out_big.view(world, rows, feats).sum(0),
         f"all_to_all [{rows}x{feats}]": lambda: dist.all_to_all_single(out_small, small),

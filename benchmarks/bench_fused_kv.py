@@ -23,8 +23,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._common import (OUT_HELP, init, mib, out_path, record, rss, summarize, time_call, time_interleaved,
-                                write_json)
+from benchmarks._common import (
+    OUT_HELP,
+    init,
+    mib,
+    out_path,
+    record,
+    rss,
+    summarize,
+    time_call,
+    time_interleaved,
+    write_json,
+)
 from dynashard import held_bytes
 
 SYSTEMS = ("unsharded eager", "unsharded inductor", "dynashard eager", "dynashard inductor")
@@ -80,7 +90,7 @@ def main() -> None:
                 fn = torch.compile(model, backend="dynashard", options={"compiler": compiler, "min_shard_numel": 0})
             else:
                 fn = torch.compile(model) if compiler == "inductor" else model
-            first = time_call(lambda: fn(x))
+            first = time_call(lambda fn=fn: fn(x))
             diff = float((fn(x) - want).abs().max())
             per_system[name] = {"first_s": first, "max_abs_diff": diff, "param_bytes": held_bytes(model), **rss()}
             calls[name] = lambda fn=fn: fn(x)

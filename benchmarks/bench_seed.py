@@ -2,7 +2,7 @@
 
 Launch: torchrun --standalone --nproc-per-node 4 -m benchmarks.bench_seed [--smoke] [--out PATH]
 
-Scenario (shared/seed/torch_sharding.py): every rank runs torch.manual_seed(rank), builds its own
+Scenario (docs/design.md, "The seed prototype"): every rank runs torch.manual_seed(rank), builds its own
 nn.Linear(in, out), then its own batch torch.rand(batch, in): different weights and inputs per
 rank, and each rank must get its own model's output on its own batch. Systems (each builds its
 own model from the same seed; the batch is the same):
@@ -38,7 +38,7 @@ SYSTEMS = ("unsharded", "seed algorithm", "dynashard eager", "dynashard inductor
 OPTIONS = {"inputs": "per_rank", "weights": "per_rank", "plan": {"*": "rowwise"}}
 
 
-# --- the seed's algorithm (shared/seed/torch_sharding.py), ported --------------------------------
+# --- the seed prototype's algorithm (not in this repository), ported --------------------------------
 def all_reduce(inp):
     dist.all_reduce(inp)
     return inp

@@ -48,8 +48,8 @@ import collections
 import copy
 import dataclasses
 import os
-import subprocess
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -60,8 +60,19 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from benchmarks import report
-from benchmarks._common import (OUT_HELP, Progress, gather, init, out_path, record, rss, summarize, time_call,
-                                time_interleaved, write_json)
+from benchmarks._common import (
+    OUT_HELP,
+    Progress,
+    gather,
+    init,
+    out_path,
+    record,
+    rss,
+    summarize,
+    time_call,
+    time_interleaved,
+    write_json,
+)
 from benchmarks.workloads import SMOKE, WORKLOADS, CommOnly, Sizes, collectives_of, dtensor_parallelize, shard_by_hand
 from dynashard import held_bytes
 

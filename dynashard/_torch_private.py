@@ -1,6 +1,6 @@
 """Every use of a private or semi-private torch API lives here, so a torch upgrade breaks one file.
 
-Each function says which torch behaviour it depends on; see NOTES.md for the measurements.
+Each function says which torch behaviour it depends on; docs/design.md has the measurements.
 """
 
 from __future__ import annotations
@@ -152,3 +152,13 @@ def known_multiple(a: Any, k: int) -> bool:
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
     return t._is_view()
+
+
+def backend_error(error: BaseException) -> BaseException | None:
+    """The dynashard error a compile raised, unwrapped from Dynamo's ``BackendCompilerFailed``."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from dynashard.errors import DynashardError
+
+    inner = getattr(error, "inner_exception", None) if isinstance(error, BackendCompilerFailed) else None
+    return inner if isinstance(inner, DynashardError) else None

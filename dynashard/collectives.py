@@ -267,7 +267,9 @@ class RollCall:
 def describe_missing(missing: list[int] | None) -> str:
     if missing is None:
         return "which rank is missing is unknown (no store)"
-    return f"ranks {missing} did not get there (died, hang, or run different code)" if missing else "every rank got there"
+    if not missing:
+        return "every rank got there"
+    return f"ranks {missing} did not get there (died, hang, or run different code)"
 
 
 def exchange_status(payload: Any, error: BaseException | None, group: dist.ProcessGroup, stage: str) -> list[Any]:

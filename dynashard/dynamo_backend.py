@@ -84,7 +84,9 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check)
 
 
-def _plan(gm, fake_args, example_inputs, opts: Options, world: int, rank: int) -> tuple[Analysis | None, Exception | None]:
+def _plan(
+    gm, fake_args, example_inputs, opts: Options, world: int, rank: int
+) -> tuple[Analysis | None, Exception | None]:
     """This rank's analysis, or the error it raised (to be shared with every rank)."""
     try:
         analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)

@@ -9,6 +9,8 @@ Each also subclasses the builtin users caught before these classes existed, so
 * :class:`SetupError` (``RuntimeError``): the process group is missing or was destroyed.
 * :class:`PeerError` (``RuntimeError``): another rank failed, died, hangs or differs; raised on
   every rank that is still running.
+* :class:`NotSupportedError` (``RuntimeError``): something dynashard does not do yet (a backward
+  through a sharded graph); refused rather than done wrong.
 * :class:`VerificationError` (``RuntimeError``): ``explain(verify=True)`` found the sharded
   computation differs from the model.
 * :class:`InternalError` (``RuntimeError``): anything else that went wrong while planning,
@@ -35,6 +37,10 @@ class SetupError(DynashardError, RuntimeError):
 
 
 class PeerError(DynashardError, RuntimeError):
+    pass
+
+
+class NotSupportedError(DynashardError, RuntimeError):
     pass
 
 

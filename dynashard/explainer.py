@@ -9,6 +9,7 @@ cut nor freed. Without an initialized process group it uses a single-process fak
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -90,16 +91,23 @@ def explain(
             return gm.forward
 
         # A fresh code object per call: Dynamo's cache for it never fills, whatever was explained before.
-        namespace: dict[str, Any] = {}
-        exec("def run(model, args, kwargs):\n    return model(*args, **kwargs)\n", namespace)  # noqa: S102
+        run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
         with torch.no_grad():
-            torch.compile(namespace["run"], backend=capture, dynamic=False)(model, args, kwargs)
+            try:
+                torch.compile(run, backend=capture, dynamic=False)(model, args, kwargs)
+            except Exception as e:
+                raise private.backend_error(e) or e from None  # our own error as it is, not Dynamo's wrapper
         if not graphs:
-            raise RuntimeError("dynashard.explain: Dynamo captured no graph for this model and inputs.")
+            raise UsageError("dynashard.explain: Dynamo captured no graph for this model and inputs.")
         report = Report(graphs, world, rank)
         if verify and not all(g.verified_ok for g in graphs):
-            raise VerificationError(f"dynashard.explain(verify=True): the sharded computation differs from the model\n{report}")
+            raise VerificationError(
+                f"dynashard.explain(verify=True): the sharded computation differs from the model\n{report}")
         return report
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def _run(model, args, kwargs):
+    return model(*args, **kwargs)

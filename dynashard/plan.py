@@ -30,11 +30,11 @@ import math
 import torch.fx
 
 from dynashard.errors import UsageError
+from dynashard.match import LinearMatch
+from dynashard.options import Options
 from dynashard.propagate import propagate
 from dynashard.rules.inplace import unsafe_mutations
 from dynashard.shard import LayoutMap, Shard, Split, Wish, WishKind, even
-from dynashard.match import LinearMatch
-from dynashard.options import Options
 
 # An unpaired colwise linear pays for its all-gather when each gathered element saves at least
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
@@ -140,7 +140,8 @@ def make_plan(
             decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
         for n, d in list(decisions.items()):  # partners now read a replicated input: say so
             if d.style == "rowwise" and d.fed_by & set(names):
-                decisions[n] = Decision("rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
+                decisions[n] = Decision(
+                    "rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
 
 
 @dataclasses.dataclass
@@ -164,7 +165,7 @@ def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts,
     for _ in range(_MAX_ROUNDS):
         wishes: list[Wish] = []
         decisions = decide(wishes)
-        layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank,
+        layouts = propagate(graph, by_node, lambda m, _src, d=decisions: d[m.node].style, world, rank,
                             splits=cuts.splits, **modes)
         if not _grant(wishes + layouts.wishes, cuts, auto, list(by_node.values()), world):
             return decisions
@@ -242,11 +243,14 @@ def _describe_cuts(linears: list[LinearMatch], decisions: dict, splits: dict) ->
         split, d = splits.get(m.node), decisions[m.node]
         if split is None or d.style != "colwise":
             continue
-        what = f"{len(split.parts)} components of {'/'.join(map(str, split.parts))}" if len(split.parts) > 1 else f"{split.parts[0]}"
+        what = str(split.parts[0])
+        if len(split.parts) > 1:
+            what = f"{len(split.parts)} components of {'/'.join(map(str, split.parts))}"
         note = f"cut in {what} units of {split.unit}"
         if split.whole:
             held = ", ".join(str(i + 1) for i in sorted(split.whole))
-            note += f"; component{'s' if len(split.whole) > 1 else ''} {held} held whole by every rank (fewer units than ranks)"
+            plural = "s" if len(split.whole) > 1 else ""
+            note += f"; component{plural} {held} held whole by every rank (fewer units than ranks)"
         decisions[m.node] = dataclasses.replace(d, reason=f"{d.reason}; {note}" if d.reason else note)
 
 

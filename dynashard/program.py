@@ -24,7 +24,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.collectives import CALL, RollCall, content_digest, describe_missing, handshake
-from dynashard.errors import PeerError, SetupError
+from dynashard.errors import NotSupportedError, PeerError, SetupError
 from dynashard.options import Options
 from dynashard.weights import STORE, ShardSpec
 
@@ -172,8 +172,14 @@ def drain_gloo_at_exit(group: dist.ProcessGroup) -> None:
     worker threads outlive the script. A worker that drops a finished collective's tensors takes
     the GIL; if the interpreter is already finalizing, the thread is ended inside a destructor
     and the process aborts ("terminate called without an active exception", SIGABRT), after a
-    run that succeeded. Seen in CI; reproduced 3 times in 30 four-rank runs of a bare funcol loop.
-    Sleeping here (GIL released, before finalization) lets them finish.
+    run that succeeded. Seen in CI; reproduced 3 times in 30 four-rank runs of a bare funcol loop
+    (``tools/bench_exit_abort.py``). Sleeping here (GIL released, before finalization) lets them finish.
+
+    Upstream: https://github.com/pytorch/pytorch/issues/190489 (open: torch's ``decref`` guard checks
+    ``Py_IsInitialized()``, still true during finalization, then takes the GIL from a background
+    thread); an atexit ``destroy_process_group`` was proposed and abandoned in
+    https://github.com/pytorch/pytorch/pull/179291. Remove this hook once a torch release fixes it.
+    See docs/design.md, "A gloo group alive at interpreter exit".
     """
     if private.is_fake_group(group) or dist.get_backend(group) != "gloo":
         return
@@ -229,7 +235,7 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ARG004
-        raise RuntimeError(
+        raise NotSupportedError(
             "dynashard: backward through a tensor-parallel graph is not supported yet (sharded "
             f"layers: {ctx.fqns[:4]}{'...' if len(ctx.fqns) > 4 else ''}); gradients would be wrong, "
             "so none are computed. Run inference under torch.no_grad()/torch.inference_mode(), or "

@@ -34,15 +34,17 @@ import torch.fx
 from dynashard import _torch_private as private
 from dynashard import collectives
 from dynashard.errors import InternalError, UsageError
+from dynashard.plan import Plan
 from dynashard.rules.inplace import alias_roots, aliases_input, mutated_roots
 from dynashard.shard import LayoutMap, Read, Shard
-from dynashard.plan import Plan
 
 aten = torch.ops.aten
 
 
 class _Sharder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool, comm: Any = None) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool, comm: Any = None
+    ) -> None:
         super().__init__(gm)
         self.a2a_reduce = a2a_reduce
         self.comm = comm if comm is not None else collectives  # explain(verify=True) simulates them

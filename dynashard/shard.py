@@ -25,7 +25,6 @@ import torch
 import torch.fx
 
 
-
 class Read(str, enum.Enum):
     """How a consumer reads one producer."""
 

@@ -2,7 +2,7 @@
 
 A sharded parameter keeps its metadata (Dynamo guards on size, stride and dtype and re-traces
 it with fake tensors on a recompile) but its storage is resized to zero; the compiled program
-reads this rank's shard from :data:`STORE` instead (see NOTES.md, "Parameters, guards and
+reads this rank's shard from :data:`STORE` instead (see docs/design.md, "Parameters, guards and
 memory"). Shards are keyed by parameter identity, so later graphs and recompiles reuse them.
 """
 

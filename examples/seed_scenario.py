@@ -1,4 +1,4 @@
-"""The seed prototype's scenario (shared/seed/torch_sharding.py), through the dynashard backend.
+"""The seed prototype's scenario (docs/design.md, "The seed prototype"), through the dynashard backend.
 
     torchrun --standalone --nproc-per-node 4 examples/seed_scenario.py
 

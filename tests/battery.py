@@ -167,7 +167,8 @@ def _compile_mlp(seed: int, **options):
     torch._dynamo.reset()
     torch.manual_seed(seed)
     model = models.MLP(32, 96)
-    return model, torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0, **options})
+    options = {"compiler": "eager", "min_shard_numel": 0, **options}
+    return model, torch.compile(model, backend="dynashard", options=options)
 
 
 def _error_of(fn) -> tuple[str, str] | None:
@@ -434,7 +435,9 @@ def special_cases(rank: int, world: int) -> dict:
         model = cls()
         with torch.no_grad():
             ref = model(x)
-            got = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0, **extra})(x)
+            options = {"compiler": "eager", "min_shard_numel": 0, **extra}
+            got = torch.compile(model, backend="dynashard", options=options)(x)
         freed = sorted(n for n, p in model.named_parameters() if p.untyped_storage().nbytes() == 0)
-        out[name] = {"err": float((got.float() - ref.float()).abs().max()), "dtype_ok": got.dtype == ref.dtype, "freed": freed}
+        err = float((got.float() - ref.float()).abs().max())
+        out[name] = {"err": err, "dtype_ok": got.dtype == ref.dtype, "freed": freed}
     return out

@@ -95,7 +95,9 @@ def _worker(fn, rank, world, init_file, gloo_timeout, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, gloo_timeout: float = 60) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, gloo_timeout: float = 60
+) -> list[Any]:
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process group member.
 
     Returns per-rank results; the lowest failing rank's :class:`RankError` is raised.

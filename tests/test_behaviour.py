@@ -17,7 +17,7 @@ from tests.multiproc import SUBPROCESS_DEADLINE_S, run_ranks, shared_run
 # so 300 s covers a 3x slower machine that is also running another job, with a 2x margin; the first
 # test that reads it (its fixture's setup) waits that long at most, plus the teardown.
 SCENARIOS_DEADLINE_S = 300
-pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
+pytestmark = [pytest.mark.gloo, pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)]
 
 # float32 sharded vs unsharded MLP(32, 96): sums of <= 96 O(1) terms in another order, a few ulps.
 ATOL = 1e-5
@@ -36,7 +36,7 @@ def per_rank(request):
 def test_weights_differing_across_ranks_raise_on_every_rank(per_rank):
     for r in per_rank:
         kind, msg = r["mismatch"]
-        assert kind == "BackendCompilerFailed" and "ValueError" in msg, msg
+        assert kind == "BackendCompilerFailed" and "UsageError" in msg, msg  # (a ValueError)
         assert "differs across ranks" in msg and "'up.weight'" in msg and "weights': 'rank0'" in msg, msg
 
 
@@ -87,7 +87,7 @@ def test_grad_enabled_forward_right_backward_refused(per_rank):
     for r in per_rank:
         assert r["grad_forward_err"] <= ATOL
         kind, msg = r["grad_backward"]
-        assert kind == "RuntimeError" and "backward through a tensor-parallel graph is not supported" in msg
+        assert kind == "NotSupportedError" and "backward through a tensor-parallel graph is not supported" in msg
         assert r["inference_mode_err"] <= ATOL
         assert r["auto_follows_split_err"] <= ATOL
         assert r["whole_graph_has_grads"]
@@ -105,7 +105,7 @@ def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(per_rank):
             kind, msg = r[case]
             assert "not running the same compiled graph" in msg, (case, msg)
             assert "rank 0 calls the compiled graph" in msg, (case, msg)
-            assert f"rank 1 compiles a new graph" in msg and "rank 1: float32[7, 32]" in msg, (case, msg)
+            assert "rank 1 compiles a new graph" in msg and "rank 1: float32[7, 32]" in msg, (case, msg)
 
 
 def test_replicated_inputs_of_different_shapes_raise_on_every_rank_naming_them(per_rank):
@@ -181,7 +181,8 @@ def _run_world1(code: str) -> str:
         """
     ) + textwrap.dedent(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=SUBPROCESS_DEADLINE_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -224,7 +225,8 @@ def test_destroy_process_group_ends_the_groups_threads(tmp_path):
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
         with torch.no_grad():
-            torch.compile(m, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(torch.randn(3, 16))
+            options = {"compiler": "eager", "min_shard_numel": 0}
+            torch.compile(m, backend="dynashard", options=options)(torch.randn(3, 16))
         before = len(os.listdir("/proc/self/task"))
         dist.destroy_process_group()
         gc.collect()

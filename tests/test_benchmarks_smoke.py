@@ -13,6 +13,8 @@ import pytest
 
 from tests.multiproc import SUBPROCESS_DEADLINE_S
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -7,6 +7,8 @@ import pytest
 from tests.battery import faults, special_cases
 from tests.multiproc import RankError, run_ranks, run_ranks_outcomes
 
+pytestmark = pytest.mark.gloo
+
 GLOO_TIMEOUT = 15  # seconds: a dead rank must surface as an error within about this long
 # Each fault spawn takes 3-9 s on the quiet 2-core machine (two wait out GLOO_TIMEOUT); the deadline
 # covers a 3x slower, busy machine with a 2x margin and stays under pytest-timeout's 300 s.

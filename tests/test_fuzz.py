@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 import dynashard
 from tests import models
 
+pytestmark = pytest.mark.unit
+
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
 
 
@@ -151,7 +153,8 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False):
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -18,6 +19,8 @@ import dynashard
 from dynashard import _torch_private as private
 from dynashard.dynamo_backend import dynashard_backend
 from tests import models
+
+pytestmark = pytest.mark.unit
 
 
 def _normalise(code: str) -> str:

@@ -8,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.multiproc import SUBPROCESS_DEADLINE_S
+
+pytestmark = pytest.mark.unit
 
 SCRIPT = textwrap.dedent(
     """
@@ -29,7 +33,8 @@ def _run(tmp_path, **env):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full_env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
     full_env.update(env, PYTHONPATH=root)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, env=full_env, cwd=root)
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=SUBPROCESS_DEADLINE_S, env=full_env, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

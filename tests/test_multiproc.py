@@ -6,6 +6,8 @@ import pytest
 
 from tests.multiproc import SharedRunFailed, shared_run
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_failed_shared_run_fails_every_reader_at_once_and_never_runs_again():
     calls = []

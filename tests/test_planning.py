@@ -7,9 +7,11 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard.shard import Split, shard_bounds
 from dynashard.options import Options, parse_options
+from dynashard.shard import Split, shard_bounds
 from tests import models
+
+pytestmark = pytest.mark.unit
 
 
 def test_shard_bounds_are_balanced_and_cover_the_dim():
@@ -96,7 +98,8 @@ def test_explain_hf_style_plan_and_errors():
     report = dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": plan})
     assert set(report.layers.values()) == {"colwise", "rowwise"} and len(report.layers) == 4
     # Keys relative to a base model (HF base_model_tp_plan) match as a dotted suffix.
-    report = dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": {"*.up": "colwise", "down": "rowwise"}})
+    plan = {"*.up": "colwise", "down": "rowwise"}
+    report = dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": plan})
     assert report.layers["layers.1.down"] == "rowwise"
     with pytest.raises(Exception, match="plan key 'layers.*.upp' matches no linear"):
         dynashard.explain(model, torch.randn(4, 64), world_size=2, options={"plan": {"layers.*.upp": "colwise"}})
@@ -289,7 +292,8 @@ def test_inputs_sharded_off_their_features_are_gathered_not_used(world):
         (models.MergedTokens(), torch.randn(2, 5, 48), {"up": "colwise", "down": "rowwise"}),
     ):
         dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0})
-        report = dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0, "plan": plan})
+        options = {"min_shard_numel": 0, "plan": plan}
+        report = dynashard.explain(model, x, world_size=world, verify=True, options=options)
         assert report.rows[0].collectives.startswith("all_gather")
 
 
@@ -470,3 +474,31 @@ def test_bloom_baddbmm_alibi_keeps_heads_sharded(world, full_bias):
                                verify=True, options={"min_shard_numel": 0})
     assert report.layers == {"query_key_value": "colwise", "dense": "rowwise"}, str(report)
     assert [r.collectives for r in report.rows] == ["-", "all_reduce"], str(report)
+
+
+def test_errors_are_dynashard_errors_and_the_builtins_users_catch():
+    from dynashard.errors import DynashardError, OptionTypeError, UsageError
+
+    with pytest.raises(UsageError, match="matches no linear") as bad_key:
+        dynashard.explain(models.MLP(32, 96), torch.randn(2, 32), world_size=2, options={"plan": {"nope": "colwise"}})
+    assert isinstance(bad_key.value, ValueError) and isinstance(bad_key.value, DynashardError)
+    with pytest.raises(OptionTypeError) as bad_type:
+        parse_options({"min_shard_numel": "many"})
+    assert isinstance(bad_type.value, TypeError) and isinstance(bad_type.value, DynashardError)
+
+
+def test_the_recut_fixpoint_logs_its_round_limit_and_stays_correct(monkeypatch, caplog):
+    """A fused qkv needs two re-cuts (component boundaries, then whole heads). Stopped after one,
+    the plan is logged as unfinished and still verifies: the layout follows the cuts it has."""
+    import dynashard.plan as plan
+
+    model = models.build("nanogpt", 64, 90)
+    ids = torch.randint(0, 90, (2, 7))
+    options = {"min_shard_numel": 0}
+    with caplog.at_level("WARNING", logger="dynashard.plan"):
+        dynashard.explain(model, ids, world_size=2, options=options, verify=True)
+    assert not [r for r in caplog.records if "stopped re-cutting" in r.getMessage()]
+    monkeypatch.setattr(plan, "_MAX_ROUNDS", 1)
+    with caplog.at_level("WARNING", logger="dynashard.plan"):
+        dynashard.explain(model, ids, world_size=2, options=options, verify=True)
+    assert [r for r in caplog.records if "stopped re-cutting after 1 rounds" in r.getMessage()]

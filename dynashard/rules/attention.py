@@ -176,7 +176,8 @@ def _gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx
         unit = math.lcm(lq.split.unit, n * lk.split.unit)
         q_to, kv_to = lq.split.coarsen(unit // lq.split.unit), lk.split.coarsen(unit // (n * lk.split.unit))
         where = f"{op_name(node)} ({n} query heads per K/V head) needs query units of {unit} heads"
-        if q_to is not None and kv_to is not None and min(q_to.fewest_units(lm.world), kv_to.fewest_units(lm.world)) >= 1:
+        fits = q_to is not None and kv_to is not None
+        if fits and min(q_to.fewest_units(lm.world), kv_to.fewest_units(lm.world)) >= 1:
             for s, to in ((lq, q_to), (lk, kv_to), (lv, kv_to)):
                 if to != s.split:
                     lm.wish(s.origins, WishKind.COARSEN, to.unit // s.split.unit, where)

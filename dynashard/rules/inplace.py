@@ -65,7 +65,8 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         if shard is None:
             continue
         # a write into a copy: of a replicated alias of the shard, or of a gather the op itself reads
-        through_copy = lm.layouts.get(node.args[0]) is None or lm.reads.get((node, node.args[0])) in (Read.GATHER, Read.GLOBAL)
+        read = lm.reads.get((node, node.args[0]))
+        through_copy = lm.layouts.get(node.args[0]) is None or read in (Read.GATHER, Read.GLOBAL)
         stale = any(min(gathers.get(m, [order[node]])) < order[node] < max(gathers.get(m, [0])) for m in members)
         if through_copy or stale:
             found.append((node, shard))

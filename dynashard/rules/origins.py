@@ -13,11 +13,9 @@ addmm), not by op, so the driver calls :func:`linear` for each matched node with
 
 from __future__ import annotations
 
-import torch.fx
-
 from dynashard.errors import UsageError
 from dynashard.match import LinearMatch
-from dynashard.shard import LayoutMap, Read, even, size_at, val, all_args
+from dynashard.shard import LayoutMap, Read, all_args, even, size_at, val
 
 
 def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:

@@ -14,7 +14,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, finest, mutates_self, op_name, tensor_args, all_args, val
+from dynashard.shard import LayoutMap, Read, Shard, all_args, finest, mutates_self, op_name, tensor_args, val
 
 aten = torch.ops.aten
 COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)
