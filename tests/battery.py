@@ -68,6 +68,8 @@ CASES = {
     "qk_layernorm_rot2": ("qk_layernorm_rot2", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
     # BLOOM: fused qkv interleaved per head, ALiBi added by baddbmm on merged batch*heads
     "bloom_alibi": ("bloom_alibi", 64, 4, [(2, 5, 64), (3, 7, 64)], {}),
+    # HF Falcon (new decoder architecture): qkv grouped per KV head, k/v taken by qkv[..., [-2], :]
+    "falcon_gqa": ("falcon_gqa", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -100,7 +102,7 @@ SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
 SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
 SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
-SHARDED["bloom_alibi"] = {"query_key_value.weight", "dense.weight"}
+SHARDED["bloom_alibi"] = SHARDED["falcon_gqa"] = {"query_key_value.weight", "dense.weight"}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

@@ -77,14 +77,17 @@ class Attention(nn.Module):
 
 
 class RandomTransformerAttention(nn.Module):
-    """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA or softmax-matmul)
-    or a Phi-3 style fused qkv, with a residual."""
+    """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA or softmax-matmul),
+    a Phi-3 style fused qkv ([q | k | v]) or a Falcon style one (grouped per KV head, taken apart by
+    list indexing), with a residual."""
 
     def __init__(self, heads, kv, dh, rope, repeat, attention, fused):
         super().__init__()
         hidden = heads * dh
-        if fused:
+        if fused == "phi3":
             self.attn = models.FusedGQAAttention(hidden, heads, kv)
+        elif fused == "falcon":
+            self.attn = models.FalconStyleAttention(hidden, heads, kv)
         else:
             self.attn = models.LlamaAttention(hidden, heads, kv, rope=rope, repeat=repeat, attention=attention)
         cos, sin = models.rope_tables(dh, 16, rope == "complex")
@@ -130,7 +133,7 @@ def transformer_attention_cases(draw):
         rope=draw(st.sampled_from(["half", "complex"])),
         repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
         attention=draw(st.sampled_from(["sdpa", "manual"])),
-        fused=draw(st.booleans()),
+        fused=draw(st.sampled_from([None, "phi3", "falcon"])),
     )
     return model, heads * dh
 

@@ -29,7 +29,7 @@ CONFIGS = {
     # (world, compiler, dtype): cases
     (2, "eager", "float32"): [c for c in CASES if c != "llama_few_kv"],
     (4, "eager", "float32"): ["uneven_empty_rank", "tiny_lm", "pr_seed", "llama_6_heads", "llama_few_kv", "llama_mqa",
-                              "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale"],
+                              "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale", "falcon_gqa"],
     (2, "inductor", "float32"): [
         "residual",  # column -> row pair, one all_reduce, three shapes through one dynamic graph
         "conv1d",  # HF Conv1D's addmm with a [in, out] weight
@@ -38,6 +38,7 @@ CONFIGS = {
         "tiny_lm",  # vocab-parallel embedding (masked lookup) and a tied colwise LM head
         "llama",  # heads through views, RoPE, GQA repeat, SDPA
         "nanogpt",  # a fused c_attn cut per component and split at local sizes
+        "falcon_gqa",  # KV groups of a fused qkv taken apart by aten.index on a dim that is not cut
     ],
     (4, "inductor", "float32"): [
         "uneven_empty_rank",  # a zero-size shard

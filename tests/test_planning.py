@@ -502,3 +502,25 @@ def test_the_recut_fixpoint_logs_its_round_limit_and_stays_correct(monkeypatch, 
     with caplog.at_level("WARNING", logger="dynashard.plan"):
         dynashard.explain(model, ids, world_size=2, options=options, verify=True)
     assert [r for r in caplog.records if "stopped re-cutting after 1 rounds" in r.getMessage()]
+
+
+@pytest.mark.parametrize("world,kv_heads,kept_whole,cache", [(2, 2, False, False), (4, 4, False, False),
+                                                        (2, 4, False, True), (4, 2, True, False)])
+def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, kv_heads, kept_whole, cache):
+    """HF Falcon's new decoder architecture: q, k and v are taken out of each KV group of the fused
+    output by a slice and by ``qkv[:, :, :, [-2]]`` (aten.index on a dim that is not cut). Each rank
+    holds whole groups (its query heads with their k and v): one all_reduce, no gather. With fewer
+    groups than ranks the fused projection is kept whole, saying so (and the small output
+    projection, left without a sharded input, with it). K/V appended to an empty cache (HF's
+    DynamicCache) stay on each rank's heads: ``cat`` skips the 1-D empty operand."""
+    torch.manual_seed(0)
+    model = models.FalconStyleAttention(128, 8, kv_heads, cache=cache)
+    report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    qkv, dense = (next(r for r in report.rows if r.fqn == n) for n in ("query_key_value", "dense"))
+    if kept_whole:
+        assert qkv.style == "replicate" and "2 heads of 96 cannot be cut over 4 ranks" in qkv.reason, str(report)
+    else:
+        assert dense.style == "rowwise" and dense.collectives == "all_reduce", str(report)
+        assert qkv.style == "colwise" and qkv.collectives == "-", str(report)
+        assert qkv.weight_bytes == 128 * (8 + 2 * kv_heads) * 16 * 4 // world

@@ -1,4 +1,4 @@
-"""Taking apart and putting together: split, unbind, slice, cat, stack and the getitem of a tuple.
+"""Taking apart and putting together: split, unbind, slice, index, cat, stack, getitem of a tuple.
 
 Before (a fused qkv colwise on [B, T, 3*D])::
 
@@ -6,7 +6,7 @@ Before (a fused qkv colwise on [B, T, 3*D])::
 After: each rank splits its own ``[q_r | k_r | v_r]`` at its local sizes; q, k and v are each
 a Shard of D. Along a dim that is not cut, every op here keeps the cut. On the cut dim, a split or
 slice must fall on component boundaries (a fused ``[q | k | v]``; otherwise a wish asks the plan
-to cut the origin into those components), and a cat or stack is not followed (gather).
+to cut the origin into those components), and an index, cat or stack is not followed (gather).
 """
 
 from __future__ import annotations
@@ -93,6 +93,25 @@ def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
     return lm.keep(node, _sub(src, i, j))  # None: whole components, held by every rank (replicated)
 
 
+@rule(aten.index.Tensor)
+def index(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``x[..., idx, ...]`` with one integer index tensor, on a dim that is not cut: the cut is kept
+    (HF Falcon's ``qkv[:, :, :, [-2]]`` takes one part of every KV group, the groups cut)."""
+    found = lm.input_shard(node)
+    if found is None:
+        return False
+    src, ndim, p = found
+    given = [(d, i) for d, i in enumerate(node.args[1]) if i is not None]
+    if len(given) != 1:
+        return False  # several index tensors broadcast together and may move their dims first
+    (d, idx), = given
+    if d == p or lm.layouts.get(idx) is not None or val(idx) is None or val(idx).dtype in (torch.bool, torch.uint8):
+        return False  # the cut dim indexed, a sharded index, or a mask (it spans several dims)
+    out_ndim = val(node).dim()
+    # Dims before the indexed one keep their place from the left, dims after it from the right.
+    return lm.keep(node, src.moved(p - out_ndim) if p < d else src)
+
+
 @rule(aten.cat.default)
 def cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
     return _cat(lm, node, stack=False)
@@ -104,8 +123,11 @@ def stack(lm: LayoutMap, node: torch.fx.Node) -> bool:
 
 
 def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> bool:
-    """cat (or stack) of operands cut alike, along a dim that is not the cut one."""
-    tensors = node.args[0]
+    """cat (or stack) of operands cut alike, along a dim that is not the cut one. ``cat`` skips
+    1-D empty operands (torch's legacy rule: HF's DynamicCache starts as ``torch.tensor([])``)."""
+    tensors = [a for a in node.args[0] if stack or not _skipped_by_cat(a)]
+    if not tensors:
+        return False
     lays = [lm.layouts.get(a) for a in tensors]
     if any(lay is None or lay.split.whole for lay in lays):
         return False
@@ -121,6 +143,11 @@ def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> bool:
     new = p + 1 if stack and d <= p else p  # stack inserts a dim at d
     origins = frozenset().union(*(lay.origins for lay in lays))
     return lm.keep(node, Shard(first.split, origins, new - out_ndim, lm.world, lm.rank))
+
+
+def _skipped_by_cat(arg: torch.fx.Node) -> bool:
+    v = val(arg)
+    return v is not None and v.dim() == 1 and private.known_equal(v.shape[0], 0)
 
 
 def _part_ranges(split: Split, edges: list[int]) -> list[tuple[int, int]] | None:
