@@ -86,8 +86,8 @@ class RandomTransformerAttention(nn.Module):
         hidden = heads * dh
         if fused == "phi3":
             self.attn = models.FusedGQAAttention(hidden, heads, kv)
-        elif fused == "falcon":
-            self.attn = models.FalconStyleAttention(hidden, heads, kv)
+        elif fused in ("falcon", "falcon_cache"):  # (K/V appended to an empty cache first, as HF's)
+            self.attn = models.FalconStyleAttention(hidden, heads, kv, cache=fused == "falcon_cache")
         else:
             self.attn = models.LlamaAttention(hidden, heads, kv, rope=rope, repeat=repeat, attention=attention)
         cos, sin = models.rope_tables(dh, 16, rope == "complex")
@@ -133,7 +133,7 @@ def transformer_attention_cases(draw):
         rope=draw(st.sampled_from(["half", "complex"])),
         repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
         attention=draw(st.sampled_from(["sdpa", "manual"])),
-        fused=draw(st.sampled_from([None, "phi3", "falcon"])),
+        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache"])),
     )
     return model, heads * dh
 
