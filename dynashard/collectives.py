@@ -226,22 +226,26 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     return [pickle.loads(bytes(g[: int(n.item())].tolist())) for g, n in zip(gathered, sizes)]  # small payloads
 
 
-_SEQUENCE: dict[str, int] = {}  # per group: how many agreements this process has joined
+# Per (group, point): how many times this process has reached it. Counted per point, not per group:
+# a failed call's diagnosis runs only on the ranks that failed, and must not shift the keys every
+# rank computes for the next agreement.
+_SEQUENCE: dict[tuple[str, str], int] = {}
 
 
 class RollCall:
     """Names the ranks that did not reach a point, through the group's key-value store.
 
-    Each rank marks itself present under a key that is the same on every rank (group, a sequence
-    number, the point's name); after a failure, the ranks without a mark are the missing ones.
+    Each rank marks itself present under a key that is the same on every rank (group, the point's
+    name, how many times it was reached); after a failure, the ranks without a mark are the missing
+    ones.
     """
 
     def __init__(self, group: dist.ProcessGroup, point: str) -> None:
         from dynashard import _torch_private as private
 
         name = group.group_name
-        _SEQUENCE[name] = _SEQUENCE.get(name, 0) + 1
-        self.key = f"dynashard/{name}/{_SEQUENCE[name]}/{point}"
+        count = _SEQUENCE[(name, point)] = _SEQUENCE.get((name, point), 0) + 1
+        self.key = f"dynashard/{name}/{point}/{count}"
         self.store, self.world = private.default_store(), dist.get_world_size(group)
         self.mark(dist.get_rank(group))
 

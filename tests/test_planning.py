@@ -524,3 +524,29 @@ def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, kv_heads, ke
         assert dense.style == "rowwise" and dense.collectives == "all_reduce", str(report)
         assert qkv.style == "colwise" and qkv.collectives == "-", str(report)
         assert qkv.weight_bytes == 128 * (8 + 2 * kv_heads) * 16 * 4 // world
+
+
+def test_roll_call_keys_follow_each_point_not_every_failure(monkeypatch):
+    """A roll call's key must be the same on every rank. A failed call's diagnosis runs only on the
+    ranks whose call failed, so it must not shift the key of the next agreement on those ranks (it
+    did while one counter per group numbered every roll call)."""
+    from dynashard import _torch_private as private
+    from dynashard import collectives
+
+    monkeypatch.setattr(collectives, "_SEQUENCE", {})
+    store = dist.HashStore()
+    monkeypatch.setattr(private, "default_store", lambda: store)
+    private.init_fake_process_group(2, 0)
+    try:
+        group = dist.group.WORLD
+        first = collectives.RollCall(group, "planning")
+        collectives.RollCall(group, "failed-call-1")  # only on a rank whose call failed
+        after_failure = collectives.RollCall(group, "planning")
+        monkeypatch.setattr(collectives, "_SEQUENCE", {})  # a rank whose calls all succeeded
+        collectives.RollCall(group, "planning")
+        no_failure = collectives.RollCall(group, "planning")
+        assert after_failure.key == no_failure.key != first.key
+        store.set(f"{after_failure.key}/1", "1")  # the other rank arrives
+        assert after_failure.missing() == []
+    finally:
+        dist.destroy_process_group()
