@@ -70,11 +70,17 @@ class Split:
     front, ``[B * H]``) repeats the pattern for every outer index. Components listed in
     ``whole`` are held whole by every rank (a fused [q | k | v] with fewer KV heads than ranks:
     q is cut, k and v are not).
+
+    ``deals`` (units per rank, per component) overrides the balanced deal. Only pieces carved out
+    of a cut value have one (``q.split(1, dim=heads)``: each one-head piece is held by the rank that
+    held that head, the others hold none of it); within a component ranks still hold consecutive
+    ranges in rank order, so gathers and ``owned`` work unchanged. Origins are always balanced.
     """
 
     parts: tuple[int, ...]
     unit: int = 1
     whole: frozenset[int] = frozenset()
+    deals: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def size(self) -> int:
@@ -82,6 +88,8 @@ class Split:
 
     def counts(self, world: int) -> list[list[int]]:
         """Units per component per rank."""
+        if self.deals is not None:
+            return [list(d) for d in self.deals]
         return [[p] * world if i in self.whole else [p // world + (r < p % world) for r in range(world)]
                 for i, p in enumerate(self.parts)]
 
@@ -98,7 +106,8 @@ class Split:
         """Components ``[i, j)`` alone; None when all of them are whole (a replicated value)."""
         if all(c in self.whole for c in range(i, j)):
             return None
-        return Split(self.parts[i:j], self.unit, frozenset(c - i for c in self.whole if i <= c < j))
+        deals = None if self.deals is None else self.deals[i:j]
+        return Split(self.parts[i:j], self.unit, frozenset(c - i for c in self.whole if i <= c < j), deals)
 
     def local(self, world: int, rank: int) -> int:
         return sum(length for _, length in self.pieces(world, rank))
@@ -122,16 +131,36 @@ class Split:
 
     def fewest_units(self, world: int) -> int:
         """The fewest units any rank holds of any component (0: some rank holds nothing)."""
+        if self.deals is not None:
+            return min(min(d) for d in self.deals)
         return min(p if i in self.whole else p // world for i, p in enumerate(self.parts))
 
     def coarsen(self, k: int) -> Split | None:
-        """Units ``k`` times larger (``None`` when a component is not a whole number of them)."""
-        if any(p % k for p in self.parts):
+        """Units ``k`` times larger (``None`` when a component, or a rank's deal, is not a whole
+        number of them)."""
+        if any(p % k for p in self.parts) or any(c % k for d in self.deals or () for c in d):
             return None
-        return Split(tuple(p // k for p in self.parts), self.unit * k, self.whole)
+        deals = None if self.deals is None else tuple(tuple(c // k for c in d) for d in self.deals)
+        return Split(tuple(p // k for p in self.parts), self.unit * k, self.whole, deals)
+
+    def regrouped(self, unit: int) -> Split:
+        """The same components and deal, in units of ``unit`` elements (a view regrouping dims)."""
+        return dataclasses.replace(self, unit=unit)
+
+    def carve(self, edges: list[int], world: int) -> list[Split] | None:
+        """This single cut component taken apart at unit offsets ``edges`` (first 0, last all units),
+        every rank keeping exactly the units it held: piece ``[a, b)`` is dealt ``overlap([a, b),
+        rank's range)`` per rank. None for a fused or whole split."""
+        if len(self.parts) != 1 or self.whole:
+            return None
+        counts = self.counts(world)[0]
+        ranges = [(sum(counts[:r]), sum(counts[: r + 1])) for r in range(world)]
+        return [Split((b - a,), self.unit, deals=(tuple(max(0, min(b, e) - max(a, s)) for s, e in ranges),))
+                for a, b in zip(edges, edges[1:])]
 
     def cut(self, boundaries: set[int]) -> Split:
         """Components also split at these unit offsets (the pieces of a whole one stay whole)."""
+        assert self.deals is None, "only origins are re-cut, and origins are dealt balanced"
         parts, whole, offset = [], set(), 0
         for i, p in enumerate(self.parts):
             inner = sorted(b - offset for b in boundaries if offset < b < offset + p)
@@ -154,6 +183,20 @@ class Split:
 
 def even(size: int) -> Split:
     return Split((size,), 1)
+
+
+def joined(splits: list[Split], world: int) -> Split | None:
+    """The split of a concatenation along the cut dim: the components side by side (each rank's
+    local tensor is its pieces side by side, so ``cat`` of local tensors is this rank's part).
+    Returned balanced when every rank holds the same elements as under a balanced single
+    component (pieces carved out and put back in order). None for mixed units or whole parts."""
+    if len({s.unit for s in splits}) != 1 or any(s.whole for s in splits):
+        return None
+    parts = tuple(p for s in splits for p in s.parts)
+    deals = tuple(tuple(c) for s in splits for c in s.counts(world))
+    out = Split(parts, splits[0].unit, deals=deals)
+    balanced = Split((sum(parts),), splits[0].unit)
+    return balanced if out.owned(world) == balanced.owned(world) else out
 
 
 def shard_bounds(size: int, world: int, rank: int) -> tuple[int, int]:

@@ -514,11 +514,12 @@ class FusedGQAAttention(nn.Module):
 
 class PerHeadScaleAttention(nn.Module):
     """A per-head scale on q applied by splitting q into one-head pieces and concatenating them
-    back (found by a new user: a silent wrong result under eager at world 2)."""
+    back (found by a new user: a silent wrong result under eager at world 2). ``unbind``: taken
+    apart by ``unbind`` and put back by ``stack`` instead."""
 
-    def __init__(self, hidden: int = 256, heads: int = 4, infer_head_dim: bool = False):
+    def __init__(self, hidden: int = 256, heads: int = 4, infer_head_dim: bool = False, unbind: bool = False):
         super().__init__()
-        self.h, self.infer = heads, infer_head_dim
+        self.h, self.infer, self.unbind = heads, infer_head_dim, unbind
         self.g = nn.Parameter(torch.rand(heads) + 0.5)
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
 
@@ -526,7 +527,10 @@ class PerHeadScaleAttention(nn.Module):
         b, t, d = x.shape
         dh = -1 if self.infer else d // self.h
         q, k, v = (lin(x).view(b, t, self.h, dh).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        q = torch.cat([p * self.g[i] for i, p in enumerate(q.split(1, dim=1))], 1)
+        if self.unbind:
+            q = torch.stack([p * self.g[i] for i, p in enumerate(q.unbind(1))], 1)
+        else:
+            q = torch.cat([p * self.g[i] for i, p in enumerate(q.split(1, dim=1))], 1)
         return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
 
 

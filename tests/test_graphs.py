@@ -368,18 +368,33 @@ def test_kernels_get_the_layout_they_were_traced_with():
 
 
 def test_attention_kernels_get_the_layout_they_were_traced_with():
-    """A per-head split/cat of q (found by a new user: a silent wrong result under eager) is now
-    gathered before the split, the attention runs on this rank's heads of k and v, and every input
-    of the attention kernel has a unit-stride last dim, as when Dynamo traced the model."""
+    """A per-head unbind/stack of q (the split/cat form was found by a new user: a silent wrong
+    result under eager) is gathered before the unbind, the attention runs on this rank's heads of k
+    and v, and every input of the attention kernel has a unit-stride last dim, as when Dynamo traced
+    the model (a gathered, permuted q does not, unless made contiguous)."""
     torch.manual_seed(0)
     for rank in (0, 1):
-        gm = rewritten(models.PerHeadScaleAttention(256, 4), torch.randn(2, 5, 256), rank=rank)
+        gm = rewritten(models.PerHeadScaleAttention(256, 4, unbind=True), torch.randn(2, 5, 256), rank=rank)
         flash = [n for n in gm.graph.nodes if "flash_attention" in str(n.target)]
         assert len(flash) == 1 and _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 1
         for arg in flash[0].args[:3]:
             assert arg.meta["val"].stride()[-1] == 1, (rank, arg, arg.meta["val"].stride())
         # q gathered (4 heads of 64), k and v this rank's 2 heads: the attention runs on 2 heads
         assert [tuple(a.meta["val"].shape)[1] for a in flash[0].args[:3]] == [2, 2, 2]
+
+
+def test_per_head_pieces_stay_on_the_rank_that_holds_those_heads():
+    """``q.split(1, dim=heads)``, a scale per head, ``cat``: each rank scales the heads it holds
+    (its pieces of the others are empty) and the cat gives back its heads: no gather, one
+    all_reduce; the split's sizes are this rank's share of each one-head piece (1, 1, 0, 0 on rank 0)."""
+    torch.manual_seed(0)
+    for rank in (0, 1):
+        gm = rewritten(models.PerHeadScaleAttention(256, 4), torch.randn(2, 5, 256), rank=rank)
+        assert _count(gm, "all_gather") == 0 and _count(gm, "all_reduce") == 1, gm.code
+        (split,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.split_with_sizes.default]
+        assert list(split.args[1]) == ([1, 1, 0, 0] if rank == 0 else [0, 0, 1, 1])
+        (flash,) = [n for n in gm.graph.nodes if "flash_attention" in str(n.target)]
+        assert [tuple(a.meta["val"].shape)[1] for a in flash.args[:3]] == [2, 2, 2]
 
 
 def test_cuda_sdpa_kernels_run_on_this_ranks_heads():

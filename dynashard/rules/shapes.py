@@ -18,7 +18,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, Split, WishKind, finest, norm_dim, op_name, val, val_list
+from dynashard.shard import LayoutMap, Shard, Split, WishKind, finest, joined, norm_dim, op_name, val, val_list
 
 aten = torch.ops.aten
 
@@ -57,12 +57,32 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> bool:
         edges.append(min(edges[-1] + w, src.size))
     ranges = _part_ranges(src.split, edges)
     if ranges is None:
-        _cut_wish(lm, node, src, edges)
-        return False
+        carved = _carve(lm, src, edges)
+        if carved is None:
+            _cut_wish(lm, node, src, edges)
+            return False
+        lm.keep(node, None)
+        lm.outputs[node] = carved
+        lm.part_sizes[node] = tuple(s.length for s in carved)
+        return True
     lm.keep(node, None)
     lm.outputs[node] = [_sub(src, i, j) for i, j in ranges]  # a whole component is a replicated output
     lm.part_sizes[node] = tuple(_sub_length(src, i, j) for i, j in ranges)
     return True
+
+
+def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
+    """Pieces each rank computes from what it holds (``q.split(1, dim=heads)``, per-head norms or
+    scales, put back by ``cat``), when re-cutting the origin into those pieces instead would leave
+    a rank without any (the balanced deal gives every one-head piece to the first ranks)."""
+    if any(e % src.split.unit for e in edges):
+        return None
+    units = [e // src.split.unit for e in edges]
+    recut = src.split.cut(set(units[1:-1])) if src.split.deals is None and len(src.split.parts) == 1 else None
+    if recut is None or all(recut.local(lm.world, r) > 0 for r in range(lm.world)):
+        return None  # the origin can be re-cut into these pieces (a fused [q | k | v]): wish for it
+    pieces = src.split.carve(units, lm.world)
+    return None if pieces is None else [src.moved(src.dim, s) for s in pieces]
 
 
 @rule(aten.slice.Tensor)
@@ -132,17 +152,38 @@ def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> bool:
     if any(lay is None or lay.split.whole for lay in lays):
         return False
     first = finest(lays)
-    if not all(first.alike(lay) for lay in lays):
+    if not all(first.alike(lay) for lay in lays) and not _along_cut(node, tensors, lays, stack):
         return False
     ndim = val(tensors[0]).dim()
     out_ndim = ndim + 1 if stack else ndim
     d = norm_dim(node.args[1] if len(node.args) > 1 else 0, out_ndim)
     p = ndim + first.dim
     if d == p and not stack:
-        return False
+        return _join(lm, node, tensors, lays)
     new = p + 1 if stack and d <= p else p  # stack inserts a dim at d
     origins = frozenset().union(*(lay.origins for lay in lays))
     return lm.keep(node, Shard(first.split, origins, new - out_ndim, lm.world, lm.rank))
+
+
+def _along_cut(node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard], stack: bool) -> bool:
+    """A cat along the dim every operand is cut on (operands need not be cut alike)."""
+    if stack or len({lay.dim for lay in lays}) != 1:
+        return False
+    ndim = val(tensors[0]).dim()
+    return norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim) == ndim + lays[0].dim
+
+
+def _join(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard]) -> bool:
+    """cat along the cut dim: each rank's output is its operands' parts side by side, which is its
+    part of the joined split (carved pieces put back in order are the original cut again)."""
+    dim = lays[0].dim
+    if any(not private.known_equal(val(a).shape[dim], lay.size) for a, lay in zip(tensors, lays)):
+        return False  # a batch dim merged in front: the pieces would interleave
+    split = joined([lay.split for lay in lays], lm.world)
+    if split is None:
+        return False
+    origins = frozenset().union(*(lay.origins for lay in lays))
+    return lm.keep(node, Shard(split, origins, dim, lm.world, lm.rank))
 
 
 def _skipped_by_cat(arg: torch.fx.Node) -> bool:

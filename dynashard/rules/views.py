@@ -27,7 +27,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, Split, WishKind, is_one, norm_dim, op_name, size_at, val
+from dynashard.shard import LayoutMap, Shard, WishKind, is_one, norm_dim, op_name, size_at, val
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -173,12 +173,14 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
         if elems % inner_out == 0:
             new_unit = elems // inner_out
             if private.known_multiple(mid_out[o], units * new_unit):
-                out = src.moved(dims.kept_out[out_start + o] - out_ndim, Split(src.split.parts, new_unit))
+                out = src.moved(dims.kept_out[out_start + o] - out_ndim, src.split.regrouped(new_unit))
                 merged = not private.known_equal(mid_out[o], units * new_unit)
                 if merged and out.split.fewest_units(lm.world) < 1:
                     return None  # a merged dim needs a part on every rank (its outer size is recovered from it)
                 return out
             continue
+        if src.split.deals is not None:
+            return None  # pieces carved out of a cut: their origins are not what to re-cut
         k = math.lcm(elems, inner_out) // elems  # units k times larger would fit this dim
         coarser = src.split.coarsen(k)
         if coarser is not None and coarser.fewest_units(lm.world) >= 1:
