@@ -70,6 +70,8 @@ CASES = {
     "bloom_alibi": ("bloom_alibi", 64, 4, [(2, 5, 64), (3, 7, 64)], {}),
     # HF Falcon (new decoder architecture): qkv grouped per KV head, k/v taken by qkv[..., [-2], :]
     "falcon_gqa": ("falcon_gqa", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
+    # two colwise outputs concatenated along their features into one rowwise linear (a dealt cut)
+    "cat_mlp": ("cat_mlp", 48, 42, [(2, 3, 48), (4, 5, 48)], {}),
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -103,6 +105,7 @@ SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] =
 SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
 SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
 SHARDED["bloom_alibi"] = SHARDED["falcon_gqa"] = {"query_key_value.weight", "dense.weight"}
+SHARDED["cat_mlp"] = {"a.weight", "b.weight", "down.weight"}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

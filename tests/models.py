@@ -590,6 +590,19 @@ class BloomStyleAttention(nn.Module):
         return self.dense(y)
 
 
+class CatMLP(nn.Module):
+    """Two up projections concatenated along their (cut) features, then one down projection: the
+    down weight's rows are cut as the concatenation is, two components each rank holds part of."""
+
+    def __init__(self, hidden: int = 48, f1: int = 40, f2: int = 30):
+        super().__init__()
+        self.a, self.b = nn.Linear(hidden, f1), nn.Linear(hidden, f2)
+        self.down = nn.Linear(f1 + f2, hidden)
+
+    def forward(self, x):
+        return self.down(F.gelu(torch.cat([self.b(x), self.a(x)], -1)))
+
+
 class FalconStyleAttention(nn.Module):
     """HF Falcon's attention with ``new_decoder_architecture`` (Falcon-40B/180B, Falcon 2): one
     fused query_key_value grouped per KV head, ``[B, T, Hkv, n + 2, Dh]`` (n query heads, then
@@ -650,6 +663,7 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "qk_layernorm_rot2": lambda: QKNormAttention(hidden, ffn, norm="layer", rotate_every_two=True),
         "bloom_alibi": lambda: BloomStyleAttention(hidden, ffn, full_bias=True),  # ffn = heads
         "falcon_gqa": lambda: FalconStyleAttention(hidden, 8, ffn),  # ffn = KV heads
+        "cat_mlp": lambda: CatMLP(hidden, ffn, ffn // 2 + 5),
     }[name]()
 
 

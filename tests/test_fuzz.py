@@ -48,6 +48,8 @@ PER_HEAD = {
     "index_stack": lambda t, g: torch.stack([t[:, i] * g[i] for i in range(t.shape[1])], 1),
     "index_list": lambda t, g: torch.cat([t[:, [i]] * g[i] for i in range(t.shape[1])], 1),
     "chunk_cat": lambda t, g: torch.cat([p * g[i] for i, p in enumerate(t.chunk(2, dim=1))], 1),
+    # the pieces put back in another order: a cat of pieces that is not the original cut
+    "split_reversed": lambda t, g: torch.cat([p * g[i] for i, p in enumerate(t.split(1, dim=1))][::-1], 1),
 }
 
 

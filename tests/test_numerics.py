@@ -39,6 +39,7 @@ CONFIGS = {
         "llama",  # heads through views, RoPE, GQA repeat, SDPA
         "nanogpt",  # a fused c_attn cut per component and split at local sizes
         "falcon_gqa",  # KV groups of a fused qkv taken apart by aten.index on a dim that is not cut
+        "cat_mlp",  # a rowwise weight cut as two concatenated colwise outputs (two dealt components)
     ],
     (4, "inductor", "float32"): [
         "uneven_empty_rank",  # a zero-size shard
