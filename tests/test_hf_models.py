@@ -1,0 +1,90 @@
+"""Hugging Face models as they ship (transformers 5.23), tiny random configs, planned and simulated.
+
+Each architecture is planned for 2 and 4 ranks and every rank's sharded program is run against the
+unsharded model (``explain(verify=True)``: layer by layer and at the output). The table pins what
+dynashard does with each one today: which layers stay whole and which values are gathered. A change
+here must be deliberate. Caches are off (``use_cache=False``): the K/V a cache returns from the graph
+are gathered at the output until serving keeps them sharded.
+
+Why layers stay whole here: ``lm_head`` has ``in_features`` 64 < 256 and no rowwise partner, so a
+gather would not pay; k/v projections with 2 KV heads cannot be cut over 4 ranks (each rank narrows
+them to its query heads); Falcon's 2 KV groups cannot be cut over 4 ranks (the fused projection stays
+whole, and the small ``dense`` with it). A tied LM head follows its vocab-parallel embedding: its
+logits are gathered at the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import dynashard
+
+pytestmark = pytest.mark.unit
+
+_IDS = dict(vocab_size=96, num_hidden_layers=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _llama_like(cls, **extra):
+    return cls(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_IDS, **extra)
+
+
+CONFIGS = {
+    "llama": lambda: _llama_like(T.LlamaConfig),
+    "mistral": lambda: _llama_like(T.MistralConfig),
+    "qwen2": lambda: _llama_like(T.Qwen2Config),
+    "qwen3": lambda: _llama_like(T.Qwen3Config, head_dim=16),  # q_norm / k_norm over head_dim
+    "gemma2": lambda: _llama_like(T.Gemma2Config, head_dim=16),
+    "phi": lambda: T.PhiConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **_IDS),
+    "phi3": lambda: _llama_like(T.Phi3Config),  # fused qkv_proj, fused gate_up_proj
+    "stablelm": lambda: _llama_like(T.StableLmConfig, qk_layernorm=True),  # a LayerNorm per head
+    "starcoder2": lambda: _llama_like(T.Starcoder2Config),
+    "olmo": lambda: _llama_like(T.OlmoConfig),
+    "gpt2": lambda: T.GPT2Config(n_embd=64, n_head=4, n_layer=1, vocab_size=96, bos_token_id=1, eos_token_id=2),
+    "gpt_neox": lambda: T.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **_IDS),
+    "gptj": lambda: T.GPTJConfig(n_embd=64, n_head=4, n_layer=1, rotary_dim=8, vocab_size=96, bos_token_id=1,
+                                 eos_token_id=2),
+    "opt": lambda: T.OPTConfig(hidden_size=64, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64, **_IDS),
+    "bloom": lambda: T.BloomConfig(hidden_size=64, n_head=4, n_layer=1, vocab_size=96, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=0),  # ALiBi through baddbmm
+    "falcon": lambda: T.FalconConfig(hidden_size=64, num_attention_heads=4, new_decoder_architecture=True,
+                                     num_kv_heads=2, **_IDS),  # qkv grouped per KV head, qkv[..., [-2]]
+}
+
+KV_WHOLE_AT_4 = {"k_proj", "v_proj"}
+TIED = "all_gather (before output)"
+# arch -> world -> (layers kept whole, {layer: gather}) by the last part of their FQN
+EXPECTED = {
+    "llama": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
+    "mistral": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
+    "qwen2": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
+    "qwen3": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
+    "gemma2": {2: (set(), {"embed_tokens": TIED}), 4: (KV_WHOLE_AT_4, {"embed_tokens": TIED})},
+    "phi": {2: ({"lm_head"}, {}), 4: ({"lm_head"}, {})},
+    "phi3": {2: ({"lm_head"}, {}), 4: ({"lm_head"}, {})},  # at 4 ranks k and v are held whole inside qkv_proj
+    "stablelm": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
+    "starcoder2": {2: (set(), {"embed_tokens": TIED}), 4: (KV_WHOLE_AT_4, {"embed_tokens": TIED})},
+    "olmo": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
+    "gpt2": {2: (set(), {"wte": TIED}), 4: (set(), {"wte": TIED})},
+    "gpt_neox": {2: ({"lm_head"}, {}), 4: ({"lm_head"}, {})},
+    "gptj": {2: ({"lm_head"}, {}), 4: ({"lm_head"}, {})},
+    "opt": {2: (set(), {"embed_tokens": TIED}), 4: (set(), {"embed_tokens": TIED})},
+    "bloom": {2: (set(), {"word_embeddings": TIED}), 4: (set(), {"word_embeddings": TIED})},
+    "falcon": {2: (set(), {"word_embeddings": TIED}),
+               4: ({"query_key_value", "dense"}, {"word_embeddings": TIED})},
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_hf_architecture_sharded_and_verified(arch, world):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    ids = torch.randint(3, 96, (2, 7))
+    report = dynashard.explain(model, ids, world_size=world, verify=True, options={"min_shard_numel": 0},
+                               use_cache=False)  # raises if any rank's program differs from the model
+    whole = {r.fqn.rsplit(".", 1)[-1] for r in report.rows if r.style == "replicate"}
+    gathers = {r.fqn.rsplit(".", 1)[-1]: r.collectives for r in report.rows
+               if r.collectives not in ("-", "all_reduce")}
+    assert (whole, gathers) == EXPECTED[arch][world], str(report)  # every layer not listed is sharded
