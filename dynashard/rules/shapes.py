@@ -204,6 +204,8 @@ def _part_ranges(split: Split, edges: list[int]) -> list[tuple[int, int]] | None
 
 
 def _cut_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) -> None:
+    if src.split.deals is not None:
+        return  # a carved piece: its offsets are not its origin's
     if all(e % src.split.unit == 0 for e in edges):
         lm.wish(src.origins, WishKind.CUT, frozenset(e // src.split.unit for e in edges[1:-1]),
                 f"{op_name(node)} of a fused output")
