@@ -25,16 +25,23 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tan
 
 
 class RandomMLP(nn.Module):
-    def __init__(self, hidden, ffns, act, bias, residual, norm):
+    """``side``: a second up projection per block of that width, concatenated in front of the first
+    (the down projection reads both: its weight cut as the two cuts side by side)."""
+
+    def __init__(self, hidden, ffns, act, bias, residual, norm, side=0):
         super().__init__()
         self.ups = nn.ModuleList(nn.Linear(hidden, f, bias=bias) for f in ffns)
-        self.downs = nn.ModuleList(nn.Linear(f, hidden, bias=bias) for f in ffns)
+        self.sides = nn.ModuleList(nn.Linear(hidden, side, bias=bias) for _ in ffns) if side else None
+        self.downs = nn.ModuleList(nn.Linear(f + side, hidden, bias=bias) for f in ffns)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) if norm else nn.Identity() for _ in ffns)
         self.act, self.residual = ACTIVATIONS[act], residual
 
     def forward(self, x):
-        for up, down, norm in zip(self.ups, self.downs, self.norms):
-            h = down(self.act(up(norm(x))))
+        for i, (up, down, norm) in enumerate(zip(self.ups, self.downs, self.norms)):
+            h = up(norm(x))
+            if self.sides is not None:
+                h = torch.cat([self.sides[i](norm(x)), h], -1)
+            h = down(self.act(h))
             x = x + h if self.residual else h
         return x
 
@@ -111,6 +118,7 @@ def mlp_cases(draw):
         bias=draw(st.booleans()),
         residual=draw(st.booleans()),
         norm=draw(st.booleans()),
+        side=draw(st.sampled_from([0, 0, 1, 5, 33])),
     )
     return model, model.ups[0].in_features
 
