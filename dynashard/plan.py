@@ -108,7 +108,7 @@ def make_plan(
         "stacked": options.weights == "per_rank",
     }
     auto = options.plan == "auto"
-    user = None if auto else _user(linears, blocked, options.plan_dict, modes["stacked"])
+    user = None if auto else _user(linears, blocked, options.plan_dict, modes["stacked"], modes["per_rank"])
     cuts = Cuts()
 
     def decide(wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:
@@ -128,15 +128,15 @@ def make_plan(
         unsafe = unsafe_mutations(graph, layouts)
         if not unsafe:
             return Plan(linears, decisions, layouts)
-        node, shard = unsafe[0]
-        names = sorted(by_node[o].fqn for o in shard.origins)
+        node, origins = unsafe[0]
+        names = sorted(by_node[o].fqn for o in origins)
         if options.plan != "auto":
             raise UsageError(
                 f"dynashard: the in-place op {node.target} writes into the output of {names}, which the plan "
                 "shards, through a view dynashard cannot keep sharded; expected out-of-place code there, "
                 f"or mark {names} 'replicate'."
             )
-        for o in shard.origins:  # keep the written-to layers whole and plan again
+        for o in origins:  # keep the written-to layers whole and plan again
             decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
         for n, d in list(decisions.items()):  # partners now read a replicated input: say so
             if d.style == "rowwise" and d.fed_by & set(names):
@@ -188,9 +188,11 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     """
     by_node = {m.node: m for m in linears}
     splits, forced = cuts.splits, cuts.forced
-    uses: dict[torch.fx.Node, int] = {}
+    uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for m in linears:
-        uses[m.weight] = uses.get(m.weight, 0) + 1
+        uses.setdefault(m.weight, []).append(m.node)
+    # One expert weight used once per expert (``W[e]`` in a loop): its uses are re-cut together.
+    family = {n: ns for ns in uses.values() if all(by_node[n].kind == "experts" for n in ns) for n in ns}
     cuts: dict[torch.fx.Node, set[int]] = {}
     units: dict[torch.fx.Node, int] = {}
     whole: dict[torch.fx.Node, Wish] = {}  # auto plan: keep (parts of) these whole
@@ -198,8 +200,9 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     for w in wishes:
         for o in w.origins:
             m = by_node[o]
-            if uses[m.weight] > 1:
+            if len(uses[m.weight]) > 1 and o not in family:
                 continue
+            o = family[o][0] if o in family else o
             current = splits.get(o, even(m.out_features))
             if w.kind == WishKind.REPLICATE:
                 if auto and o not in forced:
@@ -216,17 +219,19 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
             new = current  # one-unit pieces (a per-head split) would all be dealt to the first ranks
         new = new.coarsen(units.get(o, new.unit) // new.unit) if units.get(o, new.unit) % new.unit == 0 else None
         if new is not None and new != current:
-            splits[o] = new
+            for member in family.get(o, [o]):
+                splits[member] = new
             changed = True
     for o, w in whole.items():
         current = splits.get(o, even(by_node[o].out_features))
         # ``arg``: how much coarser the asking rule wanted the units (heads); safe to apply either way
         coarser = current.coarsen(w.arg) if w.arg else current
         partly = (coarser or current).keep_whole(world) if len(current.parts) > 1 else None
-        if partly is not None:
-            splits[o] = partly
-        else:
-            forced[o] = Decision("replicate", f"kept whole: {w.reason}")
+        for member in family.get(o, [o]):
+            if partly is not None:
+                splits[member] = partly
+            else:
+                forced[member] = Decision("replicate", f"kept whole: {w.reason}")
         changed = True
     return changed
 
@@ -264,7 +269,7 @@ def _auto(
     partners: dict[torch.fx.Node, list[str]] = {}
 
     def choose(m: LinearMatch, src: Shard | None) -> str:
-        numel = m.in_features * m.out_features
+        numel = m.numel
         if m.node in cuts.forced:
             decisions[m.node] = cuts.forced[m.node]
         elif blocked[m.node]:
@@ -273,6 +278,9 @@ def _auto(
             decisions[m.node] = Decision(
                 "replicate", f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
             )
+        elif m.kind == "experts" and (modes["stacked"] or modes["per_rank"]):
+            mode = "weights='per_rank'" if modes["stacked"] else "inputs='per_rank'"
+            decisions[m.node] = Decision("replicate", f"experts with {mode}: kept whole (not supported yet)")
         elif m.kind == "embedding" and modes["stacked"]:
             decisions[m.node] = Decision("replicate", "embedding with weights='per_rank': kept whole")
         elif m.kind == "embedding":
@@ -356,7 +364,7 @@ def key_matches(key: str, fqn: str) -> bool:
     return fnmatch.fnmatchcase(fqn, key) or fnmatch.fnmatchcase(fqn, "*." + key)
 
 
-def _user(linears, blocked, plan: dict[str, str], stacked: bool) -> dict[torch.fx.Node, Decision]:
+def _user(linears, blocked, plan: dict[str, str], stacked: bool, per_rank: bool) -> dict[torch.fx.Node, Decision]:
     names = sorted({m.fqn for m in linears})
     for key in plan:
         if not any(key_matches(key, n) for n in names):
@@ -383,6 +391,12 @@ def _user(linears, blocked, plan: dict[str, str], stacked: bool) -> dict[torch.f
             raise UsageError(
                 f"dynashard: plan asks for {style} on embedding {m.fqn!r} with weights='per_rank'; expected "
                 "'replicate' (every rank's own embedding stays whole)."
+            )
+        if (stacked or per_rank) and m.kind == "experts" and style != "replicate":
+            mode = "weights='per_rank'" if stacked else "inputs='per_rank'"
+            raise UsageError(
+                f"dynashard: plan asks for {style} on experts {m.fqn!r} with {mode}, which experts do not support "
+                "yet; expected 'replicate' for them, or the default inputs='replicated', weights='replicated'."
             )
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
     for ms in _shared_conflicts(linears, decisions).values():

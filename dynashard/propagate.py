@@ -15,7 +15,9 @@ One walk in graph order. Matched linears go to :func:`dynashard.rules.origins.li
 style ``choose`` gives them; every other op to its rule in the registry (``dynashard/rules/``:
 pointwise, views, shapes, reductions, attention, in-place); an op without a rule, or whose rule
 declines, and the graph's outputs read every Shard gathered (one gather per value, shared by its
-consumers). Correct by construction: an unknown op costs a gather, never a wrong value.
+consumers). Partial sums (a rowwise expert's output) go first to :mod:`dynashard.rules.partial`:
+an op linear in them keeps them partial; any other reads them all-reduced, then its rule sees a
+replicated value. Correct by construction: an unknown op costs a collective, never a wrong value.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch.fx
 from dynashard import rules
 from dynashard.match import LinearMatch
 from dynashard.rules.origins import feeds_features, linear
-from dynashard.shard import LayoutMap, Shard, Split, all_args
+from dynashard.rules.partial import keeps_partial
+from dynashard.shard import LayoutMap, Read, Shard, Split, all_args
 
 StyleChooser = Callable[[LinearMatch, Shard | None], str]
 
@@ -59,6 +62,16 @@ def propagate(
         seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())  # randn differs per rank
         if node.op == "call_function" and not seeded and all(a in lm.uniform for a in all_args(node)):
             lm.uniform.add(node)
+        partial = [a for a in all_args(node) if a in lm.partial]
+        if partial:
+            lm.uniform.discard(node)
+            if keeps_partial(lm, node):
+                for arg in all_args(node):
+                    lm.read(node, arg, Read.LOCAL)
+                lm.layouts[node] = None
+                continue
+            for arg in partial:
+                lm.sum_partial(node, arg)
         if node in linears:
             match = linears[node]
             style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)

@@ -90,6 +90,11 @@ class _Sharder(torch.fx.Interpreter):
     def _read(self, consumer: torch.fx.Node, producer: torch.fx.Node, out: Shard | None) -> Any:
         how = self.lm.reads.get((consumer, producer))
         value = self.env[producer]
+        if (consumer, producer) in self.lm.reduced:  # partial sums: one all_reduce, shared by its readers
+            key = ("sum", producer)
+            if key not in self.converted:
+                self.converted[key] = self.comm.all_reduce_sum(value, self.group_name)
+            value = self.converted[key]
         if how is None or how == Read.LOCAL:
             return value
         if how == Read.NARROW_GROUPS:
@@ -106,7 +111,10 @@ class _Sharder(torch.fx.Interpreter):
             return super().run_node(node)
         if node in self.skipped:
             return self.env[node.args[0]]  # stands for the stacked weight (the bmm transposes it)
-        if node in self.by_node and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
+        if node in self.by_node and self.by_node[node].kind == "experts":
+            if self.lm.styles[node] == "rowwise":
+                return self._experts_rowwise(node)
+        elif node in self.by_node and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
             return self._linear(node)
         out = self.lm.layouts.get(node) or (self.lm.outputs.get(node) or [None])[0]
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._read(node, p, out))
@@ -164,6 +172,27 @@ class _Sharder(torch.fx.Interpreter):
         rows = aten.embedding(weight, local.clamp(0, shard.length - 1))
         return torch.where(inside.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
+    def _rowwise_input(self, node: torch.fx.Node, m) -> Any:
+        """A rowwise layer's input: this rank's features (local, narrowed, or gathered then narrowed)."""
+        lm = self.lm
+        how = lm.reads.get((node, m.input))
+        src = lm.layouts.get(m.input)
+        in_shard = src if how == Read.LOCAL and src is not None else lm.shard(lm.weight_splits[node], frozenset(),
+                                                                              m.input_dim)
+        x = self._read(node, m.input, in_shard)
+        if how == Read.GATHER and not lm.per_rank:  # sharded on another dim: gathered, now take this rank's features
+            x = take(x, in_shard)
+        return x, in_shard
+
+    def _experts_rowwise(self, node: torch.fx.Node) -> Any:
+        """Every expert's rowwise matmul on this rank's features: the output is this rank's partial sums."""
+        m = self.by_node[node]
+        x, _ = self._rowwise_input(node, m)
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda p: x if p is m.input else self._read(node, p, None))
+        args, kwargs = _as_traced(node, args, kwargs)
+        return getattr(self, node.op)(node.target, args, kwargs)
+
     def _linear(self, node: torch.fx.Node) -> Any:
         m, lm = self.by_node[node], self.lm
         if lm.styles[node] == "colwise":  # only reached with stacked weights
@@ -172,12 +201,7 @@ class _Sharder(torch.fx.Interpreter):
             if m.bias is not None:
                 y = (y3 + self.env[m.bias].unsqueeze(1)).reshape(y.shape)
             return y
-        how = lm.reads.get((node, m.input))
-        src = lm.layouts.get(m.input)
-        in_shard = src if how == Read.LOCAL and src is not None else lm.shard(lm.weight_splits[node], frozenset())
-        x = self._read(node, m.input, in_shard)
-        if how == Read.GATHER and not lm.per_rank:  # sharded on another dim: gathered, now take this rank's features
-            x = take(x, in_shard)
+        x, in_shard = self._rowwise_input(node, m)
         if m.kind == "embedding":
             y = self._vocab_lookup(self.env[m.weight], x, in_shard)
         else:

@@ -283,6 +283,11 @@ class LayoutMap:
     wishes: list[Wish] = dataclasses.field(default_factory=list)
     view_rows_scaled: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # per_rank: first size x world
     collectives: list[Collective] = dataclasses.field(default_factory=list)
+    # Partial sums (the layout is None: the value is whole-shaped): each rank holds a term of the
+    # value, their sum is the value; origins as for a Shard. A rowwise expert matmul makes one; ops
+    # linear in it keep it (rules/partial.py); any other reader reads it all-reduced (``reduced``).
+    partial: dict[torch.fx.Node, frozenset[torch.fx.Node]] = dataclasses.field(default_factory=dict)
+    reduced: set[tuple[torch.fx.Node, torch.fx.Node]] = dataclasses.field(default_factory=set)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
 
     def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:
@@ -313,6 +318,14 @@ class LayoutMap:
         """A rowwise linear's (or vocab-parallel embedding's) partial sums, combined."""
         kind = CollectiveKind.REDUCE_SCATTER if self.per_rank else CollectiveKind.ALL_REDUCE
         self.collectives.append(Collective(kind, linear, frozenset([linear]), ""))
+
+    def sum_partial(self, consumer: torch.fx.Node, producer: torch.fx.Node) -> None:
+        """``consumer`` reads the partial sums ``producer`` all-reduced (one reduction per value,
+        shared by its consumers, as a gather is)."""
+        if not any(p is producer for _, p in self.reduced):
+            self.collectives.append(
+                Collective(CollectiveKind.ALL_REDUCE, producer, self.partial[producer], op_name(consumer)))
+        self.reduced.add((consumer, producer))
 
     # Reads shared by many rules.
 

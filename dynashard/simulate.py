@@ -177,7 +177,13 @@ def _layer_errors(analyses, results, reference: dict) -> dict[str, float]:
         if style == "replicate" or first.plan.layouts.per_rank:
             continue  # replicated layers are the unsharded ones; per-rank rows are checked at the outputs
         values = [seen[analyses[r].plan.linears[i].node] for r, (_, seen) in enumerate(results)]
-        got = _assemble(values, first.plan.layouts.weight_splits[m.node]) if style == "colwise" else values[0]
+        if style == "colwise":  # features moved last, joined rank by rank, moved back
+            d = m.output_dim
+            got = _assemble([v.movedim(d, -1) for v in values], first.plan.layouts.weight_splits[m.node]).movedim(-1, d)
+        elif m.node in first.plan.layouts.partial:  # each rank's term of the output
+            got, values = torch.stack(values).sum(0), []
+        else:
+            got = values[0]
         err = max([_err(got, reference[m.node])] + [_err(v, values[0]) for v in values[1:] if style == "rowwise"])
         errors[m.fqn] = max(errors.get(m.fqn, 0.0), err)
     return errors

@@ -629,6 +629,59 @@ class FalconStyleAttention(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class MoE(nn.Module):
+    """A mixture-of-experts block as HF's ``batched_mm`` experts run it (Mixtral, Qwen-MoE, ...): a
+    router picks ``top_k`` of ``experts`` per token, every expert's weights are one slice of a 3-D
+    parameter (``gate_up [E, 2 * ffn, hidden]``, ``down [E, hidden, ffn]``) gathered per token pair
+    (``W[ids]``) for a ``bmm``; the rows are weighted by the router and summed over top-k. A residual
+    follows, as in a decoder layer. ``loop=True``: a python loop over experts with ``F.linear(x,
+    W[e])`` on masked tokens instead (every expert computes every token; no data-dependent shapes)."""
+
+    def __init__(self, hidden: int = 64, ffn: int = 48, experts: int = 4, top_k: int = 2, loop: bool = False):
+        super().__init__()
+        self.e, self.k, self.ffn, self.loop = experts, top_k, ffn, loop
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / math.sqrt(hidden))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(ffn))
+
+    def forward(self, x):
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, ids = torch.topk(F.softmax(self.router(h), -1), self.k, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        if self.loop:
+            out = torch.zeros_like(h)
+            for e in range(self.e):
+                gate, up = F.linear(h, self.gate_up_proj[e]).chunk(2, -1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e])
+                out = out + y * (weights * (ids == e)).sum(-1, keepdim=True)
+            return x + out.view(shape)
+        pairs = h.repeat_interleave(self.k, dim=0)  # [tokens * top_k, hidden]
+        flat = ids.reshape(-1)
+        gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+        y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = (y * weights.reshape(-1, 1)).view(-1, self.k, shape[-1]).sum(1)
+        return x + y.view(shape)
+
+
+class HFMixtral(nn.Module):
+    """A tiny HF Mixtral (transformers 5.x, its default ``grouped_mm`` experts: on CPU in float32
+    transformers' own ``grouped_mm_fallback`` op), ids in, logits out, no cache."""
+
+    def __init__(self, hidden: int = 64, vocab: int = 96, experts_implementation: str = "grouped_mm"):
+        super().__init__()
+        import transformers
+
+        cfg = transformers.MixtralConfig(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab, num_hidden_layers=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, experts_implementation=experts_implementation)
+        self.model = transformers.AutoModelForCausalLM.from_config(cfg)
+
+    def forward(self, ids):
+        return self.model(ids, use_cache=False).logits
+
+
 def build(name: str, hidden: int, ffn: int) -> nn.Module:
     return {
         "mlp": lambda: MLP(hidden, ffn),
@@ -664,8 +717,11 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "bloom_alibi": lambda: BloomStyleAttention(hidden, ffn, full_bias=True),  # ffn = heads
         "falcon_gqa": lambda: FalconStyleAttention(hidden, 8, ffn),  # ffn = KV heads
         "cat_mlp": lambda: CatMLP(hidden, ffn, ffn // 2 + 5),
+        "moe": lambda: MoE(hidden, ffn),
+        "moe_loop": lambda: MoE(hidden, ffn, loop=True),
+        "hf_mixtral": lambda: HFMixtral(hidden, ffn),  # ffn = vocabulary
     }[name]()
 
 
 IDS_IN = {"tiny_lm", "nanogpt", "nanogpt_manual", "llama", "llama_complex", "llama_manual", "llama_few_kv",
-          "llama_6_heads", "llama_sdpa_gqa", "llama_mqa"}
+          "llama_6_heads", "llama_sdpa_gqa", "llama_mqa", "hf_mixtral"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dynashard.shard import LayoutMap, Read, Shard, mutates_self
+from dynashard.shard import LayoutMap, Read, mutates_self
 
 
 def aliases_input(node: torch.fx.Node) -> bool:
@@ -41,13 +41,15 @@ def mutated_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     }
 
 
-def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.fx.Node, Shard]]:
+def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.fx.Node, frozenset[torch.fx.Node]]]:
     """In-place writes the layout cannot follow (the aten graph is not functionalized).
 
     Safe: a write into a Shard through a shard-preserving alias, as long as no gather of that
-    memory is shared across the write. Unsafe, returned with the Shard whose memory it touches:
-    a write through an alias that was gathered (it would change a copy, not the shard), or a
-    write between two reads that share one cached gather of the same memory.
+    memory is shared across the write. Unsafe, returned with the origins of the Shard whose memory
+    it touches: a write through an alias that was gathered (it would change a copy, not the shard),
+    or a write between two reads that share one cached gather of the same memory. A write into
+    partial sums (or into memory a partial value aliases) is unsafe too: the reads see one
+    all-reduced copy.
     """
     root = alias_roots(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -61,6 +63,10 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
             continue
         base = root.get(node.args[0], node.args[0])
         members = [n for n in graph.nodes if root.get(n, n) is base]
+        partial = frozenset().union(*(lm.partial[m] for m in members if m in lm.partial))
+        if partial:
+            found.append((node, partial))
+            continue
         shard = next((lm.layouts[m] for m in members if lm.layouts.get(m) is not None), None)
         if shard is None:
             continue
@@ -69,5 +75,5 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         through_copy = lm.layouts.get(node.args[0]) is None or read in (Read.GATHER, Read.GLOBAL)
         stale = any(min(gathers.get(m, [order[node]])) < order[node] < max(gathers.get(m, [0])) for m in members)
         if through_copy or stale:
-            found.append((node, shard))
+            found.append((node, shard.origins))
     return found

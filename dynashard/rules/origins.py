@@ -7,23 +7,30 @@ the reduction). A replicated input of a rowwise linear is narrowed to this rank'
 input sharded another way is gathered first. An embedding "rowwise" is vocab-parallel: every rank
 looks up every id in its slice of the vocabulary, and the rows are all-reduced.
 
+Experts (a 3-D parameter, one ``[out, in]`` weight per expert, used by a batched or grouped
+matmul) are cut alike in every expert: colwise gives a Shard on the matmul's output-feature dim;
+rowwise leaves *partial sums* (each rank's term; see :mod:`dynashard.rules.partial`), so the
+routing weights, the token permutation and the top-k sum run before the one all_reduce.
+
 Linears are found by :mod:`dynashard.match` (any form: ``nn.Linear``, ``x @ W.t()``, HF Conv1D's
 addmm), not by op, so the driver calls :func:`linear` for each matched node with its style.
 """
 
 from __future__ import annotations
 
+import math
+
 from dynashard.errors import UsageError
 from dynashard.match import LinearMatch
-from dynashard.shard import LayoutMap, Read, all_args, even, size_at, val
+from dynashard.shard import LayoutMap, Read, Shard, Split, WishKind, all_args, even, size_at, val
 
 
 def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
     """The linear's input is sharded on exactly its input features (a rowwise input as it is);
     a shard on another dim (heads fed to a per-head linear, a merged dim) must be gathered."""
     src = lm.layouts.get(match.input)
-    return (src is not None and src.dim == -1 and not src.split.whole
-            and src.size == match.in_features == size_at(match.input))
+    return (src is not None and src.dim == match.input_dim and not src.split.whole
+            and src.size == match.in_features == size_at(match.input, match.input_dim))
 
 
 def linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
@@ -33,7 +40,9 @@ def linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
         return
     for arg in all_args(node):
         lm.read(node, arg, Read.LOCAL)  # the weight's transpose reads the (already sharded) weight
-    if style == "colwise":
+    if match.kind == "experts":
+        _experts(lm, match, style)
+    elif style == "colwise":
         _colwise(lm, match)
     elif match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
         lm.weight_splits[node] = even(match.in_features)
@@ -70,6 +79,45 @@ def _colwise(lm: LayoutMap, match: LinearMatch) -> None:
             f"same on every rank; found a {bias.dim()}-D bias. Mark it 'replicate' in the plan."
         )
     lm.read_as_shard(node, match.bias, out)
+
+
+def _alignment(match: LinearMatch) -> int:
+    """Elements per unit a cut must keep: ``aten._grouped_mm`` needs 16-byte strides (its CPU and
+    CUDA kernels refuse others), so every rank's part must be a multiple of 16 bytes."""
+    if getattr(match.node.target, "_schema", None) is None or match.node.target._schema.name != "aten::_grouped_mm":
+        return 1
+    return max(1, 16 // val(match.node).element_size())
+
+
+def _align(lm: LayoutMap, shard: Shard, match: LinearMatch) -> None:
+    unit = _alignment(match)
+    if shard.split.unit % unit:
+        k = math.lcm(unit, shard.split.unit) // shard.split.unit
+        lm.wish(shard.origins, WishKind.COARSEN, k, f"{match.fqn}'s grouped_mm needs parts of 16 bytes")
+
+
+def _experts(lm: LayoutMap, match: LinearMatch, style: str) -> None:
+    """Every expert's own colwise / rowwise linear (the weight chain runs on this rank's cut)."""
+    node, src = match.node, lm.layouts.get(match.input)
+    if style == "colwise":
+        if src is not None:
+            lm.read(node, match.input, Read.GATHER)
+        out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]), match.output_dim)
+        _align(lm, out, match)
+        lm.weight_splits[node] = out.split
+        lm.layouts[node] = out
+        return
+    usable = feeds_features(lm, match)
+    unit = _alignment(match)
+    if usable:
+        _align(lm, src, match)
+    elif match.in_features % unit == 0:
+        lm.weight_splits[node] = Split((match.in_features // unit,), unit)
+    lm.weight_splits[node] = src.split if usable else lm.weight_splits.get(node, even(match.in_features))
+    # an input sharded some other way is gathered, then this rank's features taken (rewrite.py)
+    lm.read(node, match.input, Read.LOCAL if usable else Read.GATHER if src is not None else Read.NARROW)
+    lm.layouts[node] = None
+    lm.partial[node] = frozenset([node])
 
 
 def _rowwise(lm: LayoutMap, match: LinearMatch) -> None:

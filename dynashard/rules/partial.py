@@ -1,0 +1,79 @@
+"""Partial sums: the ops that keep a value a sum of per-rank terms, so one all_reduce serves a block.
+
+A rowwise expert matmul leaves each rank with a term of every token's output (its slice of the
+expert's hidden features, contracted). Mixture-of-experts code then weights those rows by the
+router, puts them back in token order and sums over top-k -- all linear, so the terms can be
+summed once, at the end, on ``[tokens, hidden]`` instead of ``[tokens * top_k, hidden]`` per
+expert matmul.
+
+Before: ``down = bmm(W_down[ids], h)`` (h Shard), ``y = mul(down, w)``, ``z = sum(view(y), [1])``,
+``out = add(z, residual)``.
+After: ``down``, ``y``, ``z`` partial (each rank's term, no collective); ``add`` reads ``z``
+all-reduced, since the residual must be added once.
+
+An op keeps a partial when it is linear in it and every other tensor it reads is replicated:
+views and copies of it, a product or quotient by a replicated value, a selection of rows
+(``index``, ``select``, ``slice``), sums over dims, a sum, difference or concatenation of partials
+only (or zeros). Every other reader -- every in-place op, any op with a Shard operand, the graph's
+outputs -- reads it all-reduced (:meth:`~dynashard.shard.LayoutMap.sum_partial`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from dynashard.shard import LayoutMap, mutates_self, tensor_args, val
+
+aten = torch.ops.aten
+
+# Linear in their first operand, every other operand a shape, dim or index.
+_LINEAR_IN_FIRST = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.unsqueeze.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.expand.default, aten.clone.default, aten.alias.default, aten.slice.Tensor, aten.select.int,
+    aten.narrow.default, aten.index.Tensor, aten.sum.dim_IntList, aten.sum.default, aten.neg.default,
+    aten.mul.Scalar, aten.div.Scalar,
+}
+_SCALED = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,)}  # linear in one operand if the other is replicated
+_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default}  # linear only when every operand is partial
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+def _is_zeros(node: torch.fx.Node) -> bool:
+    """A tensor of zeros is a partial sum too (every rank's term 0): ``out = zeros_like(x)`` then
+    ``out = out + expert(x)`` in a loop over experts stays partial."""
+    if node.target in _ZEROS:
+        return True
+    fill = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}.get(node.target)
+    return fill is not None and len(node.args) > fill and node.args[fill] == 0
+
+
+def _widening_copy(node: torch.fx.Node) -> bool:
+    """A dtype conversion that loses nothing summing later: to the same or a wider float type."""
+    src, out = val(node.args[0]), val(node)
+    return (src is not None and out is not None and out.dtype.is_floating_point
+            and out.dtype.itemsize >= src.dtype.itemsize)
+
+
+def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """True (and the output's partial origins recorded) when ``node`` reads partial operands and is
+    linear in them; the driver then records every operand read locally."""
+    if node.op != "call_function" or mutates_self(node):
+        return False
+    args = tensor_args(node)
+    partial = [a for a in args if a in lm.partial]
+    others = [a for a in args if a not in lm.partial]
+    if not partial or any(lm.layouts.get(a) is not None for a in args):
+        return False
+    if node.target in _LINEAR_IN_FIRST or (node.target is aten._to_copy.default and _widening_copy(node)):
+        ok = partial == [node.args[0]]
+    elif node.target in _SCALED:
+        ok = len(partial) == 1 and any(node.args[i] is partial[0] for i in _SCALED[node.target])
+    elif node.target in _ALL_PARTIAL:
+        ok = all(_is_zeros(a) for a in others)
+    else:
+        ok = False
+    if ok:
+        lm.partial[node] = frozenset().union(*(lm.partial[a] for a in partial))
+    return ok
