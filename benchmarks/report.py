@@ -41,10 +41,15 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _timed(r: dict[str, Any]) -> bool:
+    """A result with timings: not a failed system, nor one the workload cannot run ("not_applicable")."""
+    return "median_ms" in r
+
+
 def group_table(group: list[dict[str, Any]], world: int) -> str:
     """One workload at one token count: every system, ratios against the baselines."""
-    first = group[0]
-    ok = [r for r in group if "error" not in r]
+    first = next((r for r in group if r.get("loadavg")), group[0])
+    ok = [r for r in group if _timed(r)]
     by_name = {r["system"]: r["median_ms"] for r in ok}
     iters = len(ok[0]["per_rank"][0]["times_s"]) if ok else 0
     lines = [
@@ -61,6 +66,9 @@ def group_table(group: list[dict[str, Any]], world: int) -> str:
     for r in group:
         if "error" in r:
             lines.append(f"| {r['system']} | failed: {r['error'].splitlines()[0][:200]} |" + " |" * 10)
+            continue
+        if "not_applicable" in r:
+            lines.append(f"| {r['system']} | n/a: {r['not_applicable']} |" + " |" * 10)
             continue
         ms = r["median_ms"]
         diff = "-" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.1e}" + ("" if r["ok"] else " (FAIL)")
@@ -93,8 +101,8 @@ def summary(rec: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for group in _groups(rec):
-        by_name = {r["system"]: r["median_ms"] for r in group if "error" not in r}
-        mine = next((r for r in group if r["system"] == "dynashard inductor" and "error" not in r), None)
+        by_name = {r["system"]: r["median_ms"] for r in group if _timed(r)}
+        mine = next((r for r in group if r["system"] == "dynashard inductor" and _timed(r)), None)
         if mine is None:
             continue
         ms = by_name["dynashard inductor"]
@@ -136,7 +144,7 @@ def load(results_dir: str, smoke: bool) -> dict[tuple[int, str, int, str], dict[
     best: dict[tuple[int, str, int, str], dict[str, Any]] = {}
     for rec in sorted(records, key=lambda r: r["date"]):
         for r in rec["results"]:
-            if "error" not in r:
+            if _timed(r):
                 best[(rec["world_size"], r["workload"], r["tokens"], r["system"])] = r
     systems = list(dict.fromkeys(s for rec in records for s in rec["config"]["systems"]))
     workloads = list(dict.fromkeys(w for rec in records for w in rec["config"]["workloads"]))

@@ -1,6 +1,6 @@
 """The benchmark suite: every workload x token count x system, side by side in one process group.
 
-Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.suite [--workloads mlp,block,decoder]
+Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.suite [--workloads mlp,block,decoder,moe]
         [--tokens 1,64,256,1024] [--systems "dtensor inductor,dynashard inductor,bound"] [--iters 20]
         [--smoke] [--out PATH]
 Plots and the scaling table, from the records of runs at world 1, 2 and 4: python -m benchmarks.report
@@ -11,6 +11,10 @@ Workloads (workloads.py; weights and inputs from the same seed on every rank, fl
            rotation), SDPA, o, RMSNorm, SwiGLU; called as block(x, cos, sin)
   decoder  tests.models.LlamaDecoder(vocab 32000, hidden 1024, 8 heads, ffn 2816, 4 layers,
            untied LM head): ids [1, tokens] in, logits out
+  moe      tests.models.MoE(hidden 1024, ffn 1408, 8 experts, top 2): router, 3-D expert weights
+           run as W[ids] + bmm (HF's batched_mm), residual; input [1, tokens, 1024]. The dtensor
+           systems are not applicable (no parallel style shards 3-D expert parameters): reported
+           "n/a" with the reason, not run
 Systems (each builds its own deep copy; compiled ones use fullgraph=True, dynamic=False):
   unsharded eager / inductor   the model as is / torch.compile(model): every rank computes it all
   dtensor eager / inductor     parallelize_module with the workload's Megatron plan and the
@@ -19,9 +23,9 @@ Systems (each builds its own deep copy; compiled ones use fullgraph=True, dynami
                                plan "auto"; the collectives its rewritten graph holds are counted
   bound                        workloads.shard_by_hand: the same model code on this rank's 1/N
                                shards with the minimal collectives written by hand (one funcol
-                               all_reduce per rowwise layer / vocab embedding, one all_gather for
-                               the LM head), compiled with Inductor: the sharded compute plus the
-                               minimal communication in one program, no overlap
+                               all_reduce per rowwise layer / vocab embedding / MoE block, one
+                               all_gather for the LM head), compiled with Inductor: the sharded
+                               compute plus the minimal communication in one program, no overlap
   bound compute                the same with every collective skipped (output not checked)
   bound comm                   the bound's collectives alone: c10d calls on preallocated tensors of
                                the same shapes, in the same order (output not checked)
@@ -205,7 +209,9 @@ def run_group(workload: str, tokens: int, sizes: Sizes, base: nn.Module, systems
     failed: dict[str, str] = {}
     cache = {s: os.path.join(ctx["cache_root"], f"{workload}-{tokens}-{s.replace(' ', '-')}") for s in systems}
     load = [os.getloadavg()[0]]
-    for system in systems:
+    not_applicable = WORKLOADS[workload].not_applicable
+    skipped = {s: not_applicable[s.partition(" ")[0]] for s in systems if s.partition(" ")[0] in not_applicable}
+    for system in [s for s in systems if s not in skipped]:
         bar.show(f"{tag}: building {system}")
         error, info = None, {}
         cold_cache(cache[system])
@@ -261,6 +267,8 @@ def run_group(workload: str, tokens: int, sizes: Sizes, base: nn.Module, systems
             r["recompile_s"] = None
     results += [{"workload": workload, "tokens": tokens, "system": s, "error": e, "ok": False}
                 for s, e in failed.items()]
+    results += [{"workload": workload, "tokens": tokens, "system": s, "not_applicable": why, "ok": True}
+                for s, why in skipped.items()]
     return sorted(results, key=lambda r: systems.index(r["system"]))
 
 
@@ -286,7 +294,7 @@ def source_version() -> str:
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", default="mlp,block,decoder", help="comma-separated: " + ", ".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS))
     ap.add_argument("--tokens", default="1,64,256,1024", help="comma-separated token counts")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ", ".join(SYSTEMS))
     ap.add_argument("--iters", type=int, default=20)
@@ -325,9 +333,11 @@ def main() -> None:
     out = out_path(args.out, f"suite_w{world}", args.smoke)
     ctx = {"cache_root": cache, "world": world, "rank": rank, "max_tokens": max(args.tokens),
            "min_shard_numel": args.min_shard_numel, "compiler": args.compiler}
-    per_tokens = len(args.systems) + args.warmup + args.iters
-    rounds = len(args.tokens) * per_tokens + sum(s in COMPILED for s in args.systems)
-    bar = Progress(len(args.workloads) * rounds, enabled=rank == 0)
+    rounds = 0
+    for workload in args.workloads:
+        runs = [s for s in args.systems if s.partition(" ")[0] not in WORKLOADS[workload].not_applicable]
+        rounds += len(args.tokens) * (len(runs) + args.warmup + args.iters) + sum(s in COMPILED for s in runs)
+    bar = Progress(rounds, enabled=rank == 0)
     bar.show("warming up the compiler toolchain")
     warm_up_toolchain(args.compiler)
     results: list[dict[str, Any]] = []

@@ -5,17 +5,23 @@ One plan per workload, written once as ``{module FQN glob: style}`` and applied 
 - DTensor: ``parallelize_module`` with the matching ``ColwiseParallel`` / ``RowwiseParallel``
   styles, plus the head-count edit DTensor needs (``n_heads //= world``, ``n_kv_heads //= world``);
 - the bound: a deep copy of the model whose planned layers are replaced by this rank's shard
-  (``ColwiseShard`` / ``RowwiseShard`` / ``VocabShard`` below) with the minimal collectives
-  written in by hand -- one all_reduce per rowwise layer and per vocab-parallel embedding, one
-  all_gather for a gathered head -- plus the same head-count edit. Everything else in the model
-  (norms, RoPE, attention, residuals) is the model's own code on local shards.
+  (``ColwiseShard`` / ``RowwiseShard`` / ``VocabShard`` / ``ExpertsShard`` below) with the minimal
+  collectives written in by hand -- one all_reduce per rowwise layer, per vocab-parallel embedding
+  and per MoE block, one all_gather for a gathered head -- plus the same head-count edit.
+  Everything else in the model (norms, RoPE, attention, routing, residuals) is the model's own
+  code on local shards.
 
 dynashard gets no plan: ``plan="auto"`` must find this one (the suite reports its collectives).
 
 Styles: ``colwise`` (output features split; the output stays sharded), ``rowwise`` (input features
 split; one all_reduce, bias added after it), ``vocab`` (embedding rows split: masked local lookup,
 one all_reduce; DTensor ``RowwiseParallel(input_layouts=Replicate())``), ``gather`` (colwise with
-the output all-gathered: the LM head; DTensor ``ColwiseParallel(output_layouts=Replicate())``).
+the output all-gathered: the LM head; DTensor ``ColwiseParallel(output_layouts=Replicate())``),
+``experts`` (a ``tests.models.MoE`` block, its FQN ``""`` when it is the whole model: every expert of
+the 3-D ``gate_up_proj`` colwise per component, of ``down_proj`` rowwise, the router whole, one
+all_reduce of the summed expert output; no DTensor style: ``ColwiseParallel`` / ``RowwiseParallel``
+take ``nn.Linear`` / ``nn.Embedding`` modules, and the experts are 3-D parameters of the block
+itself, so a workload using it lists the DTensor systems in ``not_applicable``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._common import MLP
-from tests.models import LlamaAttention, LlamaBlock, LlamaDecoder, rope_tables
+from tests.models import LlamaAttention, LlamaBlock, LlamaDecoder, MoE, rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +50,11 @@ class Sizes:
     n_heads: int = 8
     vocab: int = 32000
     n_layer: int = 4
+    moe_ffn: int = 1408  # per expert
+    experts: int = 8  # top 2 per token
 
 
-SMOKE = Sizes(hidden=64, mlp_ffn=256, llama_ffn=176, n_heads=4, vocab=512, n_layer=1)
+SMOKE = Sizes(hidden=64, mlp_ffn=256, llama_ffn=176, n_heads=4, vocab=512, n_layer=1, moe_ffn=48, experts=4)
 
 _BLOCK_PLAN = {
     "self_attn.q_proj": "colwise",
@@ -65,6 +73,8 @@ class Workload:
     plan: dict[str, str]
     build: Callable[[Sizes, int], nn.Module]  # (sizes, max tokens) -> model
     inputs: Callable[[Sizes, int, int], tuple[Any, ...]]  # (sizes, tokens, max tokens) -> call args
+    # system kind ("dtensor", ...) -> why the workload cannot run it; the suite reports those n/a
+    not_applicable: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _block_inputs(s: Sizes, tokens: int, max_tokens: int) -> tuple[Any, ...]:
@@ -83,6 +93,12 @@ WORKLOADS = {
             {"embed_tokens": "vocab", **{f"layers.*.{k}": v for k, v in _BLOCK_PLAN.items()}, "lm_head": "gather"},
             lambda s, m: LlamaDecoder(s.vocab, s.hidden, s.n_heads, ffn=s.llama_ffn, n_layer=s.n_layer, max_len=m),
             lambda s, t, _: (torch.randint(0, s.vocab, (1, t)),),
+        ),
+        Workload(
+            "moe", {"": "experts"}, lambda s, _: MoE(s.hidden, s.moe_ffn, experts=s.experts, top_k=2),
+            lambda s, t, _: (torch.randn(1, t, s.hidden),),
+            not_applicable={"dtensor": "parallelize_module's ColwiseParallel / RowwiseParallel shard nn.Linear and "
+                                       "nn.Embedding modules only; the experts are 3-D parameters of the MoE module"},
         ),
     )
 }
@@ -108,6 +124,8 @@ def _planned(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def dtensor_parallelize(model: nn.Module, plan: dict[str, str], mesh: Any) -> nn.Module:
+    if "experts" in plan.values():
+        raise NotImplementedError("no DTensor parallel style shards 3-D expert parameters")
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -197,20 +215,65 @@ class VocabShard(_Shard):
         return funcol.all_reduce(y, "sum", self.group_name) if self.comm else y
 
 
+class ExpertsShard(_Shard):
+    """A ``tests.models.MoE`` block (its ``batched_mm`` form) on this rank's slice of every expert:
+    ``gate_up_proj`` holds rows ``[r * ffn/N, (r + 1) * ffn/N)`` of each expert's gate part and the
+    same rows of its up part, side by side (``[E, 2 * ffn/N, hidden]``), ``down_proj`` the same
+    columns of each expert (``[E, hidden, ffn/N]``); the router is whole, so every rank routes alike.
+    ``forward`` is ``MoE.forward``'s ``batched_mm`` path line for line, plus one all_reduce (sum) of
+    the summed expert output ``[tokens, hidden]`` before the residual add."""
+
+    def __init__(self, moe: MoE, world: int, rank: int, group_name: str, comm: bool) -> None:
+        super().__init__(world, group_name, comm)
+        if not isinstance(moe, MoE) or moe.loop:
+            raise ValueError(f"experts: expected a tests.models.MoE with loop=False, got {moe!r}")
+        if moe.ffn % world:
+            raise ValueError(f"an expert ffn of {moe.ffn} does not split over {world} ranks")
+        self.e, self.k, self.ffn = moe.e, moe.k, moe.ffn // world
+        self.router = copy.deepcopy(moe.router)
+        gate, up = moe.gate_up_proj.chunk(2, 1)  # [E, ffn, hidden] each
+        self.gate_up_proj = self._param(torch.cat([gate.chunk(world, 1)[rank], up.chunk(world, 1)[rank]], 1))
+        self.down_proj = self._param(moe.down_proj.chunk(world, 2)[rank])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, ids = torch.topk(F.softmax(self.router(h), -1), self.k, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        pairs = h.repeat_interleave(self.k, dim=0)  # [tokens * top_k, hidden]
+        flat = ids.reshape(-1)
+        gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+        y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = (y * weights.reshape(-1, 1)).view(-1, self.k, shape[-1]).sum(1)  # this rank's partial sum
+        self._note("all_reduce", y)
+        if self.comm:
+            y = funcol.all_reduce(y, "sum", self.group_name)
+        return x + y.view(shape)
+
+
 def shard_by_hand(model: nn.Module, plan: dict[str, str], world: int, rank: int, comm: bool = True) -> nn.Module:
-    """``model`` (a copy) with every planned layer replaced by this rank's shard module."""
+    """``model`` (a copy) with every planned layer replaced by this rank's shard module (the model
+    itself replaced when its FQN ``""`` is planned, e.g. a lone MoE block)."""
     model = copy.deepcopy(model)
     group_name = dist.group.WORLD.group_name
-    for fqn, style in _planned(model, plan):
+    planned = _planned(model, plan)
+    if any(not fqn for fqn, _ in planned) and len(planned) > 1:
+        raise ValueError("a plan that replaces the whole model can hold nothing else")
+    for fqn, style in planned:
         parent_fqn, _, attr = fqn.rpartition(".")
         old = model.get_submodule(fqn)
-        if style == "vocab":
+        if style == "experts":
+            new = ExpertsShard(old, world, rank, group_name, comm)
+        elif style == "vocab":
             new = VocabShard(old, world, rank, group_name, comm)
         elif style == "rowwise":
             new = RowwiseShard(old, world, rank, group_name, comm)
         else:
             new = ColwiseShard(old, world, rank, group_name, comm, gather=style == "gather")
-        setattr(model.get_submodule(parent_fqn), attr, new)
+        if fqn:
+            setattr(model.get_submodule(parent_fqn), attr, new)
+        else:
+            model = new
     split_heads(model, world)
     return model
 

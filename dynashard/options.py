@@ -35,12 +35,16 @@ HF_NOT_LINEAR = {
     "all_reduce": None,  # a module's partial output summed: each rowwise linear's all_reduce already is
     "sequence_parallel": "dynashard does not shard activations along the sequence (inputs='replicated'); the "
                          "module runs on every rank's whole sequence",
-    "moe_tp_experts": "dynashard does not shard mixture-of-experts experts yet; they stay whole on every rank",
-    "moe_identity_expert": "dynashard does not shard mixture-of-experts experts yet",
+    # experts cut inside every expert (gate_up colwise, down rowwise), one all_reduce per MoE block: what
+    # dynashard does with the keys under such a container, and what an identity expert's sum needs
+    "moe_tp_experts": None,
+    "moe_identity_expert": None,
     "local_params": "dynashard does not shard bare parameters outside linear layers; it stays whole",
     "mla_kv_a_proj": "dynashard keeps DeepSeek MLA's kv_a_proj whole (its output is a latent and a rope part)",
-    "grouped_gemm": "an expert-parallel style; dynashard does not shard experts yet",
-    "ep_dispatch_experts": "an expert-parallel style; dynashard does not shard experts yet",
+    "grouped_gemm": "an expert-parallel style; dynashard shards experts tensor-parallel (inside every expert), "
+                    "not expert-parallel: use the model's base_model_tp_plan or plan='auto'",
+    "ep_dispatch_experts": "an expert-parallel style; dynashard shards experts tensor-parallel (inside every "
+                           "expert), not expert-parallel: use the model's base_model_tp_plan or plan='auto'",
 }
 
 
@@ -67,14 +71,15 @@ class Options:
 
 def _linear_entries(plan: Mapping[str, Any]) -> dict[str, Any]:
     """The plan without the HF entries that name no linear layer (norms, expert containers), and
-    without the keys under an expert container dynashard does not shard (its packed weights);
+    without the keys under an expert-parallel container (dynashard does not deal experts to ranks);
     a warning names each entry that has no effect, and why."""
     dropped = {k: HF_NOT_LINEAR[v] for k, v in plan.items() if isinstance(v, str) and v in HF_NOT_LINEAR}
-    containers = [k for k, v in plan.items() if v in ("moe_tp_experts", "ep_dispatch_experts")]
+    containers = [k for k, v in plan.items() if v == "ep_dispatch_experts"]
     for k in plan:
         parent = next((c for c in containers if k.startswith(c + ".")), None)
         if parent is not None and k not in dropped:
-            dropped[k] = f"part of the experts {parent!r}, which dynashard does not shard yet; they stay whole"
+            dropped[k] = (f"part of the expert-parallel experts {parent!r}; dynashard shards experts tensor-parallel, "
+                          "so they follow no plan key here and stay whole")
     for k, why in dropped.items():
         if why is not None:
             warnings.warn(f"dynashard: plan entry {k!r}: {plan[k]!r} has no effect: {why}.", UserWarning, stacklevel=4)

@@ -72,6 +72,10 @@ CASES = {
     "falcon_gqa": ("falcon_gqa", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
     # two colwise outputs concatenated along their features into one rowwise linear (a dealt cut)
     "cat_mlp": ("cat_mlp", 48, 42, [(2, 3, 48), (4, 5, 48)], {}),
+    # Mixture-of-experts: every expert cut (42 features: 11/11/10/10 on 4 ranks), one all_reduce per block.
+    "moe": ("moe", 64, 42, [(2, 5, 64), (3, 7, 64)], {}),  # HF's batched_mm form: bmm of W[ids]
+    "moe_loop": ("moe_loop", 64, 42, [(2, 5, 64), (3, 7, 64)], {}),  # F.linear(x, W[e]) in a python loop
+    "hf_mixtral": ("hf_mixtral", 64, 96, [(2, 7), (3, 5)], {}),  # transformers' grouped_mm experts (its fp32 op)
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
@@ -106,6 +110,11 @@ SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention
 SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
 SHARDED["bloom_alibi"] = SHARDED["falcon_gqa"] = {"query_key_value.weight", "dense.weight"}
 SHARDED["cat_mlp"] = {"a.weight", "b.weight", "down.weight"}
+SHARDED["moe"] = SHARDED["moe_loop"] = {"gate_up_proj", "down_proj"}
+SHARDED["hf_mixtral"] = {"model.model.embed_tokens.weight"} | {
+    f"model.model.layers.{i}.{n}" for i in range(2) for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj")}
 # weights="per_rank" also exchanges (and frees) colwise biases: every rank's differ.
 SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},

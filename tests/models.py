@@ -673,7 +673,7 @@ class HFMixtral(nn.Module):
         import transformers
 
         cfg = transformers.MixtralConfig(
-            hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+            hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=8, num_key_value_heads=4,
             num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab, num_hidden_layers=2, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, experts_implementation=experts_implementation)
         self.model = transformers.AutoModelForCausalLM.from_config(cfg)

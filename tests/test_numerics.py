@@ -24,12 +24,14 @@ TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}  # (atol, rtol x
 # (tests/test_cases_simulated.py: explain(verify=True)). On 4 real ranks (4 processes on 2 cores: the
 # suite's slowest spawns) only the cases where real ranks add something: an empty rank, a vocabulary
 # dealt 13/13/12/12, per-rank weights exchanged, uneven heads (2/2/1/1), fewer K/V heads than ranks
-# (narrowed), fused q|k|v with whole parts, a per-head split. Inductor: one case per distinct lowering.
+# (narrowed), fused q|k|v with whole parts, a per-head split, experts cut unevenly. Inductor: one case per
+# distinct lowering.
 CONFIGS = {
     # (world, compiler, dtype): cases
     (2, "eager", "float32"): [c for c in CASES if c != "llama_few_kv"],
     (4, "eager", "float32"): ["uneven_empty_rank", "tiny_lm", "pr_seed", "llama_6_heads", "llama_few_kv", "llama_mqa",
-                              "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale", "falcon_gqa"],
+                              "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale", "falcon_gqa",
+                              "moe", "hf_mixtral"],
     (2, "inductor", "float32"): [
         "residual",  # column -> row pair, one all_reduce, three shapes through one dynamic graph
         "conv1d",  # HF Conv1D's addmm with a [in, out] weight
@@ -40,6 +42,7 @@ CONFIGS = {
         "nanogpt",  # a fused c_attn cut per component and split at local sizes
         "falcon_gqa",  # KV groups of a fused qkv taken apart by aten.index on a dim that is not cut
         "cat_mlp",  # a rowwise weight cut as two concatenated colwise outputs (two dealt components)
+        "hf_mixtral",  # experts through transformers' grouped_mm op; partial sums reduced once per block
     ],
     (4, "inductor", "float32"): [
         "uneven_empty_rank",  # a zero-size shard
@@ -47,6 +50,7 @@ CONFIGS = {
         "llama_few_kv",  # whole K/V narrowed to each rank's query heads
         "llama_sdpa_gqa",  # K/V not repeated: each rank's K/V heads are its query heads' (enable_gqa)
         "fused_gqa_probe",  # a gather that skips the whole parts of a fused weight
+        "moe",  # experts through bmm of W[ids], uneven (11/11/10/10), partial sums reduced once per block
     ],
     (1, "eager", "float32"): ["mlp_3d", "residual"],
     (2, "aot_eager", "float32"): ["matmul", "conv1d", "per_head_scale"],

@@ -403,13 +403,15 @@ QWEN3_ATTENTION_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "q_norm"
                         "k_norm": "replicated_with_grad_allreduce", "o": "rowwise"}
 PHI3_PLAN = {"qkv_proj": "colwise_gather_output", "o_proj": "rowwise_split_input",
              "gate_up": "colwise_gather_output", "down": "rowwise_split_input"}
-MIXTRAL_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise",
-                "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts"}
+# An expert-parallel plan (what base_model_ep_plan dicts hold): dynashard shards experts tensor-parallel.
+EP_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise", "experts": "ep_dispatch_experts",
+           "experts.gate_up_proj": "grouped_gemm"}
 
 
 def test_hf_plan_styles_as_they_ship():
     """Qwen3, Phi-3 and Mixtral plan dicts raised ValueError ('replicated_with_grad_allreduce',
-    'colwise_gather_output', 'rowwise_split_input', 'packed_colwise', 'moe_tp_experts')."""
+    'colwise_gather_output', 'rowwise_split_input', 'packed_colwise', 'moe_tp_experts'). Mixtral's
+    as shipped is in test_experts.py; an expert-parallel plan's entries warn."""
     import warnings
 
     torch.manual_seed(0)
@@ -425,11 +427,11 @@ def test_hf_plan_styles_as_they_ship():
         assert sorted(report.layers.values()) == ["colwise", "rowwise"], str(report)
     with pytest.warns(UserWarning) as caught:
         report = dynashard.explain(models.AttentionBlock(64, 4), torch.randn(2, 5, 64), world_size=2, verify=True,
-                                   options={"plan": MIXTRAL_PLAN})
+                                   options={"plan": EP_PLAN})
     assert report.layers == {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}, str(report)
     said = " | ".join(str(w.message) for w in caught)
-    for key in ("experts", "experts.gate_up_proj", "experts.down_proj"):
-        assert f"plan entry {key!r}" in said and "does not shard" in said, said
+    for key in ("experts", "experts.gate_up_proj"):
+        assert f"plan entry {key!r}" in said and "not expert-parallel" in said, said
     with pytest.raises(ValueError, match=r"plan\['q'\] is 'colwise_sideways'; expected one of .*Hugging Face"):
         parse_options({"plan": {"q": "colwise_sideways"}})
 

@@ -1,0 +1,166 @@
+"""Mixture-of-experts: expert weights (one 3-D parameter per projection) cut inside every expert.
+
+Planned and simulated in one process (``explain(verify=True)`` runs every rank's sharded program
+against the unsharded model); real gloo ranks run the ``moe``, ``moe_loop`` and ``hf_mixtral``
+battery cases (test_numerics.py). Forms: HF transformers 5.23's ``batched_mm`` (``bmm`` of
+``W[ids]``) and ``grouped_mm`` experts (its fp32 fallback op, ``aten._grouped_mm`` in bf16), and a
+python loop over experts (``F.linear(x, W[e])``). Before this file's change none was matched:
+every expert weight stayed whole on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers as T
+
+import dynashard
+from dynashard.errors import UsageError
+from tests import models
+from tests.test_graphs import _count, rewritten
+
+pytestmark = pytest.mark.unit
+
+HIDDEN, TOKENS = 64, 14  # every input below is [2, 7, 64]: 14 tokens
+
+
+def _mixtral(impl: str, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          num_local_experts=4, num_experts_per_tok=2, vocab_size=96, num_hidden_layers=2,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, experts_implementation=impl)
+    return T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+def _experts_rows(report) -> dict[str, tuple[str, str, int]]:
+    return {r.fqn: (r.style, r.collectives, r.comm_bytes) for r in report.rows if ".experts." in f".{r.fqn}"}
+
+
+@pytest.mark.parametrize("impl,world", [("grouped_mm", 2), ("grouped_mm", 4), ("batched_mm", 2), ("batched_mm", 3)])
+def test_hf_mixtral_experts_are_sharded_with_one_all_reduce_per_block(impl, world):
+    """Every expert's gate_up cut per component (colwise), its down on the same features (rowwise);
+    the down projections' partial sums pass the routing weights, the un-permutation and the top-k
+    sum before one all_reduce of [tokens, hidden] (not [tokens * top_k, hidden])."""
+    model = _mixtral(impl)
+    report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=world, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    rows = _experts_rows(report)
+    assert len(rows) == 4, str(report)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        assert rows[f"{prefix}.gate_up_proj"][:2] == ("colwise", "-"), str(report)
+        assert rows[f"{prefix}.down_proj"] == ("rowwise", "all_reduce", TOKENS * HIDDEN * 4), str(report)
+    gate_up = next(r for r in report.rows if r.fqn.endswith("0.mlp.experts.gate_up_proj"))
+    assert gate_up.weight_bytes * world <= 4 * 256 * HIDDEN * 4 * 1.1, str(report)  # ~1/N of the experts each
+    assert "cut in 2 components of 128/128" in gate_up.reason, str(report)  # gate and up cut alike
+    router = next(r for r in report.rows if r.fqn.endswith("0.mlp.gate"))
+    assert router.style == "replicate", str(report)
+
+
+def test_hf_mixtral_plan_as_shipped():
+    """Mixtral's base_model_tp_plan (packed_colwise / rowwise experts under a moe_tp_experts
+    container) is what dynashard does: no warning, the same layers cut, verified."""
+    import warnings
+
+    model = _mixtral("grouped_mm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=2, verify=True,
+                                   options={"plan": T.MixtralConfig.base_model_tp_plan}, use_cache=False)
+    styles = {r.fqn.split("layers.0.")[-1]: r.style for r in report.rows if "layers.0." in r.fqn}
+    assert styles == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                      "self_attn.o_proj": "rowwise", "mlp.gate": "replicate", "mlp.experts.gate_up_proj": "colwise",
+                      "mlp.experts.down_proj": "rowwise"}, str(report)
+    assert "cut in 2 components" in next(r.reason for r in report.rows if r.fqn.endswith("0.mlp.experts.gate_up_proj"))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_grouped_mm_cuts_keep_16_byte_parts(world):
+    """``aten._grouped_mm`` (HF's bf16 path) refuses strides that are not multiples of 16 bytes:
+    128 features over 3 ranks (43/43/42) raised 'strides should be multiple of 16 bytes'. Cuts are
+    coarsened to units of 8 bf16 elements. One MoE block (a whole model in bf16 can route a token
+    to another expert on rounding noise alone, which no sharding can reproduce)."""
+    block = _mixtral("grouped_mm", torch.bfloat16).model.layers[0].mlp
+    x = torch.randn(2, 7, HIDDEN, dtype=torch.bfloat16)
+    report = dynashard.explain(block, x, world_size=world, verify=True, options={"min_shard_numel": 0})
+    rows = {r.fqn: r for r in report.rows}
+    assert rows["experts.gate_up_proj"].style == "colwise" and "units of 8" in rows["experts.gate_up_proj"].reason
+    assert rows["experts.down_proj"].style == "rowwise", str(report)
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["batched", "loop"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_moe_forms_sharded_and_verified(loop, world):
+    """tests.models.MoE: HF's batched form written out, and a python loop over experts with
+    ``F.linear(x, W[e])`` (every use of a weight re-cut together, one all_reduce for the sum)."""
+    torch.manual_seed(0)
+    model = models.MoE(HIDDEN, 42, loop=loop).eval()  # 42 features: 11/11/10/10 on 4 ranks
+    report = dynashard.explain(model, torch.randn(2, 7, HIDDEN), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    styles = {(r.fqn, r.style) for r in report.rows}
+    assert styles == {("router", "replicate"), ("gate_up_proj", "colwise"), ("down_proj", "rowwise")}, str(report)
+    down = sum(r.comm_bytes for r in report.rows if r.fqn == "down_proj")
+    assert down == TOKENS * HIDDEN * 4, str(report)  # one all_reduce of [tokens, hidden] in both forms
+
+
+def test_the_one_all_reduce_follows_the_top_k_sum():
+    """Rank 1's graph: the expert matmuls on local shards, no collective before the sum over
+    top-k, one all_reduce, then the residual add."""
+    torch.manual_seed(0)
+    gm = rewritten(models.MoE(HIDDEN, 48), torch.randn(2, 7, HIDDEN), world=2, rank=1)
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    reduce = next(i for i, n in enumerate(order) if "all_reduce" in str(n.target))
+    last_sum = max(i for i, n in enumerate(order) if n.target is torch.ops.aten.sum.dim_IntList)
+    last_bmm = max(i for i, n in enumerate(order) if n.target is torch.ops.aten.bmm.default)
+    add = max(i for i, n in enumerate(order) if n.target is torch.ops.aten.add.Tensor)
+    assert last_bmm < last_sum < reduce < add, gm.code
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    weights = sorted(s for s in shapes if len(s) == 3 and all(isinstance(d, int) for d in s))
+    assert weights == [(4, 48, HIDDEN), (4, HIDDEN, 24)], shapes  # [E, 2 x 24, hidden], [E, hidden, 24]
+
+
+class _WritesIntoExperts(models.MoE):
+    """The experts' output changed in place before the top-k sum (``y += bias``): partial sums
+    cannot be written into (the reads see one all-reduced copy)."""
+
+    def __init__(self):
+        super().__init__(HIDDEN, 48)
+        self.bias = nn.Parameter(torch.randn(HIDDEN))
+
+    def forward(self, x):
+        h = x.reshape(-1, HIDDEN)
+        weights, ids = torch.topk(F.softmax(self.router(h), -1), self.k, -1)
+        flat = ids.reshape(-1)
+        gate, up = torch.bmm(self.gate_up_proj[flat], h.repeat_interleave(self.k, 0).unsqueeze(-1)).squeeze(-1).chunk(
+            2, -1)
+        y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y += self.bias
+        return (y * weights.reshape(-1, 1)).view(-1, self.k, HIDDEN).sum(1).view(x.shape)
+
+
+def test_a_write_into_partial_sums_keeps_the_experts_whole():
+    torch.manual_seed(0)
+    report = dynashard.explain(_WritesIntoExperts(), torch.randn(2, 7, HIDDEN), world_size=2, verify=True,
+                               options={"min_shard_numel": 0})
+    down = next(r for r in report.rows if r.fqn == "down_proj")
+    assert down.style == "replicate" and "in-place" in down.reason, str(report)
+    with pytest.raises(UsageError, match="in-place op .*add_.* writes into the output of \\['down_proj'\\]"):
+        dynashard.explain(_WritesIntoExperts(), torch.randn(2, 7, HIDDEN), world_size=2,
+                          options={"plan": {"gate_up_proj": "colwise", "down_proj": "rowwise"}})
+
+
+def test_experts_with_per_rank_inputs_stay_whole_and_say_so():
+    torch.manual_seed(0)
+    model = models.MoE(HIDDEN, 48).eval()
+    report = dynashard.explain(model, torch.randn(2, 7, HIDDEN), world_size=2, verify=True,
+                               options={"min_shard_numel": 0, "inputs": "per_rank"})
+    rows = {r.fqn: r for r in report.rows}
+    for name in ("gate_up_proj", "down_proj"):
+        assert rows[name].style == "replicate" and "inputs='per_rank'" in rows[name].reason, str(report)
+    with pytest.raises(UsageError, match="experts 'gate_up_proj' with inputs='per_rank'"):
+        dynashard.explain(model, torch.randn(2, 7, HIDDEN), world_size=2,
+                          options={"inputs": "per_rank", "plan": {"gate_up_proj": "colwise"}})
