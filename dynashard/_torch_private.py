@@ -162,3 +162,19 @@ def backend_error(error: BaseException) -> BaseException | None:
 
     inner = getattr(error, "inner_exception", None) if isinstance(error, BackendCompilerFailed) else None
     return inner if isinstance(inner, DynashardError) else None
+
+
+def constant_value(node: Any) -> torch.Tensor | None:
+    """The value of a tensor constant in an aten graph (``x[..., [-2]]`` traces the list to
+    ``lift_fresh_copy(get_attr _tensor_constant0)``), or None if ``node`` is not one or only a fake
+    of it is held."""
+    if isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    value = getattr(node.graph.owning_module, str(node.target), None)
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not isinstance(value, torch.Tensor) or is_fake(value) or value.dtype.is_floating_point:
+        return None
+    return value

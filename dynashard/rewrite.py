@@ -133,7 +133,7 @@ class _Sharder(torch.fx.Interpreter):
         if node in self.lm.part_sizes:  # a split or slice of the cut dim: this rank's parts
             sizes = self.lm.part_sizes[node]
             dim = self.lm.layouts[node.args[0]].dim
-            if node.target is aten.slice.Tensor:
+            if node.target in (aten.slice.Tensor, aten.index.Tensor):  # (an index of consecutive positions)
                 return aten.narrow(args[0], dim, *sizes)
             return aten.split_with_sizes(args[0], list(sizes), dim)
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs

@@ -5,8 +5,8 @@ Before (a fused qkv colwise on [B, T, 3*D])::
     q, k, v = split(addmm_qkv, D, -1)          # getitem 0, 1, 2
 After: each rank splits its own ``[q_r | k_r | v_r]`` at its local sizes; q, k and v are each
 a Shard of D. Along a dim that is not cut, every op here keeps the cut. On the cut dim, a split or
-slice must fall on component boundaries (a fused ``[q | k | v]``; otherwise a wish asks the plan
-to cut the origin into those components), and an index, cat or stack is not followed (gather).
+slice (or a constant index of consecutive positions) must fall on component boundaries (a fused
+``[q | k | v]``; otherwise a wish asks the plan to cut the origin into those components).
 """
 
 from __future__ import annotations
@@ -110,14 +110,16 @@ def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
         return False
     (i, j), = ranges
     lm.part_sizes[node] = (_sub_length(src, 0, i), _sub_length(src, i, j))
-    return lm.keep(node, _sub(src, i, j))  # None: whole components, held by every rank (replicated)
+    return lm.keep(node, _taken(lm, node, src, i, j))  # None: whole components, held by every rank (replicated)
 
 
 @rule(aten.index.Tensor)
 def index(lm: LayoutMap, node: torch.fx.Node) -> bool:
     """``x[..., idx, ...]`` with one integer index tensor, on a dim that is not cut: the cut is kept
-    (HF Falcon's ``qkv[:, :, :, [-2]]`` takes one part of every KV group, the groups cut)."""
-    found = lm.input_shard(node)
+    (HF Falcon's ``qkv[:, :, :, [-2]]`` takes one part of every KV group, the groups cut). On the
+    cut dim, a constant index of consecutive positions is the slice it equals (Falcon-7B's
+    multi-query ``fused[..., [-2], :]`` takes the one k head out of ``[q heads | k | v]``)."""
+    found = lm.input_shard(node, whole_ok=True)
     if found is None:
         return False
     src, ndim, p = found
@@ -125,11 +127,33 @@ def index(lm: LayoutMap, node: torch.fx.Node) -> bool:
     if len(given) != 1:
         return False  # several index tensors broadcast together and may move their dims first
     (d, idx), = given
-    if d == p or lm.layouts.get(idx) is not None or val(idx) is None or val(idx).dtype in (torch.bool, torch.uint8):
-        return False  # the cut dim indexed, a sharded index, or a mask (it spans several dims)
+    if lm.layouts.get(idx) is not None or val(idx) is None or val(idx).dtype in (torch.bool, torch.uint8):
+        return False  # a sharded index, or a mask (it spans several dims)
+    if d == p:
+        return _index_as_slice(lm, node, src, idx)
+    if src.split.whole:
+        return False
     out_ndim = val(node).dim()
     # Dims before the indexed one keep their place from the left, dims after it from the right.
     return lm.keep(node, src.moved(p - out_ndim) if p < d else src)
+
+
+def _index_as_slice(lm: LayoutMap, node: torch.fx.Node, src: Shard, idx: torch.fx.Node) -> bool:
+    values = private.constant_value(idx)
+    size = val(node.args[0]).shape[val(node.args[0]).dim() + src.dim]
+    if values is None or values.dim() != 1 or not values.numel() or not private.known_equal(size, src.size):
+        return False
+    positions = [int(v) % src.size for v in values.tolist()]
+    start, end = positions[0], positions[-1] + 1
+    if positions != list(range(start, end)):
+        return False
+    ranges = _part_ranges(src.split, [start, end])
+    if ranges is None:
+        _cut_wish(lm, node, src, [0, start, end, src.size])
+        return False
+    (i, j), = ranges
+    lm.part_sizes[node] = (_sub_length(src, 0, i), _sub_length(src, i, j))
+    return lm.keep(node, _taken(lm, node, src, i, j))  # None: whole components, held by every rank (replicated)
 
 
 @rule(aten.cat.default)
@@ -214,6 +238,17 @@ def _cut_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) 
 def _sub(src: Shard, i: int, j: int) -> Shard | None:
     sub = src.split.sub(i, j)
     return None if sub is None else src.moved(src.dim, sub)
+
+
+def _taken(lm: LayoutMap, node: torch.fx.Node, src: Shard, i: int, j: int) -> Shard | None:
+    """Components ``[i, j)`` of a fused Shard taken out by a slice or index. When some rank holds
+    none of them (Falcon-7B's one k head out of ``[q heads | k | v]`` on 2 ranks), ask for the
+    fused origin's small components held whole, as for fewer KV heads than ranks."""
+    out = _sub(src, i, j)
+    if out is not None and len(src.split.parts) > 1 and out.split.fewest_units(lm.world) < 1:
+        lm.wish(out.origins, WishKind.REPLICATE, 0,
+                f"{op_name(node)} takes {sum(out.split.parts)} unit(s) of a fused output, fewer than {lm.world} ranks")
+    return out
 
 
 def _sub_length(src: Shard, i: int, j: int) -> int:

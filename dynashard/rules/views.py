@@ -152,8 +152,6 @@ def _moved(lm: LayoutMap, node: torch.fx.Node, out: Shard) -> bool:
 
 def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: int) -> Shard | None:
     """The cut dim (position ``p`` in the shape without size-1 dims) inside a regrouped group."""
-    if src.split.whole:  # a regrouped dim would deal out the whole components too: gather instead
-        return None
     before = [val(node.args[0]).shape[i] for i in dims.kept_in]
     after = [val(node).shape[i] for i in dims.kept_out]
     in_start, in_end, out_start, out_end = dims.group
@@ -175,9 +173,9 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
             if private.known_multiple(mid_out[o], units * new_unit):
                 out = src.moved(dims.kept_out[out_start + o] - out_ndim, src.split.regrouped(new_unit))
                 merged = not private.known_equal(mid_out[o], units * new_unit)
-                if merged and out.split.fewest_units(lm.world) < 1:
+                if merged and (out.split.fewest_units(lm.world) < 1 or src.split.whole):
                     return None  # a merged dim needs a part on every rank (its outer size is recovered from it)
-                return out
+                return out  # (whole components stay whole: every unit keeps its elements)
             continue
         if src.split.deals is not None:
             return None  # pieces carved out of a cut: their origins are not what to re-cut
