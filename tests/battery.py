@@ -70,6 +70,8 @@ CASES = {
     "bloom_alibi": ("bloom_alibi", 64, 4, [(2, 5, 64), (3, 7, 64)], {}),
     # HF Falcon (new decoder architecture): qkv grouped per KV head, k/v taken by qkv[..., [-2], :]
     "falcon_gqa": ("falcon_gqa", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
+    # Falcon-7B multi-query: k and v held whole inside the fused weight, 6 query heads (2/2/1/1 on 4 ranks)
+    "falcon_mqa": ("falcon_mqa", 96, 6, [(2, 5, 96), (3, 7, 96)], {}),
     # two colwise outputs concatenated along their features into one rowwise linear (a dealt cut)
     "cat_mlp": ("cat_mlp", 48, 42, [(2, 3, 48), (4, 5, 48)], {}),
     # Mixture-of-experts: every expert cut (42 features: 11/11/10/10 on 4 ranks), one all_reduce per block.
@@ -108,7 +110,7 @@ SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
 SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
 SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
-SHARDED["bloom_alibi"] = SHARDED["falcon_gqa"] = {"query_key_value.weight", "dense.weight"}
+SHARDED["bloom_alibi"] = SHARDED["falcon_gqa"] = SHARDED["falcon_mqa"] = {"query_key_value.weight", "dense.weight"}
 SHARDED["cat_mlp"] = {"a.weight", "b.weight", "down.weight"}
 SHARDED["moe"] = SHARDED["moe_loop"] = {"gate_up_proj", "down_proj"}
 SHARDED["hf_mixtral"] = {"model.model.embed_tokens.weight"} | {

@@ -607,22 +607,29 @@ class FalconStyleAttention(nn.Module):
     """HF Falcon's attention with ``new_decoder_architecture`` (Falcon-40B/180B, Falcon 2): one
     fused query_key_value grouped per KV head, ``[B, T, Hkv, n + 2, Dh]`` (n query heads, then
     one k and one v per group), taken apart by a slice and by list indexing (``qkv[..., [-2], :]``),
-    K/V broadcast to the query heads, the group dim flattened into heads. ``cache``: K/V appended to
-    an empty cache first, as HF's DynamicCache does on its first update (``cat([tensor([]), k], -2)``)."""
+    K/V broadcast to the query heads, the group dim flattened into heads. ``multi_query``: Falcon-7B's
+    older form, ``[q heads | k | v]`` viewed into heads and k, v taken by ``qkv[..., [-2], :]``.
+    ``cache``: K/V appended to an empty cache first, as HF's DynamicCache does on its first update
+    (``cat([tensor([]), k], -2)``)."""
 
-    def __init__(self, hidden: int = 128, heads: int = 8, kv_heads: int = 2, cache: bool = False):
+    def __init__(self, hidden: int = 128, heads: int = 8, kv_heads: int = 2, cache: bool = False,
+                 multi_query: bool = False):
         super().__init__()
-        self.h, self.kv, self.dh, self.cache = heads, kv_heads, hidden // heads, cache
-        self.query_key_value = nn.Linear(hidden, (heads + 2 * kv_heads) * self.dh, bias=False)
+        self.h, self.kv, self.dh, self.cache, self.mq = heads, kv_heads, hidden // heads, cache, multi_query
+        self.query_key_value = nn.Linear(hidden, (heads + 2 * (1 if multi_query else kv_heads)) * self.dh, bias=False)
         self.dense = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x):
         b, t, _ = x.shape
-        qkv = self.query_key_value(x).view(b, t, -1, self.h // self.kv + 2, self.dh)
-        q = qkv[:, :, :, :-2]
-        k = torch.broadcast_to(qkv[:, :, :, [-2]], q.shape)
-        v = torch.broadcast_to(qkv[:, :, :, [-1]], q.shape)
-        q, k, v = (z.flatten(2, 3).transpose(1, 2) for z in (q, k, v))
+        if self.mq:  # Falcon-7B: [q heads | k | v], one K/V head broadcast by SDPA
+            qkv = self.query_key_value(x).view(b, t, self.h + 2, self.dh)
+            q, k, v = (z.transpose(1, 2) for z in (qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]))
+        else:
+            qkv = self.query_key_value(x).view(b, t, -1, self.h // self.kv + 2, self.dh)
+            q = qkv[:, :, :, :-2]
+            k = torch.broadcast_to(qkv[:, :, :, [-2]], q.shape)
+            v = torch.broadcast_to(qkv[:, :, :, [-1]], q.shape)
+            q, k, v = (z.flatten(2, 3).transpose(1, 2) for z in (q, k, v))
         if self.cache:
             k, v = (torch.cat([torch.tensor([], dtype=z.dtype), z], dim=-2) for z in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -716,6 +723,7 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
         "qk_layernorm_rot2": lambda: QKNormAttention(hidden, ffn, norm="layer", rotate_every_two=True),
         "bloom_alibi": lambda: BloomStyleAttention(hidden, ffn, full_bias=True),  # ffn = heads
         "falcon_gqa": lambda: FalconStyleAttention(hidden, 8, ffn),  # ffn = KV heads
+        "falcon_mqa": lambda: FalconStyleAttention(hidden, ffn, 1, multi_query=True),  # ffn = query heads
         "cat_mlp": lambda: CatMLP(hidden, ffn, ffn // 2 + 5),
         "moe": lambda: MoE(hidden, ffn),
         "moe_loop": lambda: MoE(hidden, ffn, loop=True),

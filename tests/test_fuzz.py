@@ -88,7 +88,7 @@ class Attention(nn.Module):
 class RandomTransformerAttention(nn.Module):
     """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA or softmax-matmul),
     a Phi-3 style fused qkv ([q | k | v]) or a Falcon style one (grouped per KV head, taken apart by
-    list indexing), with a residual."""
+    list indexing; or Falcon-7B's multi-query [q heads | k | v]), with a residual."""
 
     def __init__(self, heads, kv, dh, rope, repeat, attention, fused):
         super().__init__()
@@ -97,6 +97,8 @@ class RandomTransformerAttention(nn.Module):
             self.attn = models.FusedGQAAttention(hidden, heads, kv)
         elif fused in ("falcon", "falcon_cache"):  # (K/V appended to an empty cache first, as HF's)
             self.attn = models.FalconStyleAttention(hidden, heads, kv, cache=fused == "falcon_cache")
+        elif fused == "falcon_mqa":  # Falcon-7B: one K/V head taken out by qkv[..., [-2], :]
+            self.attn = models.FalconStyleAttention(hidden, heads, 1, multi_query=True)
         else:
             self.attn = models.LlamaAttention(hidden, heads, kv, rope=rope, repeat=repeat, attention=attention)
         cos, sin = models.rope_tables(dh, 16, rope == "complex")
@@ -143,7 +145,7 @@ def transformer_attention_cases(draw):
         rope=draw(st.sampled_from(["half", "complex"])),
         repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
         attention=draw(st.sampled_from(["sdpa", "manual"])),
-        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache"])),
+        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache", "falcon_mqa"])),
     )
     return model, heads * dh
 

@@ -9,8 +9,8 @@ are gathered at the output until serving keeps them sharded.
 Why layers stay whole here: ``lm_head`` has ``in_features`` 64 < 256 and no rowwise partner, so a
 gather would not pay; k/v projections with 2 KV heads cannot be cut over 4 ranks (each rank narrows
 them to its query heads); Falcon's 2 KV groups cannot be cut over 4 ranks (the fused projection stays
-whole, and the small ``dense`` with it). A tied LM head follows its vocab-parallel embedding: its
-logits are gathered at the output.
+whole, and the small ``dense`` with it); an MoE router (4 x 64) has no partner. A tied LM head follows
+its vocab-parallel embedding: its logits are gathered at the output.
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ CONFIGS = {
                                    eos_token_id=2, pad_token_id=0),  # ALiBi through baddbmm
     "falcon": lambda: T.FalconConfig(hidden_size=64, num_attention_heads=4, new_decoder_architecture=True,
                                      num_kv_heads=2, **_IDS),  # qkv grouped per KV head, qkv[..., [-2]]
+    # Falcon-7B's multi-query form: [q heads | k | v] viewed into heads, k and v taken by list indexing
+    "falcon_mqa": lambda: T.FalconConfig(hidden_size=64, num_attention_heads=4, new_decoder_architecture=False,
+                                         multi_query=True, **_IDS),
+    # Mixture-of-experts (transformers' default grouped_mm experts); Qwen2-MoE adds a shared expert and its gate
+    "mixtral": lambda: _llama_like(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": lambda: _llama_like(T.Qwen2MoeConfig, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                                     num_experts=4, num_experts_per_tok=2),
 }
 
 KV_WHOLE_AT_4 = {"k_proj", "v_proj"}
@@ -73,12 +80,16 @@ EXPECTED = {
     "bloom": {2: (set(), {"word_embeddings": TIED}), 4: (set(), {"word_embeddings": TIED})},
     "falcon": {2: (set(), {"word_embeddings": TIED}),
                4: ({"query_key_value", "dense"}, {"word_embeddings": TIED})},
+    "falcon_mqa": {2: (set(), {"word_embeddings": TIED}), 4: (set(), {"word_embeddings": TIED})},
+    # the router ("gate", 4 x 64) stays whole; every expert's gate_up_proj / down_proj is cut
+    "mixtral": {2: ({"lm_head", "gate"}, {}), 4: ({"lm_head", "gate"} | KV_WHOLE_AT_4, {})},
+    "qwen2_moe": {2: ({"lm_head", "gate", "shared_expert_gate"}, {})},
 }
 
 
 # At 4 ranks: the forms whose plan changes with the world size (KV heads or groups fewer than ranks,
 # fused projections) and one of each other attention family; the rest run at 2 ranks only.
-AT_FOUR = {"llama", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "falcon"}
+AT_FOUR = {"llama", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "falcon", "falcon_mqa", "mixtral"}
 
 
 @pytest.mark.parametrize("arch,world", [(a, 2) for a in sorted(CONFIGS)] + [(a, 4) for a in sorted(AT_FOUR)])

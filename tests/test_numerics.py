@@ -31,7 +31,7 @@ CONFIGS = {
     (2, "eager", "float32"): [c for c in CASES if c != "llama_few_kv"],
     (4, "eager", "float32"): ["uneven_empty_rank", "tiny_lm", "pr_seed", "llama_6_heads", "llama_few_kv", "llama_mqa",
                               "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale", "falcon_gqa",
-                              "moe", "hf_mixtral"],
+                              "falcon_mqa", "moe", "hf_mixtral"],
     (2, "inductor", "float32"): [
         "residual",  # column -> row pair, one all_reduce, three shapes through one dynamic graph
         "conv1d",  # HF Conv1D's addmm with a [in, out] weight
