@@ -21,7 +21,7 @@ from dynashard.analysis import analyse
 from dynashard.collectives import resolve_group
 from dynashard.errors import UsageError, VerificationError
 from dynashard.options import parse_options
-from dynashard.report import GraphReport, LayerRow, format_table
+from dynashard.report import GraphReport, LayerRow, _human, format_table
 from dynashard.weights import STORE
 
 
@@ -30,6 +30,9 @@ class Report:
     graphs: list[GraphReport]
     world: int
     rank: int
+    # Parameters of the model no captured graph reads (FQN, bytes): code Dynamo ran eagerly (between
+    # graph breaks), which dynashard never sees, so they stay whole on every rank.
+    outside: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     @property
     def rows(self) -> list[LayerRow]:
@@ -42,7 +45,13 @@ class Report:
 
     def __str__(self) -> str:
         head = f"dynashard plan: world size {self.world}, shown for rank {self.rank}, {len(self.graphs)} graph(s)"
-        return head + "\n" + format_table(self.graphs)
+        out = head + "\n" + format_table(self.graphs)
+        if self.outside:
+            names = ", ".join(n for n, _ in self.outside[:6]) + (", ..." if len(self.outside) > 6 else "")
+            out += (f"\nread by no graph, so whole on every rank: {len(self.outside)} parameter(s), "
+                    f"{_human(sum(b for _, b in self.outside))} ({names}): Dynamo ran the code that uses them "
+                    "eagerly (a graph break; TORCH_LOGS=graph_breaks says where)")
+        return out
 
 
 def explain(
@@ -73,6 +82,7 @@ def explain(
                 "Pass world_size=None to use the group, or call explain before init_process_group."
             )
         graphs: list[GraphReport] = []
+        seen: set[int] = set()  # ids of the parameters some graph reads (FQNs differ across graph breaks)
 
         def capture(gm, example_inputs):
             if any(torch.is_tensor(t) and STORE.is_sharded(t) for t in example_inputs):
@@ -82,7 +92,9 @@ def explain(
                     "whole. Expected an uncompiled model: call explain before torch.compile."
                 )
             fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-            report = GraphReport.build(analyse(gm, fake_args, opts, world, rank, example_inputs), example_inputs)
+            analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)
+            seen.update(id(example_inputs[i]) for i in analysis.params)
+            report = GraphReport.build(analysis, example_inputs)
             if verify and world > 1:
                 analyses = [analyse(gm, fake_args, opts, world, r, example_inputs) for r in range(world)]
                 per_layer, out_err = simulate.verify(analyses, example_inputs)
@@ -99,7 +111,9 @@ def explain(
                 raise private.backend_error(e) or e from None  # our own error as it is, not Dynamo's wrapper
         if not graphs:
             raise UsageError("dynashard.explain: Dynamo captured no graph for this model and inputs.")
-        report = Report(graphs, world, rank)
+        outside = [(n, p.numel() * p.element_size()) for n, p in getattr(model, "named_parameters", list)()
+                   if id(p) not in seen and p.numel()]
+        report = Report(graphs, world, rank, outside)
         if verify and not all(g.verified_ok for g in graphs):
             raise VerificationError(
                 f"dynashard.explain(verify=True): the sharded computation differs from the model\n{report}")

@@ -164,3 +164,18 @@ def test_experts_with_per_rank_inputs_stay_whole_and_say_so():
     with pytest.raises(UsageError, match="experts 'gate_up_proj' with inputs='per_rank'"):
         dynashard.explain(model, torch.randn(2, 7, HIDDEN), world_size=2,
                           options={"inputs": "per_rank", "plan": {"gate_up_proj": "colwise"}})
+
+
+def test_experts_run_eagerly_are_named_not_hidden():
+    """HF's "eager" experts loop over ``nonzero()`` results: Dynamo breaks the graph and runs the
+    experts eagerly, outside every graph dynashard sees, so their weights stay whole. explain said
+    only "9/12 layers sharded"; it now names the parameters no graph read and why."""
+    model = _mixtral("eager")
+    report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=2, options={"min_shard_numel": 0},
+                               use_cache=False)
+    outside = {n for n, _ in report.outside}
+    assert {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")} <= outside
+    assert "read by no graph, so whole on every rank" in str(report) and "graph break" in str(report)
+    whole_graph = dynashard.explain(_mixtral("grouped_mm"), torch.randint(3, 96, (2, 7)), world_size=2,
+                                    options={"min_shard_numel": 0}, use_cache=False)
+    assert whole_graph.outside == [] and "read by no graph" not in str(whole_graph)
