@@ -642,14 +642,19 @@ class MoE(nn.Module):
     parameter (``gate_up [E, 2 * ffn, hidden]``, ``down [E, hidden, ffn]``) gathered per token pair
     (``W[ids]``) for a ``bmm``; the rows are weighted by the router and summed over top-k. A residual
     follows, as in a decoder layer. ``loop=True``: a python loop over experts with ``F.linear(x,
-    W[e])`` on masked tokens instead (every expert computes every token; no data-dependent shapes)."""
+    W[e])`` on masked tokens instead (every expert computes every token; no data-dependent shapes).
+    ``transposed``: weights stored ``[E, in, out]``, used as ``bmm(x.unsqueeze(1), W[ids])``."""
 
-    def __init__(self, hidden: int = 64, ffn: int = 48, experts: int = 4, top_k: int = 2, loop: bool = False):
+    def __init__(self, hidden: int = 64, ffn: int = 48, experts: int = 4, top_k: int = 2, loop: bool = False,
+                 transposed: bool = False):
         super().__init__()
-        self.e, self.k, self.ffn, self.loop = experts, top_k, ffn, loop
+        self.e, self.k, self.ffn, self.loop, self.transposed = experts, top_k, ffn, loop, transposed
         self.router = nn.Linear(hidden, experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / math.sqrt(hidden))
         self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(ffn))
+        if transposed:  # stored [E, in, out] and used as x @ W[ids] (HF's is_transposed experts, gpt-oss)
+            self.gate_up_proj = nn.Parameter(self.gate_up_proj.data.transpose(1, 2).contiguous())
+            self.down_proj = nn.Parameter(self.down_proj.data.transpose(1, 2).contiguous())
 
     def forward(self, x):
         shape = x.shape
@@ -665,8 +670,12 @@ class MoE(nn.Module):
             return x + out.view(shape)
         pairs = h.repeat_interleave(self.k, dim=0)  # [tokens * top_k, hidden]
         flat = ids.reshape(-1)
-        gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
-        y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        if self.transposed:
+            gate, up = torch.bmm(pairs.unsqueeze(1), self.gate_up_proj[flat]).squeeze(1).chunk(2, -1)
+            y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.down_proj[flat]).squeeze(1)
+        else:
+            gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
+            y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         y = (y * weights.reshape(-1, 1)).view(-1, self.k, shape[-1]).sum(1)
         return x + y.view(shape)
 

@@ -192,6 +192,31 @@ def test_random_transformer_attention(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data)
 
 
+@st.composite
+def moe_cases(draw):
+    experts = draw(st.integers(1, 5))
+    form = draw(st.sampled_from(["batched", "loop", "transposed"]))
+    model = models.MoE(hidden=draw(st.integers(4, 40)), ffn=draw(st.integers(1, 40)), experts=experts,
+                       top_k=draw(st.integers(1, experts)), loop=form == "loop", transposed=form == "transposed")
+    return model, model.router.in_features
+
+
+@SETTINGS
+@given(case=moe_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(), data=st.data())
+def test_random_moe(case, world, shape3d, plan_draw, data):
+    """Experts of any count, width (down to fewer features than ranks) and top-k, in the batched,
+    transposed and loop forms, auto or drawn plans: partial sums reduced exactly once, where needed."""
+    model, hidden = case
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
+    plan = "auto"
+    if plan_draw:
+        plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n)
+                for n in ("router", "gate_up_proj", "down_proj")}
+    report = dynashard.explain(model, x, world_size=world, options={"min_shard_numel": 0, "plan": plan}, verify=True)
+    assert set(report.layers) == {"router", "gate_up_proj", "down_proj"}, str(report)
+
+
 def test_verify_catches_a_wrong_shard(monkeypatch):
     """The check itself can fail: cut every rank's weights from the wrong place."""
     import dynashard.simulate as simulate
