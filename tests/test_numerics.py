@@ -28,10 +28,11 @@ TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}  # (atol, rtol x
 # distinct lowering.
 CONFIGS = {
     # (world, compiler, dtype): cases
-    (2, "eager", "float32"): [c for c in CASES if c != "llama_few_kv"],
+    # (moe_loop's partial sums take the same runtime path as moe's; its planning is simulated at worlds 2-4)
+    (2, "eager", "float32"): [c for c in CASES if c not in ("llama_few_kv", "moe_loop")],
     (4, "eager", "float32"): ["uneven_empty_rank", "tiny_lm", "pr_seed", "llama_6_heads", "llama_few_kv", "llama_mqa",
                               "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale", "falcon_gqa",
-                              "falcon_mqa", "moe", "hf_mixtral"],
+                              "falcon_mqa", "moe"],
     (2, "inductor", "float32"): [
         "residual",  # column -> row pair, one all_reduce, three shapes through one dynamic graph
         "conv1d",  # HF Conv1D's addmm with a [in, out] weight
