@@ -29,6 +29,7 @@ import torch.fx
 
 from dynashard import rules
 from dynashard.match import LinearMatch
+from dynashard.rules.inplace import mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
 from dynashard.shard import LayoutMap, Read, Shard, Split, all_args
@@ -52,7 +53,8 @@ def propagate(
     ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
     under replicated weights); they matter only with ``per_rank``.
     """
-    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}))
+    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}),
+                   written=mutated_roots(graph))
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             lm.layouts[node] = None

@@ -288,6 +288,7 @@ class LayoutMap:
     # linear in it keep it (rules/partial.py); any other reader reads it all-reduced (``reduced``).
     partial: dict[torch.fx.Node, frozenset[torch.fx.Node]] = dataclasses.field(default_factory=dict)
     reduced: set[tuple[torch.fx.Node, torch.fx.Node]] = dataclasses.field(default_factory=set)
+    written: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # values an in-place op writes into
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
 
     def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:

@@ -643,12 +643,14 @@ class MoE(nn.Module):
     (``W[ids]``) for a ``bmm``; the rows are weighted by the router and summed over top-k. A residual
     follows, as in a decoder layer. ``loop=True``: a python loop over experts with ``F.linear(x,
     W[e])`` on masked tokens instead (every expert computes every token; no data-dependent shapes).
-    ``transposed``: weights stored ``[E, in, out]``, used as ``bmm(x.unsqueeze(1), W[ids])``."""
+    ``transposed``: weights stored ``[E, in, out]``, used as ``bmm(x.unsqueeze(1), W[ids])``.
+    ``residual=False``: the experts' weighted sum alone."""
 
     def __init__(self, hidden: int = 64, ffn: int = 48, experts: int = 4, top_k: int = 2, loop: bool = False,
-                 transposed: bool = False):
+                 transposed: bool = False, residual: bool = True):
         super().__init__()
         self.e, self.k, self.ffn, self.loop, self.transposed = experts, top_k, ffn, loop, transposed
+        self.residual = residual
         self.router = nn.Linear(hidden, experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / math.sqrt(hidden))
         self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(ffn))
@@ -667,7 +669,7 @@ class MoE(nn.Module):
                 gate, up = F.linear(h, self.gate_up_proj[e]).chunk(2, -1)
                 y = F.linear(F.silu(gate) * up, self.down_proj[e])
                 out = out + y * (weights * (ids == e)).sum(-1, keepdim=True)
-            return x + out.view(shape)
+            return x + out.view(shape) if self.residual else out.view(shape)
         pairs = h.repeat_interleave(self.k, dim=0)  # [tokens * top_k, hidden]
         flat = ids.reshape(-1)
         if self.transposed:
@@ -677,7 +679,7 @@ class MoE(nn.Module):
             gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
             y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         y = (y * weights.reshape(-1, 1)).view(-1, self.k, shape[-1]).sum(1)
-        return x + y.view(shape)
+        return x + y.view(shape) if self.residual else y.view(shape)
 
 
 class HFMixtral(nn.Module):

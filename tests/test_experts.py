@@ -2,10 +2,10 @@
 
 Planned and simulated in one process (``explain(verify=True)`` runs every rank's sharded program
 against the unsharded model); real gloo ranks run the ``moe`` (world 2 and 4, eager and Inductor)
-and ``hf_mixtral`` (world 2, eager and Inductor) battery cases (test_numerics.py). Forms: HF transformers 5.23's ``batched_mm`` (``bmm`` of
-``W[ids]``) and ``grouped_mm`` experts (its fp32 fallback op, ``aten._grouped_mm`` in bf16), and a
-python loop over experts (``F.linear(x, W[e])``). Before this file's change none was matched:
-every expert weight stayed whole on every rank.
+and ``hf_mixtral`` (world 2, eager and Inductor) battery cases (test_numerics.py). Forms: HF
+transformers 5.23's ``batched_mm`` (``bmm`` of ``W[ids]``) and ``grouped_mm`` experts (its fp32
+fallback op, ``aten._grouped_mm`` in bf16), and a python loop over experts (``F.linear(x, W[e])``).
+Before this file's change none was matched: every expert weight stayed whole on every rank.
 """
 
 from __future__ import annotations
@@ -179,3 +179,53 @@ def test_experts_run_eagerly_are_named_not_hidden():
     whole_graph = dynashard.explain(_mixtral("grouped_mm"), torch.randint(3, 96, (2, 7)), world_size=2,
                                     options={"min_shard_numel": 0}, use_cache=False)
     assert whole_graph.outside == [] and "read by no graph" not in str(whole_graph)
+
+
+class _Tail(nn.Module):
+    """The experts' weighted sum followed by one op (tests/test_fuzz.py MOE_TAILS draws more)."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.moe, self.tail = models.MoE(HIDDEN, 48, residual=False), tail
+
+    def forward(self, x):
+        return self.tail(self.moe(x), x)
+
+
+def _written_zeros(y, x):
+    acc = torch.zeros_like(x)
+    acc[..., :4] = 1.0
+    return acc + y
+
+
+@pytest.mark.parametrize("tail", [lambda y, x: x + (y + 1.0), lambda y, x: x * (y - 1), lambda y, x: x + y * y,
+                                  lambda y, x: x + y / (y * y + 1), _written_zeros],
+                         ids=["plus_number", "minus_int", "square", "over_itself", "zeros_written"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_what_is_not_linear_in_partial_sums_reads_them_reduced(tail, world):
+    """Each of these kept the partial sums unreduced, a silent wrong result (max error 1.0-2.8):
+    a number added once per rank, a partial read twice (``y * y``: each rank squared its own term),
+    zeros an in-place write had changed. Found by a review; the fuzz now draws them."""
+    torch.manual_seed(0)
+    report = dynashard.explain(_Tail(tail), torch.randn(2, 7, HIDDEN), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    assert report.layers["moe.down_proj"] == "rowwise", str(report)
+
+
+@pytest.mark.parametrize("ffn,world", [(24, 4), (16, 3), (8, 2)])
+def test_grouped_mm_experts_too_narrow_for_16_byte_parts_stay_whole(ffn, world):
+    """3 parts of 8 bf16 over 4 ranks left rank 3 an empty part, which aten._grouped_mm refuses
+    ('strides should be multiple of 16 bytes', a crash at the first call); such experts stay whole."""
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(hidden_size=HIDDEN, intermediate_size=ffn, num_attention_heads=4, num_key_value_heads=2,
+                          num_local_experts=4, num_experts_per_tok=2, vocab_size=96, num_hidden_layers=1,
+                          experts_implementation="grouped_mm")
+    block = T.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval().model.layers[0].mlp
+    report = dynashard.explain(block, torch.randn(2, 7, HIDDEN, dtype=torch.bfloat16), world_size=world, verify=True,
+                               options={"min_shard_numel": 0})
+    rows = {r.fqn: r for r in report.rows}
+    assert rows["experts.gate_up_proj"].style == "replicate", str(report)
+    assert "grouped_mm needs parts of 16 bytes" in rows["experts.gate_up_proj"].reason, str(report)
+    with pytest.raises(UsageError, match="need every rank's part in whole 16 bytes.*expected 'replicate'"):
+        dynashard.explain(block, torch.randn(2, 7, HIDDEN, dtype=torch.bfloat16), world_size=world,
+                          options={"plan": {"experts.down_proj": "rowwise"}})

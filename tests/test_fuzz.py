@@ -192,29 +192,63 @@ def test_random_transformer_attention(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data)
 
 
+def _zeros_written(y, x):
+    acc = torch.zeros_like(x)
+    acc[..., :1] = 1.0  # written in place: no longer zeros
+    return acc + y
+
+
+# What follows the experts' weighted sum ``y`` (partial sums on each rank when the experts are cut):
+# ops linear in it (kept partial) and ops that are not (it must be all-reduced first). Each "not"
+# form was once kept partial, a silent wrong result: a number added once per rank, a partial read
+# twice, zeros that an in-place write had changed.
+MOE_TAILS = {
+    "residual": lambda y, x: x + y,
+    "scaled": lambda y, x: 2.0 * y - y / 4,
+    "plus_number": lambda y, x: y + 1.0,
+    "minus_int": lambda y, x: x * (y - 1),
+    "square": lambda y, x: x + y * y,
+    "over_itself": lambda y, x: y / (y * y + 1.0),
+    "rms": lambda y, x: y * torch.rsqrt((y * y).mean(-1, keepdim=True) + 1e-6),
+    "zeros_written": _zeros_written,
+    "cat_number": lambda y, x: torch.cat([y, 2 * y], -1) + 1,
+}
+
+
+class MoETail(nn.Module):
+    def __init__(self, moe: nn.Module, tail: str):
+        super().__init__()
+        self.moe, self.tail = moe, tail
+
+    def forward(self, x):
+        return MOE_TAILS[self.tail](self.moe(x), x)
+
+
 @st.composite
 def moe_cases(draw):
     experts = draw(st.integers(1, 5))
     form = draw(st.sampled_from(["batched", "loop", "transposed"]))
-    model = models.MoE(hidden=draw(st.integers(4, 40)), ffn=draw(st.integers(1, 40)), experts=experts,
-                       top_k=draw(st.integers(1, experts)), loop=form == "loop", transposed=form == "transposed")
-    return model, model.router.in_features
+    moe = models.MoE(hidden=draw(st.integers(4, 40)), ffn=draw(st.integers(1, 40)), experts=experts,
+                     top_k=draw(st.integers(1, experts)), loop=form == "loop", transposed=form == "transposed",
+                     residual=False)
+    return MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS)))), moe.router.in_features
 
 
 @SETTINGS
 @given(case=moe_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(), data=st.data())
 def test_random_moe(case, world, shape3d, plan_draw, data):
     """Experts of any count, width (down to fewer features than ranks) and top-k, in the batched,
-    transposed and loop forms, auto or drawn plans: partial sums reduced exactly once, where needed."""
+    transposed and loop forms, auto or drawn plans, followed by ops linear in their partial sums
+    or not (MOE_TAILS): partial sums reduced exactly once, where needed."""
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
     plan = "auto"
     if plan_draw:
         plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n)
-                for n in ("router", "gate_up_proj", "down_proj")}
+                for n in ("moe.router", "moe.gate_up_proj", "moe.down_proj")}
     report = dynashard.explain(model, x, world_size=world, options={"min_shard_numel": 0, "plan": plan}, verify=True)
-    assert set(report.layers) == {"router", "gate_up_proj", "down_proj"}, str(report)
+    assert set(report.layers) == {"moe.router", "moe.gate_up_proj", "moe.down_proj"}, str(report)
 
 
 def test_verify_catches_a_wrong_shard(monkeypatch):

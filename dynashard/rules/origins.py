@@ -90,10 +90,20 @@ def _alignment(match: LinearMatch) -> int:
 
 
 def _align(lm: LayoutMap, shard: Shard, match: LinearMatch) -> None:
+    """Ask for units of 16 bytes where the kernel needs them, or for the origin whole when that
+    would leave a rank without any (3 units of 8 over 4 ranks)."""
     unit = _alignment(match)
-    if shard.split.unit % unit:
-        k = math.lcm(unit, shard.split.unit) // shard.split.unit
-        lm.wish(shard.origins, WishKind.COARSEN, k, f"{match.fqn}'s grouped_mm needs parts of 16 bytes")
+    if unit == 1:
+        return
+    k = math.lcm(unit, shard.split.unit) // shard.split.unit
+    target = shard.split.coarsen(k)
+    if target is not None and target.fewest_units(lm.world) >= 1:
+        if k > 1:
+            lm.wish(shard.origins, WishKind.COARSEN, k, f"{match.fqn}'s grouped_mm needs parts of 16 bytes")
+        return
+    lm.wish(shard.origins, WishKind.REPLICATE, 0 if target is None else k,
+            f"{match.fqn}'s grouped_mm needs parts of 16 bytes ({unit} elements), too few to give all "
+            f"{lm.world} ranks some")
 
 
 def _experts(lm: LayoutMap, match: LinearMatch, style: str) -> None:
@@ -111,6 +121,11 @@ def _experts(lm: LayoutMap, match: LinearMatch, style: str) -> None:
     unit = _alignment(match)
     if usable:
         _align(lm, src, match)
+    elif unit > 1 and match.in_features // unit < lm.world:
+        raise UsageError(
+            f"dynashard: experts {match.fqn!r} run by aten._grouped_mm need every rank's part in whole 16 bytes: "
+            f"{match.in_features} input features are {match.in_features // unit} parts of {unit}, fewer than "
+            f"{lm.world} ranks; expected 'replicate' for it in the plan.")
     elif match.in_features % unit == 0:
         lm.weight_splits[node] = Split((match.in_features // unit,), unit)
     lm.weight_splits[node] = src.split if usable else lm.weight_splits.get(node, even(match.in_features))

@@ -12,10 +12,12 @@ After: ``down``, ``y``, ``z`` partial (each rank's term, no collective); ``add``
 all-reduced, since the residual must be added once.
 
 An op keeps a partial when it is linear in it and every other tensor it reads is replicated:
-views and copies of it, a product or quotient by a replicated value, a selection of rows
-(``index``, ``select``, ``slice``), sums over dims, a sum, difference or concatenation of partials
-only (or zeros). Every other reader -- every in-place op, any op with a Shard operand, the graph's
-outputs -- reads it all-reduced (:meth:`~dynashard.shard.LayoutMap.sum_partial`).
+views and copies of it, a product or quotient by a replicated value or a number (reading the
+partial once: ``p * p`` is not linear), a selection of rows (``index``, ``select``, ``slice``),
+sums over dims, a sum, difference or concatenation of partials only, or of zeros nothing writes
+into (``p + 1.0`` would add the number once per rank). Every other reader -- every in-place op,
+any op with a Shard operand, the graph's outputs -- reads it all-reduced
+(:meth:`~dynashard.shard.LayoutMap.sum_partial`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ _ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default}  # linear on
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 
 
-def _is_zeros(node: torch.fx.Node) -> bool:
+def _is_zeros(lm: LayoutMap, node: torch.fx.Node) -> bool:
     """A tensor of zeros is a partial sum too (every rank's term 0): ``out = zeros_like(x)`` then
-    ``out = out + expert(x)`` in a loop over experts stays partial."""
+    ``out = out + expert(x)`` in a loop over experts stays partial -- unless anything writes into
+    its memory (``acc[:, :4] = 1``: the aten graph is not functionalized, so the node that made the
+    zeros is no proof they are still zeros)."""
+    if node in lm.written:
+        return False
     if node.target in _ZEROS:
         return True
     fill = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}.get(node.target)
@@ -56,24 +62,34 @@ def _widening_copy(node: torch.fx.Node) -> bool:
             and out.dtype.itemsize >= src.dtype.itemsize)
 
 
+def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node argument, repeats kept (``mul(p, p)`` reads ``p`` twice: not linear in it)."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
 def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> bool:
     """True (and the output's partial origins recorded) when ``node`` reads partial operands and is
     linear in them; the driver then records every operand read locally."""
     if node.op != "call_function" or mutates_self(node):
         return False
     args = tensor_args(node)
-    partial = [a for a in args if a in lm.partial]
+    reads = [a for a in _operands(node) if a in lm.partial]  # with repeats
     others = [a for a in args if a not in lm.partial]
-    if not partial or any(lm.layouts.get(a) is not None for a in args):
+    if not reads or any(lm.layouts.get(a) is not None for a in args):
         return False
     if node.target in _LINEAR_IN_FIRST or (node.target is aten._to_copy.default and _widening_copy(node)):
-        ok = partial == [node.args[0]]
-    elif node.target in _SCALED:
-        ok = len(partial) == 1 and any(node.args[i] is partial[0] for i in _SCALED[node.target])
+        ok = reads == [node.args[0]]
+    elif node.target in _SCALED:  # by a replicated tensor or a number: p * w, p / w, p * 2.0
+        ok = len(reads) == 1 and any(node.args[i] is reads[0] for i in _SCALED[node.target])
     elif node.target in _ALL_PARTIAL:
-        ok = all(_is_zeros(a) for a in others)
+        # partials and zeros only; p + 1.0 adds the number once per rank (a number is never partial)
+        operands = node.args[0] if node.target is aten.cat.default else node.args[:2]
+        ok = (all(isinstance(a, torch.fx.Node) for a in operands)
+              and all(_is_zeros(lm, a) for a in others))
     else:
         ok = False
     if ok:
-        lm.partial[node] = frozenset().union(*(lm.partial[a] for a in partial))
+        lm.partial[node] = frozenset().union(*(lm.partial[a] for a in reads))
     return ok
