@@ -104,6 +104,12 @@ def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
     if not isinstance(end, int):
         return False
     start, end = start % src.size if start < 0 else start, end % src.size if end < 0 else end
+    return _cut_range(lm, node, src, start, end)
+
+
+def _cut_range(lm: LayoutMap, node: torch.fx.Node, src: Shard, start: int, end: int) -> bool:
+    """Elements ``[start, end)`` of the cut dim: whole components (a wish to cut at those bounds
+    otherwise); this rank's part of them, narrowed by the rewrite (``part_sizes``)."""
     ranges = _part_ranges(src.split, [start, end])
     if ranges is None:
         _cut_wish(lm, node, src, [0, start, end, src.size])
@@ -147,13 +153,7 @@ def _index_as_slice(lm: LayoutMap, node: torch.fx.Node, src: Shard, idx: torch.f
     start, end = positions[0], positions[-1] + 1
     if positions != list(range(start, end)):
         return False
-    ranges = _part_ranges(src.split, [start, end])
-    if ranges is None:
-        _cut_wish(lm, node, src, [0, start, end, src.size])
-        return False
-    (i, j), = ranges
-    lm.part_sizes[node] = (_sub_length(src, 0, i), _sub_length(src, i, j))
-    return lm.keep(node, _taken(lm, node, src, i, j))  # None: whole components, held by every rank (replicated)
+    return _cut_range(lm, node, src, start, end)
 
 
 @rule(aten.cat.default)
