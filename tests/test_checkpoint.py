@@ -1,10 +1,11 @@
-"""Checkpoints read a slice at a time (``dynashard.checkpoint``), one process, no ranks.
+"""Checkpoints read a slice at a time (``dynashard.checkpoint``).
 
 Every format the loader accepts (one safetensors file, a directory of them, an HF sharded
 checkpoint with its index, a torch.distributed.checkpoint directory) gives, for every split the
 planner makes, exactly the shard ``weights.cut`` cuts from the whole tensor: the same bytes, so a
 model loaded slice by slice equals one sharded after loading whole. Bad checkpoints raise
-``UsageError`` naming the tensor or file and the fix.
+``UsageError`` naming the tensor or file and the fix. All in one process (unit tier) but one gloo
+test: a DCP checkpoint saved as DTensor shards by 2 ranks, read back at other splits.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from dynashard.checkpoint import open_checkpoint
 from dynashard.errors import UsageError
 from dynashard.shard import Split
 from dynashard.weights import cut
-
-pytestmark = pytest.mark.unit
 
 # Splits the planner makes: balanced and uneven (23/23/22/22 of 90), a fused [q | k | v] cut per
 # component, k and v held whole by every rank (their pieces overlap across ranks), a carved piece
@@ -70,6 +69,7 @@ def _write(fmt: str, tmp_path) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fmt", ["file", "directory", "hf_index", "dcp"])
 def test_every_format_reads_exactly_what_cut_takes(fmt, tmp_path):
     ck = open_checkpoint(_write(fmt, tmp_path))
@@ -88,6 +88,7 @@ def test_every_format_reads_exactly_what_cut_takes(fmt, tmp_path):
     assert torch.equal(ck.read("w", 0, [], torch.float16), torch.empty(0, 40, dtype=torch.float16))  # nothing
 
 
+@pytest.mark.unit
 def test_an_hf_checkpoint_saved_by_save_pretrained(tmp_path):
     """GPT-2 (Conv1D [in, out] weights, a tied LM head absent from the file) saved in several
     files with its index, as transformers writes it."""
@@ -106,6 +107,7 @@ def test_an_hf_checkpoint_saved_by_save_pretrained(tmp_path):
         assert torch.equal(ck.read("transformer.h.1.attn.c_attn.weight", 1, split.pieces(2, rank)), want)
 
 
+@pytest.mark.unit
 def test_bad_checkpoints_say_what_and_how_to_fix(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         open_checkpoint(tmp_path / "nope.safetensors")
@@ -128,3 +130,40 @@ def test_bad_checkpoints_say_what_and_how_to_fix(tmp_path):
     save_file({"w": torch.ones(2)}, tmp_path / "twice" / "b.safetensors")
     with pytest.raises(UsageError, match="'w' is in both"):
         open_checkpoint(tmp_path / "twice")
+
+
+def _save_sharded_then_read(rank: int, world: int, path: str) -> bool:
+    """Save DTensor shards (rows of ``w`` cut in two, columns of ``c``) and a replicated tensor
+    with ``dcp.save`` on 2 ranks; rank 0 then reads the pieces of every split at worlds 1-4."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    w, c = torch.randn(90, 40), torch.randn(40, 96)
+    dcp.save({"w": distribute_tensor(w, mesh, [Shard(0)]), "c": distribute_tensor(c, mesh, [Shard(1)]),
+              "r": distribute_tensor(c, mesh, [Replicate()])}, checkpoint_id=path)
+    dist.barrier()
+    ok = True
+    if rank == 0:
+        ck = open_checkpoint(path)
+        for readers in (1, 2, 3, 4):
+            for split in SPLITS.values():
+                if split.size != 90 and split.size != 96:
+                    continue
+                name, full, dim = ("w", w, 0) if split.size == 90 else ("c", c, 1)
+                for r in range(readers):  # pieces spanning both saved chunks, uneven, overlapping
+                    ok &= torch.equal(ck.read(name, dim, split.pieces(readers, r)), cut(full, dim, split, readers, r))
+        ok &= torch.equal(ck.read("r", 1, [(5, 50)]), c[:, 5:55])
+    dist.barrier()  # nobody leaves the group while rank 0 reads
+    return ok
+
+
+@pytest.mark.gloo
+@pytest.mark.timeout(300)
+def test_dcp_saved_sharded_at_world_2_reads_at_any_split(tmp_path):
+    from tests.multiproc import run_ranks
+
+    assert run_ranks(_save_sharded_then_read, 2, str(tmp_path / "dcp"), timeout=240) == [True, True]
