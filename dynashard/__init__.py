@@ -5,7 +5,7 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["backend", "explain", "held_bytes", "__version__"]
+__all__ = ["backend", "explain", "held_bytes", "parallelize", "__version__"]
 
 
 def backend(**options):
@@ -28,3 +28,11 @@ def held_bytes(model) -> int:
     from dynashard.weights import held_bytes as _held_bytes
 
     return _held_bytes(model)
+
+
+def parallelize(model, *args, options=None, **kwargs):
+    """Shard ``model`` now, as ``torch.compile(model, backend="dynashard", options=options)`` would
+    for these example inputs, and register each rank's shards as its parameters. Returns ``model``."""
+    from dynashard.parameters import parallelize as _parallelize
+
+    return _parallelize(model, *args, options=options, **kwargs)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.fx
 
-_SOURCE_PART = re.compile(r"_(?:modules|parameters|buffers)\['([^']+)'\]")
+# (a module's _modules / _parameters / _buffers entry, or a facade dynashard.parallelize keeps in its __dict__)
+_SOURCE_PART = re.compile(r"(?:_modules|_parameters|_buffers|__dict__\['_dynashard_facades'\])\['([^']+)'\]")
 
 
 def fake_mode_of(example_inputs: Sequence[Any]):

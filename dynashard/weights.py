@@ -71,6 +71,22 @@ class WeightStore:
             )
         return entry.shard
 
+    def as_parameter(self, param: torch.Tensor) -> torch.nn.Parameter:
+        """``param``'s shard as a Parameter (the same storage) that the store now holds, with DCP's
+        checkpoint protocol describing its pieces of the global tensor (see checkpoint.py)."""
+        entry = self._shards[param]
+        if not isinstance(entry.shard, torch.nn.Parameter):
+            entry.shard = self.checkpointable(param, torch.nn.Parameter(entry.shard, requires_grad=param.requires_grad))
+        return entry.shard
+
+    def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces
+        as chunks of ``param``'s global shape (see checkpoint.make_checkpointable)."""
+        from dynashard.checkpoint import make_checkpointable
+
+        spec = self._shards[param].spec
+        return make_checkpointable(local, param.shape, spec.dim, spec.split.pieces(spec.world, spec.rank))
+
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
 
@@ -88,9 +104,9 @@ class WeightStore:
         if entry is not None:
             if not entry.spec.same_cut(spec):
                 raise UsageError(
-                    f"dynashard: {fqn!r} was sharded as {entry.spec} by an earlier compile, and this "
-                    f"graph needs {spec}. Its full value was freed, so it cannot be re-split: use the "
-                    "same plan and group for every compile of a model."
+                    f"dynashard: {fqn!r} was sharded as {entry.spec} by dynashard.parallelize or an earlier "
+                    f"compile, and this graph needs {spec}. Its full value was freed, so it cannot be re-split: "
+                    "use the same plan and group for every compile of a model (and parallelize's options)."
                 )
             return entry.shard
         if spec.stacked:

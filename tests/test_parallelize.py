@@ -1,0 +1,130 @@
+"""``dynashard.parallelize``: shards registered as the model's parameters, on 2 real gloo ranks.
+
+For an MLP, nanoGPT (a fused qkv cut per component, an LM head tied to a vocab-parallel
+embedding) and a Llama decoder (GQA, RoPE): the parameters and state_dict are the shards, a later
+``torch.compile(model, backend="dynashard")`` matches the unsharded model without cutting again,
+``dcp.save(model.state_dict())`` writes every layout at its global offsets (loaded whole in one
+process, and read back piece by piece), and calling the model eagerly, parallelizing twice or
+compiling with a conflicting plan raise clear errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.battery import SHARDED
+from tests.multiproc import run_ranks
+
+pytestmark = pytest.mark.gloo
+
+MODELS = ("mlp", "nanogpt", "llama")
+
+
+def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
+    import copy
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import dynashard
+    from dynashard.checkpoint import open_checkpoint
+    from dynashard.errors import UsageError
+    from dynashard.weights import STORE
+    from tests import models
+
+    out = {}
+    for name in MODELS:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = models.build(name, 128 if name == "llama" else 64, 96).eval()
+        reference = copy.deepcopy(model)
+        full = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        ids = name in models.IDS_IN
+        inputs = [torch.randint(0, 96, s) if ids else torch.randn(*s, 64) for s in ((2, 7), (3, 5))]
+        options = {"min_shard_numel": 0, "compiler": "eager"}
+        r: dict = {"returned_model": dynashard.parallelize(model, inputs[0], options=options) is model}
+        params = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each name
+        r["sharded"] = sorted(n for n, p in model.named_parameters() if p.shape != full[n].shape)
+        r["state_dict_is_shards"] = all(model.state_dict()[n].shape == p.shape for n, p in params.items())
+        r["held_fraction"] = dynashard.held_bytes(model) / sum(t.numel() * t.element_size() for t in full.values())
+        compiles = []
+
+        def counting(gm, example_inputs, options=options, compiles=compiles):
+            from dynashard.dynamo_backend import dynashard_backend
+
+            compiles.append(1)
+            return dynashard_backend(gm, example_inputs, options)
+
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=counting)
+            r["max_err"] = max(float((compiled(x) - reference(x)).abs().max()) for x in inputs)
+        r["compiles"] = len(compiles)
+        r["same_shards"] = all(STORE.shard_of(f) is params[n] for n, f in _facades(model))
+        try:
+            with torch.no_grad():
+                model(inputs[0])
+            r["eager"] = "ran"
+        except UsageError as e:
+            r["eager"] = str(e)
+        try:
+            dynashard.parallelize(model, inputs[0], options=options)
+            r["twice"] = "ran"
+        except UsageError as e:
+            r["twice"] = str(e)
+        ckpt = f"{path}/{name}"
+        dcp.save(model.state_dict(), checkpoint_id=ckpt)
+        dist.barrier()
+        if rank == 0:  # the checkpoint loads into the plain, unsharded model in one process
+            whole = {n: torch.zeros_like(t) for n, t in reference.state_dict().items()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": yes
+                dcp.load(whole, checkpoint_id=ckpt, no_dist=True)
+            r["dcp_whole_equal"] = all(torch.equal(whole[n], t) for n, t in reference.state_dict().items())
+        reader = open_checkpoint(ckpt)  # and each rank reads its own pieces back
+        r["dcp_pieces_equal"] = all(
+            torch.equal(reader.read(n, STORE._shards[f].spec.dim,
+                                    STORE._shards[f].spec.split.pieces(world, rank)), params[n].detach())
+            for n, f in _facades(model))
+        dist.barrier()
+        out[name] = r
+    # A compile asking another cut of a parallelized weight: an error naming it, on every rank.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = dynashard.parallelize(models.build("mlp", 64, 96), torch.randn(2, 64), options={"min_shard_numel": 0})
+    try:
+        with torch.no_grad():
+            torch.compile(mlp, backend=dynashard.backend(plan={"up": "rowwise", "down": "colwise"}))(torch.randn(2, 64))
+        out["conflict"] = "ran"
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+        out["conflict"] = str(e)
+    return out
+
+
+def _facades(model):
+    from dynashard.parameters import FACADES
+
+    for prefix, module in model.named_modules():
+        for attr, facade in module.__dict__.get(FACADES, {}).items():
+            yield (f"{prefix}.{attr}" if prefix else attr), facade
+
+
+@pytest.mark.timeout(420)
+def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(tmp_path):
+    results = run_ranks(_parallelize_and_check, 2, str(tmp_path), timeout=360)
+    for rank, out in enumerate(results):
+        for name in MODELS:
+            r = out[name]
+            assert r["returned_model"] and r["state_dict_is_shards"] and r["same_shards"], (rank, name, r)
+            # a tied weight is one parameter: named_parameters() lists it once (nanoGPT: wte)
+            assert set(r["sharded"]) == SHARDED[name], (rank, name, r)
+            assert r["held_fraction"] < 0.75, (rank, name, r)
+            # float32 sums of <= 128 products in another order: a few ulps (see test_numerics.py)
+            assert r["max_err"] < 1e-5, (rank, name, r)
+            assert r["compiles"] <= 2, (rank, name, r)  # the first shape, then Dynamo's dynamic recompile
+            assert "sharded by dynashard.parallelize" in r["eager"] and "torch.compile" in r["eager"], r["eager"]
+            assert "already parallelized" in r["twice"], r["twice"]
+            assert r.get("dcp_whole_equal", True) and r["dcp_pieces_equal"], (rank, name, r)
+        assert rank != 0 or all("dcp_whole_equal" in out[n] for n in MODELS)
+        assert "'up.weight' was sharded as" in out["conflict"] and "parallelize" in out["conflict"], out["conflict"]
