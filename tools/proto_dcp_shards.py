@@ -1,7 +1,8 @@
-"""Prototype for issue 12: plain local shards saved by ``torch.distributed.checkpoint`` at their
-global offsets, for every layout dynashard cuts (not only DTensor's ``torch.chunk`` layouts).
+"""Issue 12's measurement: plain local shards saved by ``torch.distributed.checkpoint`` at their
+global offsets, for every layout dynashard cuts (not only DTensor's ``torch.chunk`` layouts), with
+``dynashard.checkpoint.make_checkpointable`` (what ``dynashard.parallelize`` puts on its shards).
 
-Not product code. DCP asks a state-dict value for ``__create_write_items__``,
+DCP asks a state-dict value for ``__create_write_items__``,
 ``__create_chunk_list__`` and ``__get_tensor_shard__`` (DTensor's ``_Checkpointable`` protocol,
 ``torch/distributed/checkpoint/planner_helpers.py``); set on the shard tensor itself, they describe
 this rank's pieces of a dim as chunks of the global tensor. Whole components every rank holds are
@@ -26,37 +27,12 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynashard.checkpoint import open_checkpoint  # noqa: E402
+from dynashard.checkpoint import make_checkpointable, open_checkpoint  # noqa: E402
 from dynashard.shard import Split  # noqa: E402
 from dynashard.weights import cut  # noqa: E402
-
-
-def checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int, pieces: list[tuple[int, int]]):
-    """DCP's protocol on ``local``: its pieces of ``dim``, side by side, at their global offsets."""
-    chunks, views, at = [], [], 0
-    for start, length in pieces:
-        if length:
-            offsets, sizes = [0] * len(full_shape), list(full_shape)
-            offsets[dim], sizes[dim] = start, length
-            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            views.append(local.narrow(dim, at, length))
-        at += length
-    by_offset = {c.offsets: v for c, v in zip(chunks, views)}
-
-    def write_items(fqn, _obj):
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=TensorProperties.create_from_tensor(local),
-                                                      size=torch.Size(full_shape))) for c in chunks]
-
-    local.__create_write_items__ = write_items
-    local.__create_chunk_list__ = lambda: list(chunks)
-    local.__get_tensor_shard__ = lambda index: by_offset[index.offset]
-    return local
 
 
 def main() -> None:
@@ -67,7 +43,8 @@ def main() -> None:
     splits = {"balanced": Split((96,)), "fused": Split((48, 24, 24)),
               "whole_kv": Split((64, 16, 16), whole=frozenset({1, 2})), "uneven": Split((93, 3), whole=frozenset({1}))}
     for name, split in splits.items():
-        shard = checkpointable(cut(full, 0, split, world, rank).clone(), full.shape, 0, split.pieces(world, rank))
+        shard = make_checkpointable(cut(full, 0, split, world, rank).clone(), full.shape, 0,
+                                    split.pieces(world, rank))
         path = os.path.join(sys.argv[1], name)
         dcp.save({"w": shard}, checkpoint_id=path)
         dist.barrier()
