@@ -88,7 +88,8 @@ def explain(
             if any(torch.is_tensor(t) and STORE.is_sharded(t) for t in example_inputs):
                 raise UsageError(
                     "dynashard.explain: this model's weights were sharded (and freed) by an earlier "
-                    "dynashard compile; explain runs the model once on the example inputs and needs them "
+                    "dynashard compile or dynashard.parallelize; explain runs the model once on the example inputs "
+                    "and needs them "
                     "whole. Expected an uncompiled model: call explain before torch.compile."
                 )
             fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]

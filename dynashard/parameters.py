@@ -26,6 +26,7 @@ naming the fix (its storage is gone; before, torch's "setStorage ... size 0").
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from typing import Any
 
@@ -60,14 +61,27 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, **kwargs: Any
                          "default weights='replicated' (every rank holds the same model before parallelize).")
     run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
 
-    def backend(gm, example_inputs):
+    def dynashard_parallelize(gm, example_inputs):
         return dynashard_backend(gm, example_inputs, run_options)
 
     # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
     # here (eager, thrown away) never serves the user's own compile.
     run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
-    with torch.no_grad():
-        torch.compile(run, backend=backend, dynamic=False)(model, args, kwargs)
+    try:
+        with torch.no_grad():
+            torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
+    except Exception as e:
+        cut = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
+        if not cut:
+            raise  # nothing was cut: the model is as it was
+        # A graph before a graph break was sharded (its full weights freed) before the error: keep
+        # the model usable with what was cut, and say so.
+        _register(model)
+        raise UsageError(
+            f"dynashard.parallelize: running the example failed ({type(e).__name__}: {e}) after {len(cut)} "
+            f"weight(s) had been sharded (e.g. {cut[0]!r}); their full values are gone, and the model now holds "
+            "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
+            "and the same options (or rebuild the model).") from e
     _register(model)
     return model
 
@@ -91,6 +105,8 @@ def _register(model: nn.Module) -> None:
                 owners.setdefault(id(p), []).append((module, attr))
     for entries in owners.values():
         facade = entries[0][0]._parameters[entries[0][1]]
+        if FACADES in entries[0][0].__dict__ and facade is entries[0][0].__dict__[FACADES].get(entries[0][1]):
+            continue  # registered before (a failed call registered what it had cut)
         shard = STORE.as_parameter(facade)
         for module, attr in entries:
             module._parameters[attr] = shard
@@ -102,7 +118,8 @@ def _register(model: nn.Module) -> None:
             module.__dict__[FACADES][attr] = facade
             cls = type(module)
             if cls not in swapped.values():
-                new = swapped.setdefault(cls, type(cls.__name__, (cls,), {"__module__": cls.__module__}))
+                body = {"__module__": cls.__module__, "register_parameter": _register_parameter}
+                new = swapped.setdefault(cls, type(cls.__name__, (cls,), body))
                 module.__class__ = new
             setattr(type(module), attr, _facade_property(attr))
 
@@ -113,12 +130,39 @@ def _checkpointable_state(module: nn.Module, state: dict, prefix: str, _metadata
             state[prefix + attr] = STORE.checkpointable(facade, state[prefix + attr])
 
 
+def _register_parameter(self, name: str, param) -> None:
+    """A sharded parameter is not replaced (``module.weight = ...``, ``load_state_dict(assign=True)``):
+    the compiled program reads the shard registered by ``parallelize``, so a new object would be
+    ignored silently."""
+    if name in self.__dict__.get(FACADES, {}):
+        raise UsageError(
+            f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize and cannot be "
+            "replaced by another parameter (the compiled model would keep reading the old one). Expected an "
+            "in-place update: load_state_dict(..., assign=False), or param.data.copy_(...).")
+    nn.Module.register_parameter(self, name, param)
+
+
+def _in_module_call() -> bool:
+    """Whether a module's ``__call__`` is on the stack: a forward running eagerly."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
 def _facade_property(attr: str) -> property:
     def get(self):
         facades = self.__dict__.get(FACADES, {})
         if attr not in facades:  # another instance of the class, whose parameter was not sharded
             return nn.Module.__getattr__(self, attr)
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and _in_module_call():
+            # (outside a forward -- get_parameter(), DCP's FQN walk, hasattr -- the facade is returned:
+            # full-shape metadata, no storage; reading its values fails loudly)
             raise UsageError(
                 f"dynashard: {type(self).__name__}.{attr} was sharded by dynashard.parallelize; this rank holds "
                 f"only its shard (model.named_parameters() lists it), so the module cannot run outside the "

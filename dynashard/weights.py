@@ -131,6 +131,7 @@ class WeightStore:
                 continue
             freed += storage.nbytes()
             storage.resize_(0)
+            p.__deepcopy__ = _refuse_copy  # (copying a tensor without storage kills the process: pytorch C++)
         return freed
 
     def agree(
@@ -185,6 +186,13 @@ class WeightStore:
             broadcast_from_first([t for _, t in fresh], group)
         for _, t in fresh:
             self._agreed[t] = True
+
+
+def _refuse_copy(memo: dict) -> None:
+    raise UsageError(
+        "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values (copying "
+        "a tensor without storage would kill the process). Expected the copy made before torch.compile or "
+        "dynashard.parallelize, e.g. reference = copy.deepcopy(model) first.")
 
 
 def cut(full: torch.Tensor, dim: int, split: Split, world: int, rank: int) -> torch.Tensor:

@@ -3,9 +3,10 @@
 For an MLP, nanoGPT (a fused qkv cut per component, an LM head tied to a vocab-parallel
 embedding) and a Llama decoder (GQA, RoPE): the parameters and state_dict are the shards, a later
 ``torch.compile(model, backend="dynashard")`` matches the unsharded model without cutting again,
-``dcp.save(model.state_dict())`` writes every layout at its global offsets (loaded whole in one
-process, and read back piece by piece), and calling the model eagerly, parallelizing twice or
-compiling with a conflicting plan raise clear errors.
+``dcp.save(model.state_dict())`` (or DCP's ``get_model_state_dict``) writes every layout at its
+global offsets (loaded whole in one process, and read back piece by piece), and calling the model
+eagerly, parallelizing twice, copying it, replacing a shard or compiling with a conflicting plan
+raise clear errors; an example that fails after a graph break leaves the model usable.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     import dynashard
     from dynashard.checkpoint import open_checkpoint
@@ -73,8 +75,18 @@ def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
             r["twice"] = "ran"
         except UsageError as e:
             r["twice"] = str(e)
+        for label, act in (("copy", lambda m=model: copy.deepcopy(m)),
+                           ("assign", lambda m=model: m.load_state_dict(m.state_dict(), assign=True))):
+            try:
+                act()
+                r[label] = "ran"
+            except (UsageError, RuntimeError) as e:  # load_state_dict re-raises ours inside a RuntimeError
+                r[label] = str(e)
         ckpt = f"{path}/{name}"
-        dcp.save(model.state_dict(), checkpoint_id=ckpt)
+        # DCP's own state-dict API walks the FQNs with getattr: it reads the facades' metadata, saves the shards
+        state = get_model_state_dict(model)
+        r["dcp_api_is_state_dict"] = state.keys() == model.state_dict().keys()
+        dcp.save(state, checkpoint_id=ckpt)
         dist.barrier()
         if rank == 0:  # the checkpoint loads into the plain, unsharded model in one process
             whole = {n: torch.zeros_like(t) for n, t in reference.state_dict().items()}
@@ -89,6 +101,22 @@ def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
             for n, f in _facades(model))
         dist.barrier()
         out[name] = r
+    # The example raising after a graph break, once a graph before it was sharded: the model keeps
+    # what was cut (registered) and the error says so; it then compiles and runs.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    failing = _FailsAfterABreak()
+    reference = copy.deepcopy(failing)
+    x = torch.randn(2, 64)
+    try:
+        dynashard.parallelize(failing, x, options={"min_shard_numel": 0})
+        out["failed_example"] = "ran"
+    except UsageError as e:
+        out["failed_example"] = str(e)
+    failing.fail = False
+    with torch.no_grad():
+        out["after_failure_err"] = float((torch.compile(failing, backend=dynashard.backend(min_shard_numel=0))(x)
+                                          - reference.mlp(x)).abs().max())
     # A compile asking another cut of a parallelized weight: an error naming it, on every rank.
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -100,6 +128,21 @@ def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
     except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
         out["conflict"] = str(e)
     return out
+
+
+class _FailsAfterABreak(__import__("torch").nn.Module):
+    def __init__(self):
+        from tests import models
+
+        super().__init__()
+        self.mlp, self.fail = models.MLP(64, 96), True
+
+    def forward(self, x):
+        y = self.mlp(x)
+        if self.fail:
+            print("a graph break: the graph above is compiled, and its weights cut, first")
+            raise RuntimeError("the model's own error")
+        return y
 
 
 def _facades(model):
@@ -125,6 +168,11 @@ def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(t
             assert r["compiles"] <= 2, (rank, name, r)  # the first shape, then Dynamo's dynamic recompile
             assert "sharded by dynashard.parallelize" in r["eager"] and "torch.compile" in r["eager"], r["eager"]
             assert "already parallelized" in r["twice"], r["twice"]
+            assert "cannot copy this model" in r["copy"], r["copy"]  # (copying a freed tensor killed the process)
+            assert "cannot be replaced" in r["assign"], r["assign"]  # (a new object would be ignored silently)
+            assert r["dcp_api_is_state_dict"], (rank, name, r)
             assert r.get("dcp_whole_equal", True) and r["dcp_pieces_equal"], (rank, name, r)
         assert rank != 0 or all("dcp_whole_equal" in out[n] for n in MODELS)
         assert "'up.weight' was sharded as" in out["conflict"] and "parallelize" in out["conflict"], out["conflict"]
+        assert "the model's own error" in out["failed_example"] and "now holds" in out["failed_example"], out
+        assert out["after_failure_err"] < 1e-5, out
