@@ -5,7 +5,7 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["backend", "explain", "held_bytes", "parallelize", "__version__"]
+__all__ = ["backend", "empty_weights", "explain", "held_bytes", "parallelize", "__version__"]
 
 
 def backend(**options):
@@ -30,9 +30,17 @@ def held_bytes(model) -> int:
     return _held_bytes(model)
 
 
-def parallelize(model, *args, options=None, **kwargs):
+def parallelize(model, *args, options=None, checkpoint=None, **kwargs):
     """Shard ``model`` now, as ``torch.compile(model, backend="dynashard", options=options)`` would
-    for these example inputs, and register each rank's shards as its parameters. Returns ``model``."""
+    for these example inputs, and register each rank's shards as its parameters; with ``checkpoint``
+    (a meta model) each rank reads only its slices from it. Returns ``model``."""
     from dynashard.parameters import parallelize as _parallelize
 
-    return _parallelize(model, *args, options=options, **kwargs)
+    return _parallelize(model, *args, options=options, checkpoint=checkpoint, **kwargs)
+
+
+def empty_weights():
+    """Context manager: parameters built on the meta device, buffers real (for ``parallelize(checkpoint=...)``)."""
+    from dynashard.parameters import empty_weights as _empty_weights
+
+    return _empty_weights()

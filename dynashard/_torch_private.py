@@ -5,6 +5,7 @@ Each function says which torch behaviour it depends on; docs/design.md has the m
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,3 +180,15 @@ def constant_value(node: Any) -> torch.Tensor | None:
     if not isinstance(value, torch.Tensor) or is_fake(value) or value.dtype.is_floating_point:
         return None
     return value
+
+
+@contextlib.contextmanager
+def real_tensors():
+    """A context where tensors are real even inside a backend call. ``torch.load`` (DCP's reader)
+    returns meta-backed tensors whenever ``torch._guards.detect_fake_mode()`` finds a fake mode, and
+    inside a backend Dynamo's tracing context holds one: both the fake mode and the context go."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), tracing(None):
+        yield

@@ -58,6 +58,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
     elif error is not None:
         raise error
+    if analysis is not None and STORE.source is not None:  # dynashard.parallelize(checkpoint=...)
+        STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded])
     grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
         compiled = private.compile_graph(opts.compiler, gm, example_inputs)

@@ -25,15 +25,18 @@ naming the fix (its storage is gone; before, torch's "setStorage ... size 0").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dynashard import _torch_private as private
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.options import parse_options
@@ -42,10 +45,14 @@ from dynashard.weights import STORE
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
 
 
-def parallelize(model: nn.Module, *args: Any, options: Any = None, **kwargs: Any) -> nn.Module:
+def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: Any = None, **kwargs: Any
+                ) -> nn.Module:
     """Plan ``model`` as ``torch.compile(model, backend="dynashard", options=options)`` would for
     these example inputs, cut every planned weight and register the shards as its parameters.
-    Returns ``model``. Every rank of the group must call it, with the same model and inputs."""
+    With ``checkpoint`` (a path: safetensors file, directory or HF index, or a DCP directory) the
+    model is one built on the meta device, and each rank reads only its pieces of each weight (and
+    the weights left whole) from it. Returns ``model``. Every rank of the group must call it, with
+    the same model and inputs."""
     opts = parse_options(options)
     if not (dist.is_available() and dist.is_initialized()):
         raise UsageError("dynashard.parallelize: no process group is initialized. Expected "
@@ -59,6 +66,11 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, **kwargs: Any
     if opts.weights != "replicated":
         raise UsageError(f"dynashard.parallelize: weights={opts.weights!r} is not supported yet; expected the "
                          "default weights='replicated' (every rank holds the same model before parallelize).")
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if checkpoint is None and on_meta:
+        raise UsageError(f"dynashard.parallelize: {on_meta[:3]} are on the meta device and no checkpoint= was given; "
+                         "expected checkpoint=PATH to read this rank's slices from (or a model with real weights).")
+    source = _Loader(model, checkpoint, _device_of(args, kwargs)) if checkpoint is not None else None
     run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
 
     def dynashard_parallelize(gm, example_inputs):
@@ -67,9 +79,13 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, **kwargs: Any
     # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
     # here (eager, thrown away) never serves the user's own compile.
     run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
+    if source is not None:
+        source.make_facades()
+    STORE.source = source
     try:
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
+        STORE.materialize([p for p in model.parameters()])  # read by no graph (eager code): whole
     except Exception as e:
         cut = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
         if not cut:
@@ -82,8 +98,109 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, **kwargs: Any
             f"weight(s) had been sharded (e.g. {cut[0]!r}); their full values are gone, and the model now holds "
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
+    finally:
+        STORE.source = None
     _register(model)
     return model
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+class _Loader:
+    """Values for a meta model's parameters from a checkpoint: checked against the model before
+    anything changes, then read a piece at a time (``STORE.source``)."""
+
+    def __init__(self, model: nn.Module, path: Any, device: torch.device) -> None:
+        from dynashard.checkpoint import open_checkpoint
+
+        self.model, self.device, self.ck = model, device, open_checkpoint(path)
+        real = [n for n, p in model.named_parameters() if not p.is_meta]
+        if real:
+            raise UsageError(f"dynashard.parallelize: checkpoint= expects a model built on the meta device (with "
+                             f"torch.device('meta') or dynashard.empty_weights()); {real[:3]} hold real weights. "
+                             "Build it on meta, or drop checkpoint= to shard the weights it holds.")
+        persistent = set(model.state_dict().keys())
+        self.names: dict[int, str] = {}  # parameter or buffer id -> its name in the checkpoint
+        problems: list[str] = []
+        tensors = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
+        tensors += [(n, t) for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
+        for name, t in tensors:
+            if id(t) in self.names:
+                continue
+            owners = [n for n, u in tensors if u is t]
+            found = next((n for n in owners if n in self.ck.keys()), None)
+            if found is None:
+                if not any(n in persistent for n in owners):
+                    problems.append(f"{name!r} is a non-persistent buffer left on the meta device (build the model "
+                                    "under dynashard.empty_weights(), which puts only parameters on meta)")
+                else:
+                    problems.append(f"{name!r} is not in the checkpoint")
+            elif tuple(self.ck.shape(found)) != tuple(t.shape):
+                problems.append(f"{name!r} is saved with shape {list(self.ck.shape(found))}, the model has "
+                                f"{list(t.shape)}")
+            elif self.ck.dtype(found).is_floating_point != t.dtype.is_floating_point:
+                problems.append(f"{name!r} is saved as {self.ck.dtype(found)}, the model has {t.dtype}")
+            else:
+                self.names[id(t)] = found
+        if problems:
+            more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+            raise UsageError(f"dynashard.parallelize: the checkpoint {self.ck.path} does not fit the model: "
+                             f"{'; '.join(problems[:5])}{more}. Expected a checkpoint saved from this model's "
+                             "architecture and config. Nothing was changed.")
+        unused = sorted(self.ck.keys() - set(self.names.values()))
+        if unused:
+            warnings.warn(f"dynashard.parallelize: {len(unused)} tensor(s) in {self.ck.path} are not in the model "
+                          f"and were not read: {unused[:5]}", UserWarning, stacklevel=3)
+
+    def make_facades(self) -> None:
+        """Meta parameters become storage-less tensors on the device (what a graph traces and the
+        store keys shards by); meta buffers are read whole."""
+        made: dict[int, torch.Tensor] = {}
+        for module in self.model.modules():
+            for attr, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in made:
+                    facade = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                          requires_grad=p.requires_grad)
+                    facade.untyped_storage().resize_(0)  # (empty: its pages were never touched)
+                    self.names[id(facade)] = self.names[id(p)]
+                    made[id(p)] = facade
+                module._parameters[attr] = made[id(p)]
+            for attr, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[attr] = self.ck.read(self.names[id(b)], dtype=b.dtype).to(self.device)
+        STORE.trust(list(made.values()))  # every rank reads the same file: nothing to compare
+
+    def __call__(self, t: torch.Tensor, dim: int | None, pieces: list[tuple[int, int]] | None) -> torch.Tensor:
+        name = self.names[id(t)]
+        with private.real_tensors():  # (called inside the backend, where Dynamo's fake mode is on)
+            if dim is None:
+                return self.ck.read(name, dtype=t.dtype).to(t.device)
+            return self.ck.read(name, dim, pieces, dtype=t.dtype).to(t.device).contiguous()
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build a model with its parameters on the meta device and its buffers real (as accelerate's
+    ``init_empty_weights`` does): buffers computed at construction, such as RoPE tables, are not in
+    checkpoints, and ``parallelize(checkpoint=...)`` keeps them."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        p = module._parameters[name]
+        if p is not None and not p.is_meta:  # (already on meta: a tied weight assigned again, kept as is)
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def _run(model, args, kwargs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,9 @@ class WeightStore:
     def __init__(self) -> None:
         self._shards = private.weak_id_dict()
         self._agreed = private.weak_id_dict()
+        # dynashard.parallelize(checkpoint=...): where a storage-less parameter's values come from
+        # (its pieces when it is cut, all of it when a graph reads it whole), while it runs
+        self.source: Callable[[torch.Tensor, int | None, list[tuple[int, int]] | None], torch.Tensor] | None = None
 
     def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._shards.get(param)
@@ -112,11 +116,27 @@ class WeightStore:
         if spec.stacked:
             (lengths,) = spec.split.lengths(spec.world)  # per_rank weights: one component
             shard = exchange_blocks(param, spec.dim, lengths, spec.rank, group)
+        elif self.source is not None and _storage_less(param):  # read from a checkpoint, never whole
+            shard = self.source(param, spec.dim, spec.split.pieces(spec.world, spec.rank))
         else:
             shard = cut(param.detach(), spec.dim, spec.split, spec.world, spec.rank)
             shard = shard.clone(memory_format=torch.contiguous_format)
         self._shards[param] = _Entry(spec, shard, fqn)
         return shard
+
+    def materialize(self, params: list[torch.Tensor]) -> None:
+        """Storage-less ``params`` a graph reads whole (replicated), filled from :attr:`source`."""
+        for p in params:
+            if self.source is not None and _storage_less(p) and not self.is_sharded(p):
+                value = self.source(p, None, None)
+                p.untyped_storage().resize_(value.untyped_storage().nbytes())
+                with torch.no_grad():
+                    p.copy_(value)
+
+    def trust(self, params: list[torch.Tensor]) -> None:
+        """Values every rank read from one checkpoint: not compared across ranks again."""
+        for p in params:
+            self._agreed[p] = True
 
     def free(self, params: list[torch.Tensor], keep: list[torch.Tensor]) -> int:
         """Release the storage of sharded ``params`` unless something in ``keep`` shares it."""
@@ -186,6 +206,10 @@ class WeightStore:
             broadcast_from_first([t for _, t in fresh], group)
         for _, t in fresh:
             self._agreed[t] = True
+
+
+def _storage_less(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
 def _refuse_copy(memo: dict) -> None:

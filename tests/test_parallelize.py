@@ -176,3 +176,88 @@ def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(t
         assert "'up.weight' was sharded as" in out["conflict"] and "parallelize" in out["conflict"], out["conflict"]
         assert "the model's own error" in out["failed_example"] and "now holds" in out["failed_example"], out
         assert out["after_failure_err"] < 1e-5, out
+
+
+def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import transformers as T
+    from safetensors.torch import save_model
+
+    import dynashard
+    from dynashard.errors import UsageError
+    from tests import models
+
+    out: dict = {}
+    options = {"min_shard_numel": 0, "compiler": "eager"}
+    for name in MODELS:
+        torch.manual_seed(0)
+        reference = models.build(name, 128 if name == "llama" else 64, 96).eval()
+        x = torch.randint(0, 96, (2, 7)) if name in models.IDS_IN else torch.randn(2, 5, 64)
+        for fmt in ("safetensors", "dcp"):
+            ckpt = f"{path}/{name}.{fmt}"
+            if fmt == "dcp":
+                dcp.save(reference.state_dict(), checkpoint_id=ckpt)
+            elif rank == 0:
+                save_model(reference, ckpt)  # (a tied weight once, under one of its names)
+            dist.barrier()
+            torch._dynamo.reset()
+            with dynashard.empty_weights():  # parameters on meta; buffers (RoPE tables, masks) real
+                model = models.build(name, 128 if name == "llama" else 64, 96).eval()
+            dynashard.parallelize(model, x, options=options, checkpoint=ckpt)
+            with torch.no_grad():
+                got = torch.compile(model, backend=dynashard.backend(**options))(x)
+            out[f"{name}.{fmt}"] = (float((got - reference(x)).abs().max()),
+                                    sorted(n for n, p in model.named_parameters()
+                                           if p.shape != reference.get_parameter(n).shape))
+    # HF GPT-2 as save_pretrained writes it (several files and an index; the tied LM head absent)
+    cfg = T.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=96)
+    torch.manual_seed(0)
+    reference = T.GPT2LMHeadModel(cfg).eval()
+    if rank == 0:
+        reference.save_pretrained(f"{path}/gpt2", max_shard_size="100KB")
+    dist.barrier()
+    torch._dynamo.reset()
+    with dynashard.empty_weights():
+        model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 96, (2, 7))
+    dynashard.parallelize(model, ids, options=options, checkpoint=f"{path}/gpt2", use_cache=False)
+    with torch.no_grad():
+        got = torch.compile(model, backend=dynashard.backend(**options))(ids, use_cache=False).logits
+    out["hf_gpt2"] = float((got - reference(ids, use_cache=False).logits).abs().max())
+    # Errors, before anything changes
+    for label, build, ckpt in (
+            ("no_checkpoint", lambda: models.build("mlp", 64, 96), None),
+            ("other_model", lambda: models.build("mlp", 64, 80), f"{path}/mlp.safetensors"),
+            ("real_weights", None, f"{path}/mlp.safetensors")):
+        if build is None:
+            model = models.build("mlp", 64, 96)
+        else:
+            with dynashard.empty_weights():
+                model = build()
+        try:
+            dynashard.parallelize(model, torch.randn(2, 64), options=options, checkpoint=ckpt)
+            out[label] = "ran"
+        except UsageError as e:
+            out[label] = str(e)
+        out[label + "_unchanged"] = all(p.is_meta for p in model.parameters()) == (build is not None)
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
+    """A model built under ``dynashard.empty_weights()`` (parameters on meta, buffers real) is
+    parallelized from a checkpoint: safetensors (one file), DCP, and an HF directory with its index;
+    each rank reads its pieces of the cut weights and the rest whole, and the compiled model equals
+    the one that was saved."""
+    for rank, out in enumerate(run_ranks(_load_from_checkpoints, 2, str(tmp_path), timeout=360)):
+        for name in MODELS:
+            for fmt in ("safetensors", "dcp"):
+                err, sharded = out[f"{name}.{fmt}"]
+                assert err < 1e-5 and set(sharded) == SHARDED[name], (rank, name, fmt, err, sharded)
+        assert out["hf_gpt2"] < 1e-5, out
+        assert "on the meta device and no checkpoint=" in out["no_checkpoint"], out["no_checkpoint"]
+        assert "'up.weight' is saved with shape [96, 64], the model has [80, 64]" in out["other_model"], out
+        assert "expects a model built on the meta device" in out["real_weights"], out["real_weights"]
+        assert out["no_checkpoint_unchanged"] and out["other_model_unchanged"] and out["real_weights_unchanged"], out
