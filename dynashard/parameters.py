@@ -89,6 +89,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     except Exception as e:
         cut = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
         if not cut:
+            if source is not None:
+                source.restore()
             raise  # nothing was cut: the model is as it was
         # A graph before a graph break was sharded (its full weights freed) before the error: keep
         # the model usable with what was cut, and say so.
@@ -159,10 +161,12 @@ class _Loader:
         """Meta parameters become storage-less tensors on the device (what a graph traces and the
         store keys shards by); meta buffers are read whole."""
         made: dict[int, torch.Tensor] = {}
+        self.replaced: list[tuple[dict, str, torch.Tensor]] = []  # (module's dict, name, meta tensor)
         for module in self.model.modules():
             for attr, p in list(module._parameters.items()):
                 if p is None or not p.is_meta:
                     continue
+                self.replaced.append((module._parameters, attr, p))
                 if id(p) not in made:
                     facade = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
                                           requires_grad=p.requires_grad)
@@ -172,8 +176,14 @@ class _Loader:
                 module._parameters[attr] = made[id(p)]
             for attr, b in list(module._buffers.items()):
                 if b is not None and b.is_meta:
+                    self.replaced.append((module._buffers, attr, b))
                     module._buffers[attr] = self.ck.read(self.names[id(b)], dtype=b.dtype).to(self.device)
         STORE.trust(list(made.values()))  # every rank reads the same file: nothing to compare
+
+    def restore(self) -> None:
+        """The meta tensors back in place, after a run that failed before cutting anything."""
+        for where, attr, meta in self.replaced:
+            where[attr] = meta
 
     def __call__(self, t: torch.Tensor, dim: int | None, pieces: list[tuple[int, int]] | None) -> torch.Tensor:
         name = self.names[id(t)]

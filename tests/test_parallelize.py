@@ -227,20 +227,21 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
         got = torch.compile(model, backend=dynashard.backend(**options))(ids, use_cache=False).logits
     out["hf_gpt2"] = float((got - reference(ids, use_cache=False).logits).abs().max())
     # Errors, before anything changes
-    for label, build, ckpt in (
-            ("no_checkpoint", lambda: models.build("mlp", 64, 96), None),
-            ("other_model", lambda: models.build("mlp", 64, 80), f"{path}/mlp.safetensors"),
-            ("real_weights", None, f"{path}/mlp.safetensors")):
+    for label, build, ckpt, width in (
+            ("no_checkpoint", lambda: models.build("mlp", 64, 96), None, 64),
+            ("other_model", lambda: models.build("mlp", 64, 80), f"{path}/mlp.safetensors", 64),
+            ("real_weights", None, f"{path}/mlp.safetensors", 64),
+            ("bad_input", lambda: models.build("mlp", 64, 96), f"{path}/mlp.safetensors", 65)):  # fails in the run
         if build is None:
             model = models.build("mlp", 64, 96)
         else:
             with dynashard.empty_weights():
                 model = build()
         try:
-            dynashard.parallelize(model, torch.randn(2, 64), options=options, checkpoint=ckpt)
+            dynashard.parallelize(model, torch.randn(2, width), options=options, checkpoint=ckpt)
             out[label] = "ran"
-        except UsageError as e:
-            out[label] = str(e)
+        except Exception as e:  # noqa: BLE001 - UsageError, or the model's own error for bad_input
+            out[label] = f"{type(e).__name__ if not isinstance(e, UsageError) else 'UsageError'}: {e}"
         out[label + "_unchanged"] = all(p.is_meta for p in model.parameters()) == (build is not None)
     return out
 
@@ -257,7 +258,9 @@ def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
                 err, sharded = out[f"{name}.{fmt}"]
                 assert err < 1e-5 and set(sharded) == SHARDED[name], (rank, name, fmt, err, sharded)
         assert out["hf_gpt2"] < 1e-5, out
+        assert all(out[k].startswith("UsageError") for k in ("no_checkpoint", "other_model", "real_weights")), out
         assert "on the meta device and no checkpoint=" in out["no_checkpoint"], out["no_checkpoint"]
         assert "'up.weight' is saved with shape [96, 64], the model has [80, 64]" in out["other_model"], out
         assert "expects a model built on the meta device" in out["real_weights"], out["real_weights"]
-        assert out["no_checkpoint_unchanged"] and out["other_model_unchanged"] and out["real_weights_unchanged"], out
+        assert out["bad_input"] != "ran", out
+        assert all(out[k + "_unchanged"] for k in ("no_checkpoint", "other_model", "real_weights", "bad_input")), out
