@@ -264,3 +264,53 @@ def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
         assert "expects a model built on the meta device" in out["real_weights"], out["real_weights"]
         assert out["bad_input"] != "ran", out
         assert all(out[k + "_unchanged"] for k in ("no_checkpoint", "other_model", "real_weights", "bad_input")), out
+
+
+RESHARD = ("nanogpt", "llama_6_heads")  # a fused qkv and a tied head; 6 heads: 3/3 on 2 ranks, 2/2/1/1 on 4
+
+
+def _save_parallelized(rank: int, world: int, path: str) -> bool:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import dynashard
+    from tests import models
+
+    for name in RESHARD:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = models.build(name, 96, 96).eval()
+        dynashard.parallelize(model, torch.randint(0, 96, (2, 7)), options={"min_shard_numel": 0, "compiler": "eager"})
+        dcp.save(model.state_dict(), checkpoint_id=f"{path}/{name}")
+    return True
+
+
+def _load_resharded(rank: int, world: int, path: str) -> dict:
+    import torch
+
+    import dynashard
+    from tests import models
+
+    out = {}
+    for name in RESHARD:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        reference = models.build(name, 96, 96).eval()
+        with dynashard.empty_weights():
+            model = models.build(name, 96, 96).eval()
+        ids = torch.randint(0, 96, (2, 7))
+        options = {"min_shard_numel": 0, "compiler": "eager"}
+        dynashard.parallelize(model, ids, options=options, checkpoint=f"{path}/{name}")
+        with torch.no_grad():
+            got = torch.compile(model, backend=dynashard.backend(**options))(ids)
+            out[name] = float((got - reference(ids)).abs().max())
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_a_checkpoint_saved_at_world_2_loads_at_world_4(tmp_path):
+    """dcp.save of a parallelized model's state_dict at world 2 (3/3 heads, fused qkv cut per component,
+    a tied head), then a meta model parallelized from it at world 4 (2/2/1/1 heads): the same outputs."""
+    assert run_ranks(_save_parallelized, 2, str(tmp_path), timeout=300) == [True, True]
+    for rank, out in enumerate(run_ranks(_load_resharded, 4, str(tmp_path), timeout=300)):
+        assert all(err < 1e-5 for err in out.values()), (rank, out)
