@@ -2,7 +2,7 @@
 
 Planned and simulated in one process (``explain(verify=True)`` runs every rank's sharded program
 against the unsharded model); real gloo ranks run the ``moe`` (world 2 and 4, eager and Inductor)
-and ``hf_mixtral`` (world 2, eager and Inductor) battery cases (test_numerics.py). Forms: HF
+and ``hf_mixtral`` (world 2, eager) battery cases (test_numerics.py). Forms: HF
 transformers 5.23's ``batched_mm`` (``bmm`` of ``W[ids]``) and ``grouped_mm`` experts (its fp32
 fallback op, ``aten._grouped_mm`` in bf16), and a python loop over experts (``F.linear(x, W[e])``).
 Before this file's change none was matched: every expert weight stayed whole on every rank.

@@ -43,7 +43,7 @@ CONFIGS = {
         "nanogpt",  # a fused c_attn cut per component and split at local sizes
         "falcon_gqa",  # KV groups of a fused qkv taken apart by aten.index on a dim that is not cut
         "cat_mlp",  # a rowwise weight cut as two concatenated colwise outputs (two dealt components)
-        "hf_mixtral",  # experts through transformers' grouped_mm op; partial sums reduced once per block
+        "moe",  # experts through bmm of W[ids]; partial sums reduced once per block (hf_mixtral: eager only)
     ],
     (4, "inductor", "float32"): [
         "uneven_empty_rank",  # a zero-size shard
