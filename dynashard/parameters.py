@@ -40,7 +40,7 @@ from dynashard import _torch_private as private
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.options import parse_options
-from dynashard.weights import STORE
+from dynashard.weights import STORE, _refuse_copy
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
 
@@ -171,6 +171,7 @@ class _Loader:
                     facade = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
                                           requires_grad=p.requires_grad)
                     facade.untyped_storage().resize_(0)  # (empty: its pages were never touched)
+                    facade.__deepcopy__ = _refuse_copy  # (copying a storage-less tensor kills the process)
                     self.names[id(facade)] = self.names[id(p)]
                     made[id(p)] = facade
                 module._parameters[attr] = made[id(p)]

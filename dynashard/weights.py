@@ -129,9 +129,10 @@ class WeightStore:
         for p in params:
             if self.source is not None and _storage_less(p) and not self.is_sharded(p):
                 value = self.source(p, None, None)
-                p.untyped_storage().resize_(value.untyped_storage().nbytes())
+                p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
                 with torch.no_grad():
                     p.copy_(value)
+                p.__dict__.pop("__deepcopy__", None)  # whole again: copies like any tensor
 
     def trust(self, params: list[torch.Tensor]) -> None:
         """Values every rank read from one checkpoint: not compared across ranks again."""
@@ -145,6 +146,7 @@ class WeightStore:
         for p in params:
             storage = p.untyped_storage()
             if storage.nbytes() == 0:
+                p.__deepcopy__ = _refuse_copy  # (a facade made storage-less by parallelize)
                 continue
             if storage.data_ptr() in kept:
                 log.debug("not freeing a sharded weight: its storage is shared with an unsharded tensor")

@@ -179,6 +179,8 @@ def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(t
 
 
 def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
+    import copy
+
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -208,6 +210,11 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
             dynashard.parallelize(model, x, options=options, checkpoint=ckpt)
             with torch.no_grad():
                 got = torch.compile(model, backend=dynashard.backend(**options))(x)
+            try:
+                copy.deepcopy(model)  # (its facades were made storage-less: a copy would kill the process)
+                out[f"{name}.{fmt}.copy"] = "ran"
+            except UsageError as e:
+                out[f"{name}.{fmt}.copy"] = str(e)
             out[f"{name}.{fmt}"] = (float((got - reference(x)).abs().max()),
                                     sorted(n for n, p in model.named_parameters()
                                            if p.shape != reference.get_parameter(n).shape))
@@ -257,6 +264,7 @@ def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
             for fmt in ("safetensors", "dcp"):
                 err, sharded = out[f"{name}.{fmt}"]
                 assert err < 1e-5 and set(sharded) == SHARDED[name], (rank, name, fmt, err, sharded)
+                assert "cannot copy this model" in out[f"{name}.{fmt}.copy"], out[f"{name}.{fmt}.copy"]
         assert out["hf_gpt2"] < 1e-5, out
         assert all(out[k].startswith("UsageError") for k in ("no_checkpoint", "other_model", "real_weights")), out
         assert "on the meta device and no checkpoint=" in out["no_checkpoint"], out["no_checkpoint"]
