@@ -5,7 +5,7 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["backend", "empty_weights", "explain", "held_bytes", "parallelize", "__version__"]
+__all__ = ["backend", "empty_weights", "explain", "export_safetensors", "held_bytes", "parallelize", "__version__"]
 
 
 def backend(**options):
@@ -44,3 +44,12 @@ def empty_weights():
     from dynashard.parameters import empty_weights as _empty_weights
 
     return _empty_weights()
+
+
+def export_safetensors(model, path, max_shard_size=None, group=None):
+    """Write a sharded model's whole weights as one ``.safetensors`` file, or an HF directory (files
+    of at most ``max_shard_size`` and their index). Every rank calls it; rank 0 gathers and writes
+    one tensor at a time."""
+    from dynashard.checkpoint import export_safetensors as _export
+
+    return _export(model, path, max_shard_size=max_shard_size, group=group)

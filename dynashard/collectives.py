@@ -314,6 +314,84 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
             dist.broadcast(t.data, src=src, group=group)
 
 
+def deal_from_first(make: Any, shape: list[int], dtype: torch.dtype, group: dist.ProcessGroup, what: str,
+                    whole: bool = False) -> torch.Tensor:
+    """Group rank 0 makes each rank's tensor, ``make(r)``, and sends it to rank ``r``; every rank
+    returns its own (``shape``: this rank's; ``make`` is called on rank 0 only). With ``whole``,
+    one tensor, ``make(None)``, is the same for every rank (a broadcast). Rank 0 holds one rank's
+    tensor at a time.
+
+    Before each send every rank joins a one-element broadcast of rank 0's status, so a failure of
+    ``make`` (a bad checkpoint) is raised on every rank at the same point, with rank 0's message,
+    and no rank waits for a tensor that never comes.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first = dist.get_global_rank(group, 0)
+    whole = whole or world == 1
+    mine: torch.Tensor | None = None
+    for r in [0] if whole else range(world):
+        value, error = None, None
+        if rank == 0:
+            try:
+                value = make(None if whole else r).contiguous()
+                if value.dtype != dtype or (whole or r == 0) and list(value.shape) != list(shape):
+                    raise UsageError(f"dynashard: {what} gave {value.dtype}{list(value.shape)}; expected "
+                                     f"{dtype}{list(shape)}")
+            except Exception as e:  # noqa: BLE001 - every rank raises it below
+                error = e
+        first_rank_status(error, group, what)
+        if whole:
+            mine = value if rank == 0 else torch.empty(shape, dtype=dtype)
+            dist.broadcast(mine, src=first, group=group)
+        elif r == 0:
+            mine = value if rank == 0 else mine
+        elif rank == 0:
+            dist.send(value, group=group, group_dst=r)
+        elif rank == r:
+            mine = torch.empty(shape, dtype=dtype)
+            dist.recv(mine, group=group, group_src=0)
+    assert mine is not None
+    return mine
+
+
+def gather_to_first(local: torch.Tensor, full_shape: list[int], dim: int, pieces: Any, group: dist.ProcessGroup
+                    ) -> torch.Tensor | None:
+    """The whole tensor on group rank 0 (None elsewhere), from every rank's ``local``: rank ``r``
+    holds ``pieces(r)`` (``(start, length)`` along ``dim``) side by side. Rank 0 receives one rank's
+    tensor at a time; pieces several ranks hold (whole K/V heads) are simply written again."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank != 0:
+        dist.send(local.detach().contiguous(), group=group, group_dst=0)
+        return None
+    full = torch.empty(full_shape, dtype=local.dtype, device=local.device)
+    for r in range(world):
+        lengths = [length for _, length in pieces(r)]
+        if r == 0:
+            held = local.detach()
+        else:
+            shape = list(full_shape)
+            shape[dim] = sum(lengths)
+            held = torch.empty(shape, dtype=local.dtype, device=local.device)
+            dist.recv(held, group=group, group_src=r)
+        at = 0
+        for start, length in pieces(r):
+            full.narrow(dim, start, length).copy_(held.narrow(dim, at, length))
+            at += length
+    return full
+
+
+def first_rank_status(error: BaseException | None, group: dist.ProcessGroup, what: str) -> None:
+    """Group rank 0's ``error`` (None: it went well) raised on every rank, at the same point."""
+    status = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.broadcast(status, src=dist.get_global_rank(group, 0), group=group)
+    if not int(status.item()):
+        return
+    message = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}", group)[0]
+    if error is not None:
+        raise error
+    raise PeerError(f"dynashard: rank 0 failed while {what}: {message}\nThis rank stops too.")
+
+
 def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """``group``, or the default group; a clear error when torch.distributed is not set up."""
     if not dist.is_available() or not dist.is_initialized():

@@ -82,7 +82,17 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
         for i, (fqn, dim, split) in sharded.items()
     }
-    cut_and_free(specs, example_inputs, group)
+    if STORE.source is None:
+        cut_and_free(specs, example_inputs, group)
+    else:  # dynashard.parallelize reads the shards from a checkpoint: a failed read fails every rank
+        try:
+            cut_and_free(specs, example_inputs, group)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
+            error = wrap(e, "loading the shards")
+        if agree:
+            exchange_status(None, error, group, "loading")
+        elif error is not None:
+            raise error
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check)
 
 

@@ -37,10 +37,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dynashard import _torch_private as private
+from dynashard.collectives import deal_from_first, exchange_status, resolve_group
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.options import parse_options
-from dynashard.weights import STORE, _refuse_copy
+from dynashard.weights import STORE, ShardSpec, _refuse_copy
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
 
@@ -51,26 +52,26 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     these example inputs, cut every planned weight and register the shards as its parameters.
     With ``checkpoint`` (a path: safetensors file, directory or HF index, or a DCP directory) the
     model is one built on the meta device, and each rank reads only its pieces of each weight (and
-    the weights left whole) from it. Returns ``model``. Every rank of the group must call it, with
-    the same model and inputs."""
+    the weights left whole) from it. With ``options={"weights": "rank0"}`` only rank 0 reads (its
+    ``checkpoint``, or the weights its model holds) and sends every rank its pieces: the other ranks'
+    models may be on meta, and their ``checkpoint`` is not read. Returns ``model``. Every rank of the
+    group must call it, with the same model and inputs."""
     opts = parse_options(options)
     if not (dist.is_available() and dist.is_initialized()):
         raise UsageError("dynashard.parallelize: no process group is initialized. Expected "
                          "torch.distributed.init_process_group(...) on every rank first (torchrun).")
-    if _parallelized(model):
-        raise UsageError("dynashard.parallelize: this model is already parallelized; expected one call per model.")
-    sharded = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
-    if sharded:
-        raise UsageError(f"dynashard.parallelize: {sharded[:3]} were already sharded by a dynashard compile of "
-                         "this model. Expected parallelize before any torch.compile of it.")
-    if opts.weights != "replicated":
-        raise UsageError(f"dynashard.parallelize: weights={opts.weights!r} is not supported yet; expected the "
-                         "default weights='replicated' (every rank holds the same model before parallelize).")
-    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if checkpoint is None and on_meta:
-        raise UsageError(f"dynashard.parallelize: {on_meta[:3]} are on the meta device and no checkpoint= was given; "
-                         "expected checkpoint=PATH to read this rank's slices from (or a model with real weights).")
-    source = _Loader(model, checkpoint, _device_of(args, kwargs)) if checkpoint is not None else None
+    group = resolve_group(opts.group)
+    from_first = opts.weights == "rank0"
+    reads = not from_first or dist.get_rank(group) == 0  # this rank reads the weights itself
+    error = None
+    try:
+        _check_parallelizable(model, opts, checkpoint, from_first, reads)
+    except UsageError as e:
+        error = e
+    exchange_status(None, error, group, "checking parallelize's arguments")  # every rank raises, or none
+    source = None
+    if checkpoint is not None or from_first:
+        source = _Loader(model, checkpoint if reads else None, _device_of(args, kwargs), group, from_first)
     run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
 
     def dynashard_parallelize(gm, example_inputs):
@@ -79,24 +80,26 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
     # here (eager, thrown away) never serves the user's own compile.
     run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
-    if source is not None:
-        source.make_facades()
     STORE.source = source
     try:
+        if source is not None:
+            source.make_facades()
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
         STORE.materialize([p for p in model.parameters()])  # read by no graph (eager code): whole
     except Exception as e:
+        ours = private.backend_error(e) or e
+        if source is not None:  # a load: the model goes back to what it was (its shards are dropped)
+            source.restore()
+            raise ours from e
         cut = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
         if not cut:
-            if source is not None:
-                source.restore()
-            raise  # nothing was cut: the model is as it was
+            raise ours from e  # nothing was cut: the model is as it was
         # A graph before a graph break was sharded (its full weights freed) before the error: keep
         # the model usable with what was cut, and say so.
         _register(model)
         raise UsageError(
-            f"dynashard.parallelize: running the example failed ({type(e).__name__}: {e}) after {len(cut)} "
+            f"dynashard.parallelize: running the example failed ({type(ours).__name__}: {ours}) after {len(cut)} "
             f"weight(s) had been sharded (e.g. {cut[0]!r}); their full values are gone, and the model now holds "
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
@@ -106,65 +109,119 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     return model
 
 
+def _check_parallelizable(model: nn.Module, opts: Any, checkpoint: Any, from_first: bool, reads: bool) -> None:
+    if _parallelized(model):
+        raise UsageError("dynashard.parallelize: this model is already parallelized; expected one call per model.")
+    sharded = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
+    if sharded:
+        raise UsageError(f"dynashard.parallelize: {sharded[:3]} were already sharded by a dynashard compile of "
+                         "this model. Expected parallelize before any torch.compile of it.")
+    if opts.weights not in ("replicated", "rank0"):
+        raise UsageError(f"dynashard.parallelize: weights={opts.weights!r} is not supported; expected "
+                         "weights='replicated' (every rank holds or reads the same model) or 'rank0' (rank 0 "
+                         "holds or reads it, and sends every rank its pieces).")
+    if not reads:
+        return  # weights="rank0" on another rank: its model's values are replaced by rank 0's
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if checkpoint is None and on_meta:
+        who = "rank 0's model" if from_first else "the model"
+        raise UsageError(f"dynashard.parallelize: {on_meta[:3]} of {who} are on the meta device and no checkpoint= "
+                         "was given; expected checkpoint=PATH to read the weights from (or a model with real weights).")
+    real = [n for n, p in model.named_parameters() if not p.is_meta]
+    if checkpoint is not None and real:
+        raise UsageError(f"dynashard.parallelize: checkpoint= expects a model built on the meta device (with "
+                         f"torch.device('meta') or dynashard.empty_weights()); {real[:3]} hold real weights. "
+                         "Build it on meta, or drop checkpoint= to shard the weights it holds.")
+
+
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     return tensors[0].device if tensors else torch.device("cpu")
 
 
 class _Loader:
-    """Values for a meta model's parameters from a checkpoint: checked against the model before
-    anything changes, then read a piece at a time (``STORE.source``)."""
+    """Values for a model's parameters from a checkpoint, checked against the model before anything
+    changes, then read a piece at a time (``STORE.source``).
 
-    def __init__(self, model: nn.Module, path: Any, device: torch.device) -> None:
-        from dynashard.checkpoint import open_checkpoint
+    With ``weights="rank0"`` only rank 0 reads -- its checkpoint, or the weights its own model holds
+    -- and deals every rank its pieces (``collectives.deal_from_first``); every parameter becomes a
+    facade on every rank, and the persistent buffers rank 0 has are sent whole.
+    """
 
-        self.model, self.device, self.ck = model, device, open_checkpoint(path)
-        real = [n for n, p in model.named_parameters() if not p.is_meta]
-        if real:
-            raise UsageError(f"dynashard.parallelize: checkpoint= expects a model built on the meta device (with "
-                             f"torch.device('meta') or dynashard.empty_weights()); {real[:3]} hold real weights. "
-                             "Build it on meta, or drop checkpoint= to shard the weights it holds.")
-        persistent = set(model.state_dict().keys())
+    def __init__(self, model: nn.Module, path: Any, device: torch.device, group: dist.ProcessGroup,
+                 from_first: bool) -> None:
+        from dynashard.checkpoint import TensorsCheckpoint, open_checkpoint
+
+        self.model, self.device, self.group, self.from_first = model, device, group, from_first
+        self.rank = dist.get_rank(group)
+        reads = not from_first or self.rank == 0
+        self.ck, table, error = None, None, None
+        try:
+            if reads and path is not None:
+                self.ck = open_checkpoint(path)
+            elif reads:  # weights="rank0", rank 0 holding the model: its own tensors are the source
+                named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+                self.ck = TensorsCheckpoint(dict(named), "rank 0's model")
+            if self.ck is not None:
+                table = {k: (tuple(self.ck.shape(k)), self.ck.dtype(k)) for k in self.ck.keys()}
+        except UsageError as e:
+            error = e
+        tables = exchange_status(table, error, group, "opening the checkpoint")
+        table = tables[0] if from_first else table
+        self.where = self.ck.path if self.ck is not None else "rank 0's checkpoint"
         self.names: dict[int, str] = {}  # parameter or buffer id -> its name in the checkpoint
+        error = None
+        try:
+            self._match(table)
+        except UsageError as e:
+            error = e
+        exchange_status(None, error, group, "checking the checkpoint against the model")
+        unused = sorted(set(table) - set(self.names.values()))
+        if unused and self.rank == 0 and path is not None:
+            warnings.warn(f"dynashard.parallelize: {len(unused)} tensor(s) in {self.where} are not in the model "
+                          f"and were not read: {unused[:5]}", UserWarning, stacklevel=3)
+
+    def _match(self, table: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Which checkpoint tensor each parameter (and buffer to fill) reads; every mismatch at once."""
+        model = self.model
+        persistent = set(model.state_dict().keys())
         problems: list[str] = []
         tensors = [(n, t) for n, t in model.named_parameters(remove_duplicate=False)]
-        tensors += [(n, t) for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
+        tensors += [(n, t) for n, t in model.named_buffers(remove_duplicate=False)
+                    if t.is_meta or (self.from_first and n in table)]
         for name, t in tensors:
             if id(t) in self.names:
                 continue
             owners = [n for n, u in tensors if u is t]
-            found = next((n for n in owners if n in self.ck.keys()), None)
+            found = next((n for n in owners if n in table), None)
             if found is None:
                 if not any(n in persistent for n in owners):
                     problems.append(f"{name!r} is a non-persistent buffer left on the meta device (build the model "
                                     "under dynashard.empty_weights(), which puts only parameters on meta)")
                 else:
                     problems.append(f"{name!r} is not in the checkpoint")
-            elif tuple(self.ck.shape(found)) != tuple(t.shape):
-                problems.append(f"{name!r} is saved with shape {list(self.ck.shape(found))}, the model has "
-                                f"{list(t.shape)}")
-            elif self.ck.dtype(found).is_floating_point != t.dtype.is_floating_point:
-                problems.append(f"{name!r} is saved as {self.ck.dtype(found)}, the model has {t.dtype}")
+                continue
+            shape, dtype = table[found]
+            if tuple(shape) != tuple(t.shape):
+                problems.append(f"{name!r} is saved with shape {list(shape)}, the model has {list(t.shape)}")
+            elif dtype.is_floating_point != t.dtype.is_floating_point:
+                problems.append(f"{name!r} is saved as {dtype}, the model has {t.dtype}")
             else:
                 self.names[id(t)] = found
         if problems:
             more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-            raise UsageError(f"dynashard.parallelize: the checkpoint {self.ck.path} does not fit the model: "
+            raise UsageError(f"dynashard.parallelize: the checkpoint {self.where} does not fit the model: "
                              f"{'; '.join(problems[:5])}{more}. Expected a checkpoint saved from this model's "
                              "architecture and config. Nothing was changed.")
-        unused = sorted(self.ck.keys() - set(self.names.values()))
-        if unused:
-            warnings.warn(f"dynashard.parallelize: {len(unused)} tensor(s) in {self.ck.path} are not in the model "
-                          f"and were not read: {unused[:5]}", UserWarning, stacklevel=3)
 
     def make_facades(self) -> None:
-        """Meta parameters become storage-less tensors on the device (what a graph traces and the
-        store keys shards by); meta buffers are read whole."""
+        """Parameters to load become storage-less tensors on the device (what a graph traces and the
+        store keys shards by); buffers to load are read whole."""
         made: dict[int, torch.Tensor] = {}
-        self.replaced: list[tuple[dict, str, torch.Tensor]] = []  # (module's dict, name, meta tensor)
+        self.replaced: list[tuple[dict, str, torch.Tensor]] = []  # (module's dict, name, tensor it held)
         for module in self.model.modules():
             for attr, p in list(module._parameters.items()):
-                if p is None or not p.is_meta:
+                if p is None or not (p.is_meta or self.from_first):
                     continue
                 self.replaced.append((module._parameters, attr, p))
                 if id(p) not in made:
@@ -176,22 +233,42 @@ class _Loader:
                     made[id(p)] = facade
                 module._parameters[attr] = made[id(p)]
             for attr, b in list(module._buffers.items()):
-                if b is not None and b.is_meta:
+                if b is not None and id(b) in self.names:
                     self.replaced.append((module._buffers, attr, b))
-                    module._buffers[attr] = self.ck.read(self.names[id(b)], dtype=b.dtype).to(self.device)
-        STORE.trust(list(made.values()))  # every rank reads the same file: nothing to compare
+                    module._buffers[attr] = self(b, None)
+        STORE.trust(list(made.values()))  # every rank has the same values (one file, or rank 0's)
 
     def restore(self) -> None:
-        """The meta tensors back in place, after a run that failed before cutting anything."""
-        for where, attr, meta in self.replaced:
+        """The tensors the model held back in place, after a failed run (its shards are dropped)."""
+        for where, attr, meta in reversed(getattr(self, "replaced", [])):
             where[attr] = meta
 
-    def __call__(self, t: torch.Tensor, dim: int | None, pieces: list[tuple[int, int]] | None) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
+        """``t``'s pieces for this rank under ``spec`` (all of it when None), from the checkpoint."""
         name = self.names[id(t)]
+        shape = list(t.shape)
+        if spec is not None:
+            shape[spec.dim] = sum(length for _, length in spec.split.pieces(spec.world, spec.rank))
+
+        def read(rank: int | None) -> torch.Tensor:
+            try:
+                if spec is None:
+                    return self.ck.read(name, dtype=t.dtype)
+                return self.ck.read(name, spec.dim, spec.split.pieces(spec.world, rank), dtype=t.dtype)
+            except UsageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - an I/O error, a file changed under us
+                raise UsageError(f"dynashard.parallelize: reading {name!r} from {self.where} failed: "
+                                 f"{type(e).__name__}: {e}. Expected a readable, complete checkpoint; nothing "
+                                 "was changed: fix it and call parallelize again.") from e
+
         with private.real_tensors():  # (called inside the backend, where Dynamo's fake mode is on)
-            if dim is None:
-                return self.ck.read(name, dtype=t.dtype).to(t.device)
-            return self.ck.read(name, dim, pieces, dtype=t.dtype).to(t.device).contiguous()
+            if not self.from_first:
+                value = read(None if spec is None else spec.rank)
+            else:
+                value = deal_from_first(read, shape, t.dtype, self.group, f"reading {name!r} from {self.where}",
+                                        whole=spec is None)
+            return value.to(t.device).contiguous()
 
 
 @contextlib.contextmanager

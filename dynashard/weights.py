@@ -53,9 +53,9 @@ class WeightStore:
     def __init__(self) -> None:
         self._shards = private.weak_id_dict()
         self._agreed = private.weak_id_dict()
-        # dynashard.parallelize(checkpoint=...): where a storage-less parameter's values come from
-        # (its pieces when it is cut, all of it when a graph reads it whole), while it runs
-        self.source: Callable[[torch.Tensor, int | None, list[tuple[int, int]] | None], torch.Tensor] | None = None
+        # dynashard.parallelize(checkpoint=... or weights="rank0"): where a storage-less parameter's
+        # values come from (this rank's pieces under a spec, all of it for None), while it runs
+        self.source: Callable[[torch.Tensor, ShardSpec | None], torch.Tensor] | None = None
 
     def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._shards.get(param)
@@ -94,6 +94,11 @@ class WeightStore:
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
 
+    def spec_of(self, param: torch.Tensor) -> ShardSpec | None:
+        """How ``param`` was cut, if it was."""
+        entry = self._shards.get(param)
+        return None if entry is None else entry.spec
+
     def split_dim(self, param: torch.Tensor) -> int | None:
         """The dim an earlier compile split ``param`` on, if it did."""
         entry = self._shards.get(param)
@@ -117,7 +122,7 @@ class WeightStore:
             (lengths,) = spec.split.lengths(spec.world)  # per_rank weights: one component
             shard = exchange_blocks(param, spec.dim, lengths, spec.rank, group)
         elif self.source is not None and _storage_less(param):  # read from a checkpoint, never whole
-            shard = self.source(param, spec.dim, spec.split.pieces(spec.world, spec.rank))
+            shard = self.source(param, spec)
         else:
             shard = cut(param.detach(), spec.dim, spec.split, spec.world, spec.rank)
             shard = shard.clone(memory_format=torch.contiguous_format)
@@ -128,7 +133,7 @@ class WeightStore:
         """Storage-less ``params`` a graph reads whole (replicated), filled from :attr:`source`."""
         for p in params:
             if self.source is not None and _storage_less(p) and not self.is_sharded(p):
-                value = self.source(p, None, None)
+                value = self.source(p, None)
                 p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
                 with torch.no_grad():
                     p.copy_(value)
