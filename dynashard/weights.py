@@ -157,7 +157,13 @@ class WeightStore:
                 log.debug("not freeing a sharded weight: its storage is shared with an unsharded tensor")
                 continue
             freed += storage.nbytes()
-            storage.resize_(0)
+            if storage.resizable():
+                storage.resize_(0)
+            else:  # memory-mapped (HF from_pretrained maps safetensors files): let go of the mapping instead
+                with private.real_tensors():
+                    empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+                empty.untyped_storage().resize_(0)  # (its pages never touched)
+                p.data = empty  # the same Parameter object (Dynamo's guards, the user's references), no storage
             p.__deepcopy__ = _refuse_copy  # (copying a tensor without storage kills the process: pytorch C++)
         return freed
 
