@@ -20,45 +20,46 @@ pytestmark = pytest.mark.gloo
 # (eps = 2**-8 ~ 3.9e-3) before adding them, so allow a few eps of the output's scale.
 TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2)}  # (atol, rtol x output scale)
 
-# Every case runs on 2 real ranks under eager, and every case is simulated at world 4 in one process
-# (tests/test_cases_simulated.py: explain(verify=True)). On 4 real ranks (4 processes on 2 cores: the
-# suite's slowest spawns) only the cases where real ranks add something: an empty rank, a vocabulary
-# dealt 13/13/12/12, per-rank weights exchanged, uneven heads (2/2/1/1), fewer K/V heads than ranks
-# (narrowed), fused q|k|v with whole parts, a per-head split, experts cut unevenly. Inductor: one case per
-# distinct lowering.
+# Every case runs on 2 real ranks (under eager, or under Inductor where it has a distinct lowering:
+# the rewritten graph and its collectives are the same under both), and every case is simulated at
+# world 4 in one process (tests/test_cases_simulated.py: explain(verify=True)). On 4 real ranks (4
+# processes on 2 cores: the suite's slowest spawns) only the cases where real ranks add something: an
+# empty rank, a vocabulary dealt 13/13/12/12, per-rank weights exchanged, uneven heads (2/2/1/1), fewer
+# K/V heads than ranks (narrowed), fused q|k|v with whole parts, a per-head split, experts cut unevenly
+# (each once: under Inductor, else under eager).
+W2_INDUCTOR = [
+    "residual",  # column -> row pair, one all_reduce, three shapes through one dynamic graph
+    "conv1d",  # HF Conv1D's addmm with a [in, out] weight
+    "head_gather",  # an unpaired colwise output all_gathered
+    "pr_mlp_own_weights",  # per-rank inputs and weights: all_gather rows, bmm over blocks, reduce_scatter
+    "tiny_lm",  # vocab-parallel embedding (masked lookup) and a tied colwise LM head
+    "llama",  # heads through views, RoPE, GQA repeat, SDPA
+    "nanogpt",  # a fused c_attn cut per component and split at local sizes
+    "falcon_gqa",  # KV groups of a fused qkv taken apart by aten.index on a dim that is not cut
+    "cat_mlp",  # a rowwise weight cut as two concatenated colwise outputs (two dealt components)
+    "moe",  # experts through bmm of W[ids]; partial sums reduced once per block (hf_mixtral: eager only)
+]
+W4_INDUCTOR = [
+    "uneven_empty_rank",  # a zero-size shard
+    "llama_6_heads",  # ranks with different head counts
+    "llama_few_kv",  # whole K/V narrowed to each rank's query heads
+    "llama_sdpa_gqa",  # K/V not repeated: each rank's K/V heads are its query heads' (enable_gqa)
+    "fused_gqa_probe",  # a gather that skips the whole parts of a fused weight
+    "moe",  # experts through bmm of W[ids], uneven (11/11/10/10), partial sums reduced once per block
+]
 CONFIGS = {
     # (world, compiler, dtype): cases
     # (moe_loop's partial sums take the same runtime path as moe's; its planning is simulated at worlds 2-4)
-    (2, "eager", "float32"): [c for c in CASES if c not in ("llama_few_kv", "moe_loop")],
-    (4, "eager", "float32"): ["uneven_empty_rank", "tiny_lm", "pr_seed", "llama_6_heads", "llama_few_kv", "llama_mqa",
-                              "fused_gqa", "fused_gqa_probe", "fused_gqa_heads", "per_head_scale", "falcon_gqa",
-                              "falcon_mqa", "moe"],
-    (2, "inductor", "float32"): [
-        "residual",  # column -> row pair, one all_reduce, three shapes through one dynamic graph
-        "conv1d",  # HF Conv1D's addmm with a [in, out] weight
-        "head_gather",  # an unpaired colwise output all_gathered
-        "pr_mlp_own_weights",  # per-rank inputs and weights: all_gather rows, bmm over blocks, reduce_scatter
-        "tiny_lm",  # vocab-parallel embedding (masked lookup) and a tied colwise LM head
-        "llama",  # heads through views, RoPE, GQA repeat, SDPA
-        "nanogpt",  # a fused c_attn cut per component and split at local sizes
-        "falcon_gqa",  # KV groups of a fused qkv taken apart by aten.index on a dim that is not cut
-        "cat_mlp",  # a rowwise weight cut as two concatenated colwise outputs (two dealt components)
-        "moe",  # experts through bmm of W[ids]; partial sums reduced once per block (hf_mixtral: eager only)
-    ],
-    (4, "inductor", "float32"): [
-        "uneven_empty_rank",  # a zero-size shard
-        "llama_6_heads",  # ranks with different head counts
-        "llama_few_kv",  # whole K/V narrowed to each rank's query heads
-        "llama_sdpa_gqa",  # K/V not repeated: each rank's K/V heads are its query heads' (enable_gqa)
-        "fused_gqa_probe",  # a gather that skips the whole parts of a fused weight
-        "moe",  # experts through bmm of W[ids], uneven (11/11/10/10), partial sums reduced once per block
-    ],
+    (2, "eager", "float32"): [c for c in CASES if c not in ("llama_few_kv", "moe_loop", *W2_INDUCTOR)],
+    (4, "eager", "float32"): ["tiny_lm", "pr_seed", "llama_mqa", "fused_gqa", "fused_gqa_heads", "per_head_scale",
+                              "falcon_gqa", "falcon_mqa"],
+    (2, "inductor", "float32"): W2_INDUCTOR,
+    (4, "inductor", "float32"): W4_INDUCTOR,
     (1, "eager", "float32"): ["mlp_3d", "residual"],
     (2, "aot_eager", "float32"): ["matmul", "conv1d", "per_head_scale"],
     (2, "inductor", "bfloat16"): ["residual"],
     (2, "eager", "bfloat16"): ["mlp_3d", "conv1d"],
 }
-
 
 # Cases per spawn. Every case of a spawn compiles on each rank, and a world-4 spawn runs 4 ranks on
 # the machine's 2 cores, so an Inductor spawn is kept to a few cases: each spawn must finish well
