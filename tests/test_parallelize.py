@@ -219,6 +219,26 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
             out[f"{name}.{fmt}"] = (float((got - reference(x)).abs().max()),
                                     sorted(n for n, p in model.named_parameters()
                                            if p.shape != reference.get_parameter(n).shape))
+    # a bfloat16 checkpoint into a float32 model: read in the model's dtype (the values bf16 holds)
+    torch.manual_seed(0)
+    reference = models.build("mlp", 64, 96).eval()
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({n: t.bfloat16() for n, t in reference.state_dict().items()}, f"{path}/mlp_bf16.safetensors")
+    dist.barrier()
+    with torch.no_grad():
+        for t in reference.parameters():
+            t.copy_(t.bfloat16().float())
+    torch._dynamo.reset()
+    with dynashard.empty_weights():
+        model = models.build("mlp", 64, 96).eval()
+    dynashard.parallelize(model, torch.randn(2, 64), options=options, checkpoint=f"{path}/mlp_bf16.safetensors")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        got = torch.compile(model, backend=dynashard.backend(**options))(x)
+        out["bf16_into_fp32"] = (float((got - reference(x)).abs().max()),
+                                 sorted({str(p.dtype) for p in model.parameters()}))
     # HF GPT-2 as save_pretrained writes it (several files and an index; the tied LM head absent)
     cfg = T.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=96)
     torch.manual_seed(0)
@@ -283,6 +303,7 @@ def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
                 assert err < 1e-5 and set(sharded) == SHARDED[name], (rank, name, fmt, err, sharded)
                 assert "cannot copy this model" in out[f"{name}.{fmt}.copy"], out[f"{name}.{fmt}.copy"]
         assert out["hf_gpt2"] < 1e-5, out
+        assert out["bf16_into_fp32"][0] < 1e-5 and out["bf16_into_fp32"][1] == ["torch.float32"], out
         assert out["hf_gpt2_mapped"] < 1e-5 and out["hf_gpt2_mapped_held"] < 0.75, out
         # the same weights bit for bit, so the same logits exactly; in 2+ files (100 KB each at most)
         assert rank != 0 or (out["hf_gpt2_export"][0] == 0.0 and out["hf_gpt2_export"][1] > 1), out
@@ -294,7 +315,8 @@ def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
         assert all(out[k + "_unchanged"] for k in ("no_checkpoint", "other_model", "real_weights", "bad_input")), out
 
 
-RESHARD = ("nanogpt", "llama_6_heads")  # a fused qkv and a tied head; 6 heads: 3/3 on 2 ranks, 2/2/1/1 on 4
+# a fused qkv and a tied head; 6 heads: 3/3 on 2 ranks, 2/2/1/1 on 4; 2 KV heads: 1/1 on 2 ranks, whole on 4
+RESHARD = ("nanogpt", "llama_6_heads", "llama_few_kv")
 
 
 def _save_parallelized(rank: int, world: int, path: str) -> bool:
@@ -341,7 +363,8 @@ def _load_resharded(rank: int, world: int, path: str) -> dict:
 @pytest.mark.timeout(420)
 def test_a_checkpoint_saved_at_world_2_loads_at_world_4(tmp_path):
     """dcp.save of a parallelized model's state_dict at world 2 (3/3 heads, fused qkv cut per component,
-    a tied head), then a meta model parallelized from it at world 4 (2/2/1/1 heads): the same outputs."""
+    a tied head, 1/1 KV heads), then a meta model parallelized from it at world 4 (2/2/1/1 heads; 2 KV
+    heads held whole, each rank narrowing them): the same outputs, and every tensor exported bit for bit."""
     assert run_ranks(_save_parallelized, 2, str(tmp_path), timeout=300) == [True, True]
     for rank, out in enumerate(run_ranks(_load_resharded, 4, str(tmp_path), timeout=300)):
         assert all(out[name] < 1e-5 for name in RESHARD), (rank, out)
