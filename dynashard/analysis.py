@@ -108,5 +108,5 @@ def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
         if analysis.stacked:
             shape = [analysis.world, *shape]
         with fake_mode:
-            out[i] = torch.empty(shape, dtype=full.dtype, device=full.device)
+            out[i] = torch.empty(shape, dtype=full.dtype, device=full.device).requires_grad_(full.requires_grad)
     return out

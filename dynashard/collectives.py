@@ -118,6 +118,106 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
     return y.narrow(-1, 0, lengths[rank]) if lengths[rank] != max(lengths) else y
 
 
+# ---------------------------------------------------------------- training: Megatron's conversions
+#
+# With gradients, each conversion the rewrite emits needs the backward Megatron gives it
+# (research/training.md 1), not funcol's own autograd, whose all_reduce and all_gather backwards
+# have "sum of per-rank losses" semantics (world-size times the gradient here, measured):
+#
+# - copy_to_shards (f): identity forward; all_reduce backward. A replicated value read by an op
+#   whose output is sharded: each rank's gradient for it is only its own part's contribution.
+# - reduce_from_shards (g): all_reduce forward; identity backward (every rank's gradient of the sum
+#   is the same replicated gradient).
+# - gather_from_shards: all_gather forward; backward keeps this rank's pieces of the (replicated)
+#   gradient, no communication.
+#
+# They are autograd.Functions, and make_fx (the rewrite's trace) would inline a Function and drop its
+# backward. So the rewrite traces an opaque marker op, ``dynashard::tp_conversion(x, key)``, and
+# then points each marker node at its Function (``bind_conversions``): AOTAutograd, tracing the
+# rewritten graph for the compiler, runs the Function and keeps its backward (measured:
+# tools/proto_train_fg.py, gradients equal the unsharded model's under eager, aot_eager and Inductor).
+
+_CONVERSIONS: dict[str, Any] = {}  # marker key -> the conversion (x -> y, with its backward)
+
+
+@torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
+def tp_conversion(x: torch.Tensor, key: str) -> torch.Tensor:
+    with torch.no_grad():
+        return _CONVERSIONS[key](x).clone()
+
+
+@tp_conversion.register_fake
+def _tp_conversion_fake(x: torch.Tensor, key: str) -> torch.Tensor:
+    out = _CONVERSIONS[key](x.detach())
+    return out.new_empty(out.shape)
+
+
+def conversion(x: torch.Tensor, fn: Any) -> torch.Tensor:
+    """``fn(x)`` in a traced graph as a marker that :func:`bind_conversions` turns back into ``fn``."""
+    key = f"c{len(_CONVERSIONS)}"
+    _CONVERSIONS[key] = fn
+    return torch.ops.dynashard.tp_conversion(x, key)
+
+
+def bind_conversions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Each marker node calls its conversion (an autograd.Function) instead."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.dynashard.tp_conversion.default:
+            node.target = _CONVERSIONS[node.args[1]]
+            node.args = (node.args[0],)
+    gm.recompile()
+    return gm
+
+
+class _CopyToShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name), None
+
+
+class _ReduceFromShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
+        ctx.lengths, ctx.rank = lengths, rank
+        with torch.no_grad():
+            return all_gather_last_dim(x, lengths, rank, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pieces, offset = [], 0
+        for ls in ctx.lengths:  # component by component: this rank's pieces of each
+            pieces.append(grad.narrow(-1, offset + sum(ls[: ctx.rank]), ls[ctx.rank]))
+            offset += sum(ls)
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)), None, None, None
+
+
+def copy_to_shards(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return conversion(x, lambda v: _CopyToShards.apply(v, group_name))
+
+
+def reduce_from_shards(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return conversion(x, lambda v: _ReduceFromShards.apply(v, group_name))
+
+
+def gather_from_shards(x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
+    return conversion(x, lambda v: _GatherFromShards.apply(v, lengths, rank, group_name))
+
+
 def exchange_blocks(t: torch.Tensor, dim: int, lengths: list[int], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
     """weights="per_rank": ``[world, *block]`` holding this rank's block of every rank's ``t``."""
     moved = t.detach().movedim(dim, -1)

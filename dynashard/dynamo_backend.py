@@ -23,7 +23,7 @@ import torch.fx
 from dynashard import _torch_private as private
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import COMPILE, exchange_status, group_name, reduce_scatter_is_slow, resolve_group
-from dynashard.errors import UsageError, wrap
+from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.options import Options, parse_options
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.report import GraphReport, format_table
@@ -60,14 +60,18 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         raise error
     if analysis is not None and STORE.source is not None:  # dynashard.parallelize(checkpoint=...)
         STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded])
-    grad_guard = torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+    train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
+    grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
         compiled = private.compile_graph(opts.compiler, gm, example_inputs)
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
     sharded_gm = compiled = None
     try:
+        if train:
+            check_trainable(analysis)
         new_fakes = shard_fakes(analysis, fake_args)
-        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group))
+        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group),
+                             train=train)
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         with grad_guard:
@@ -93,7 +97,28 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
             exchange_status(None, error, group, "loading")
         elif error is not None:
             raise error
-    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check)
+    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train)
+
+
+def check_trainable(analysis: Analysis) -> None:
+    """With gradients, only layouts whose backward dynashard gets right; anything else is refused here,
+    at compile time, never a wrong gradient."""
+    lm = analysis.plan.layouts
+    why = None
+    if lm.per_rank or lm.stacked:
+        why = "inputs='per_rank' / weights='per_rank' (their backward is not built yet)"
+    elif lm.partial:
+        why = "mixture-of-experts partial sums (their backward is not built yet)"
+    else:
+        whole = [n for n, lay in lm.layouts.items() if lay is not None and lay.split.whole]
+        if whole:
+            why = (f"a fused weight with parts held whole on every rank ({whole[0].name}: fewer K/V heads than "
+                   "ranks); each rank's gradient of a whole part would be partial")
+    if why is not None:
+        raise NotSupportedError(
+            f"dynashard: training (a backward) through this plan is not supported: {why}. Gradients would be "
+            "wrong, so none are computed. Run under torch.no_grad() for inference, or replicate those layers "
+            "(options={'plan': {...: 'replicate'}}), or use a world size that divides the heads.")
 
 
 def _plan(

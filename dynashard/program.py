@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import gradients
 from dynashard.collectives import CALL, RollCall, content_digest, describe_missing, handshake
-from dynashard.errors import NotSupportedError, PeerError, SetupError
+from dynashard.errors import PeerError, SetupError, UsageError
 from dynashard.options import Options
 from dynashard.weights import STORE, ShardSpec
 
@@ -80,8 +81,14 @@ class ShardedProgram:
         group: dist.ProcessGroup,
         fingerprint: str,
         check: CallCheck | None,
+        train: bool = False,
     ) -> None:
         self.compiled = compiled
+        # compiled with gradients: shards are passed as the leaves the gradients land in (the
+        # parameters parallelize registered), and the call runs with autograd on
+        self.train = train
+        if train:
+            _refuse_optimizers_of_freed_weights()
         self.specs = specs  # input slot -> (FQN, how that parameter is cut)
         self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
@@ -105,19 +112,16 @@ class ShardedProgram:
             self._adopt(args, fresh)
             shards.update({i: STORE.shard_of(args[i]) for i in fresh})
         for i, shard in shards.items():
+            if self.train:  # the leaf the gradient lands in (the parameter parallelize registered)
+                shard = STORE.as_parameter(args[i])
+                gradients.mark(shard, group)
             args[i] = shard
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
+        with torch.no_grad() if torch.is_grad_enabled() and not self.train else contextlib.nullcontext():
             try:
-                outs = self.compiled(*args)
+                return self.compiled(*args)
             except RuntimeError as e:
                 self._diagnose(e)
                 raise
-        if not torch.is_grad_enabled():
-            return outs
-        anchors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not anchors:
-            return outs
-        return type(outs)(_NoBackward.apply(o, anchors[0], self.fqns) if _float(o) else o for o in outs)
 
 
     def _adopt(self, args: list[Any], fresh: list[int]) -> None:
@@ -225,22 +229,29 @@ def _float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-class _NoBackward(torch.autograd.Function):
-    """Forward is the identity; backward explains that sharded training is not supported yet."""
+_HOOKED: list[Any] = []
 
-    @staticmethod
-    def forward(ctx, out, anchor, fqns):  # noqa: ARG004
-        ctx.fqns = fqns
-        return out.view_as(out)
 
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ARG004
-        raise NotSupportedError(
-            "dynashard: backward through a tensor-parallel graph is not supported yet (sharded "
-            f"layers: {ctx.fqns[:4]}{'...' if len(ctx.fqns) > 4 else ''}); gradients would be wrong, "
-            "so none are computed. Run inference under torch.no_grad()/torch.inference_mode(), or "
-            "compile training code with options={'plan': {}} (everything replicated)."
-        )
+def _refuse_optimizers_of_freed_weights() -> None:
+    """An optimizer built over the full-size parameters dynashard freed (before ``parallelize``, or on a
+    model only compiled) would step nothing: its parameters get no gradient (the shards do). Its first
+    step raises instead (pytorch/examples #1324 is the silent version)."""
+    if _HOOKED:
+        return
+
+    def refuse(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if STORE.is_sharded(p) and p.untyped_storage().nbytes() == 0:
+                    raise UsageError(
+                        f"dynashard: {type(optimizer).__name__} holds a full-size parameter of shape {list(p.shape)} "
+                        "that dynashard sharded and freed; its gradients go to this rank's shard, so this "
+                        "optimizer would train nothing. Expected the optimizer built after "
+                        "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards).")
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _HOOKED.append(register_optimizer_step_pre_hook(refuse))
 
 
 def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group) -> None:

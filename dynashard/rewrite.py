@@ -43,14 +43,20 @@ aten = torch.ops.aten
 
 class _Sharder(torch.fx.Interpreter):
     def __init__(
-        self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool, comm: Any = None
+        self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool, comm: Any = None,
+        train: bool = False,
     ) -> None:
         super().__init__(gm)
         self.a2a_reduce = a2a_reduce
+        # With gradients: every conversion with Megatron's backward (collectives.copy_to_shards etc.);
+        # sharded weights (and their transposes, ``self.weights``) hold this rank's part, not a replicated value
+        self.train = train
+
         self.comm = comm if comm is not None else collectives  # explain(verify=True) simulates them
         self.lm: LayoutMap = plan.layouts
         self.group_name = group_name
         self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
+        self.weights = {n for m in self.by_node.values() for n in (m.weight, m.transpose) if n is not None}
         # weights="per_rank": a stacked weight's own transpose is never evaluated (bmm reads it).
         self.skipped = {m.transpose for m in self.by_node.values() if self.lm.stacked and m.transpose is not None}
         self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
@@ -80,7 +86,10 @@ class _Sharder(torch.fx.Interpreter):
             if lay.length == 0:
                 raise InternalError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
-        full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group, lay.split.whole)
+        if self.train:
+            full = collectives.gather_from_shards(moved, lay.split.lengths(lm.world), lm.rank, group)
+        else:
+            full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group, lay.split.whole)
         if merged:
             full = full.flatten(-2)
         # NOTE: kernels called at aten level (e.g. CPU flash attention) assume a unit-stride last
@@ -93,7 +102,17 @@ class _Sharder(torch.fx.Interpreter):
         if (consumer, producer) in self.lm.reduced:  # partial sums: one all_reduce, shared by its readers
             key = ("sum", producer)
             if key not in self.converted:
-                self.converted[key] = self.comm.all_reduce_sum(value, self.group_name)
+                self.converted[key] = self._all_reduce(value)
+            value = self.converted[key]
+        # With gradients, a replicated value read by an op whose output is sharded goes through f: each
+        # rank's gradient for it is its own part's contribution, all-reduced in backward. One f per value,
+        # shared by such readers only (a reader with a replicated output must not be summed again).
+        sharded_reader = self.train and out is not None and _differentiable(value)
+        replicated = self.lm.layouts.get(producer) is None and producer not in self.weights
+        if sharded_reader and replicated and (consumer, producer) not in self.lm.reduced:
+            key = ("copy", producer)
+            if key not in self.converted:
+                self.converted[key] = collectives.copy_to_shards(value, self.group_name)
             value = self.converted[key]
         if how is None or how == Read.LOCAL:
             return value
@@ -104,6 +123,10 @@ class _Sharder(torch.fx.Interpreter):
         key = (how, producer)
         if key not in self.converted:
             self.converted[key] = self._convert(how, producer, value, out)
+        if sharded_reader and self.lm.layouts.get(producer) is not None:  # gathered, then read by a sharded op
+            key = ("copy", how, producer)
+            if key not in self.converted:
+                self.converted[key] = collectives.copy_to_shards(self.converted[(how, producer)], self.group_name)
         return self.converted[key]
 
     def run_node(self, node: torch.fx.Node) -> Any:
@@ -139,6 +162,11 @@ class _Sharder(torch.fx.Interpreter):
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
             args, kwargs = _as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
+
+    def _all_reduce(self, value: Any) -> Any:
+        if self.train:
+            return collectives.reduce_from_shards(value, self.group_name)  # g: identity backward
+        return self.comm.all_reduce_sum(value, self.group_name)
 
     def _view(self, node: torch.fx.Node, value: Any, shape: list) -> Any:
         """A view that may need a copy here: a gathered or head-sharded value can be laid out
@@ -210,7 +238,7 @@ class _Sharder(torch.fx.Interpreter):
         if lm.per_rank:
             y = self.comm.reduce_scatter_rows(y, lm.world, self.group_name, self.a2a_reduce)
         else:
-            y = self.comm.all_reduce_sum(y, self.group_name)
+            y = self._all_reduce(y)
         if m.bias is not None:
             y = aten.add(y, self._read(node, m.bias, None))
         return y
@@ -244,6 +272,10 @@ def _as_traced(node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return new
 
     return fix_all(args, node.args), {k: fix_all(v, node.kwargs.get(k)) for k, v in kwargs.items()}
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _is_size(a: Any, b: int) -> bool:
@@ -283,11 +315,14 @@ def take_groups(value: Any, shard: Shard) -> Any:
 
 
 def rewrite(
-    gm: torch.fx.GraphModule, plan: Plan, fake_args: list[Any], group_name: str, a2a_reduce: bool = False
+    gm: torch.fx.GraphModule, plan: Plan, fake_args: list[Any], group_name: str, a2a_reduce: bool = False,
+    train: bool = False,
 ) -> torch.fx.GraphModule:
     """This rank's sharded graph. ``fake_args`` carry shard shapes for sharded weights.
 
-    ``a2a_reduce``: reduce-scatter as all-to-all + local sum (cheaper on gloo).
+    ``a2a_reduce``: reduce-scatter as all-to-all + local sum (cheaper on gloo). ``train``: the graph
+    will be differentiated: its conversions carry Megatron's backward (``collectives.copy_to_shards``).
     """
-    sharder = _Sharder(gm, plan, group_name, a2a_reduce)
-    return private.trace_aten(lambda *args: sharder.run(*args), fake_args)
+    sharder = _Sharder(gm, plan, group_name, a2a_reduce, train=train)
+    traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args)
+    return collectives.bind_conversions(traced) if train else traced

@@ -1,0 +1,75 @@
+"""Gradients of sharded parameters that norm as the whole gradient: ``clip_grad_norm_`` unchanged.
+
+Before: a sharded parameter's ``.grad`` is this rank's part of the gradient; the norm of it is a
+per-rank number, so ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` would clip
+each rank by another factor and the ranks would drift apart (research/training.md 5: 4.55 / 5.13
+against the unsharded 6.30).
+After: once a gradient lands in a sharded parameter, its ``.grad`` is a :class:`ShardGrad`, a plain
+tensor subclass (the same memory) whose ``torch.linalg.vector_norm`` / ``Tensor.norm`` is the norm of
+the whole gradient: this rank's norm combined with every other rank's (one all_reduce). The shards
+of a trainable layout never overlap (dynamo_backend.check_trainable refuses whole parts), so the
+p-th powers add up; the infinity norm takes the max. Every other op sees a plain tensor.
+
+``clip_grad_norm_`` takes the per-tensor path for a subclass (its foreach path is for plain tensors
+only), so it asks each gradient for its norm: replicated parameters give their own (the same on
+every rank), sharded ones the whole gradient's, and the total is the unsharded model's on every
+rank. Every rank must clip the same parameters in the same order, as for any collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class ShardGrad(torch.Tensor):
+    """A sharded parameter's gradient: its norm is the whole gradient's (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _NORMS:
+                return _global_norm(func, args, kwargs)
+            return func(*args, **kwargs)
+
+
+def _global_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    grad, rest = args[0], args[1:]
+    group = getattr(grad, "_dynashard_group", None)
+    ord_ = rest[0] if rest else kwargs.get("ord", kwargs.get("p", 2))
+    if kwargs.get("dim") is not None or (len(rest) > 1 and rest[1] is not None) or ord_ in ("fro", "nuc"):
+        return func(*args, **kwargs)  # a norm along dims is per-rank by nature: left as it is
+    ord_ = float(ord_)
+    local = torch.linalg.vector_norm(grad.detach(), ord_, dtype=torch.float64 if grad.dtype == torch.float64
+                                     else torch.float32)
+    if ord_ == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    elif ord_ == float("-inf") or ord_ == 0:
+        return func(*args, **kwargs)  # (not used for clipping; no cross-rank meaning here)
+    else:
+        power = local.pow(ord_)
+        dist.all_reduce(power, group=group)
+        total = power.pow(1.0 / ord_)
+    return total.to(grad.dtype)
+
+
+_NORMS = {torch.linalg.vector_norm, torch.Tensor.norm, torch.norm}
+
+
+def mark(param: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Make ``param``'s gradient a :class:`ShardGrad` whenever one lands in it."""
+    if getattr(param, "_dynashard_grad_hook", False):
+        return
+
+    def as_shard_grad(p: torch.Tensor) -> None:
+        if p.grad is not None and not isinstance(p.grad, ShardGrad):
+            g = p.grad.as_subclass(ShardGrad)
+            g._dynashard_group = group
+            p.grad = g
+
+    param.register_post_accumulate_grad_hook(as_shard_grad)
+    param._dynashard_grad_hook = True
