@@ -177,13 +177,14 @@ class _CopyToShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name), None
+        # (waited: run eagerly, funcol returns an AsyncCollectiveTensor, which would land in a .grad)
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
 
 
 class _ReduceFromShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
-        return funcol.all_reduce(x, "sum", group_name)
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -10,7 +10,7 @@ Each also subclasses the builtin users caught before these classes existed, so
 * :class:`PeerError` (``RuntimeError``): another rank failed, died, hangs or differs; raised on
   every rank that is still running.
 * :class:`NotSupportedError` (``RuntimeError``): something dynashard does not do yet (a backward
-  through a sharded graph); refused rather than done wrong.
+  through a layout it cannot differentiate correctly); refused rather than done wrong.
 * :class:`VerificationError` (``RuntimeError``): ``explain(verify=True)`` found the sharded
   computation differs from the model.
 * :class:`InternalError` (``RuntimeError``): anything else that went wrong while planning,

@@ -372,14 +372,18 @@ def scenarios(rank: int, world: int) -> dict:
         compiled = torch.compile(model, backend=counting)
         out["dynamic_err"] = max(float((compiled(i) - r).abs().max()) for i, r in zip(inputs, refs))
     out["dynamic_compiles"] = graphs
-    # Grad enabled: the forward is still right; a backward raises instead of giving wrong grads.
+    # Grad enabled on a model only compiled (not parallelized): the forward is right and the backward
+    # runs, but its gradients land in the shards the model does not list, so an optimizer over
+    # model.parameters() (the freed full-size ones) raises at its first step instead of training nothing.
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = models.MLP(32, 96)
     ref = model(x).detach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     y = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(x)
     out["grad_forward_err"] = float((y.detach() - ref).abs().max())
     out["grad_backward"] = _error_of(lambda: y.sum().backward())
+    out["grad_step"] = _error_of(opt.step)
     with torch.inference_mode():
         again = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})
         out["inference_mode_err"] = float((again(x) - ref).abs().max())
