@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize(
     "script,ranks",
-    [("bench_seed.py", 4), ("bench_memory.py", 2), ("bench_collectives.py", 4), ("suite.py", 2),
+    # (the seed scenario and the collectives comparison are documented at 4 ranks; 2 prove the scripts run)
+    [("bench_seed.py", 2), ("bench_memory.py", 2), ("bench_collectives.py", 2), ("suite.py", 2),
      ("bench_overlap.py", 2), ("bench_fused_kv.py", 2), ("bench_call_check.py", 2)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):

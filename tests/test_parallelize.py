@@ -290,13 +290,26 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
     return out
 
 
+def _load_from_checkpoints_and_rank0(rank: int, world: int, path: str) -> dict:
+    import os
+
+    os.makedirs(f"{path}/rank0", exist_ok=True)
+    return {**_load_from_checkpoints(rank, world, path), "rank0": _load_from_rank0(rank, world, f"{path}/rank0")}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """One spawn of 2 ranks for the loading tests below."""
+    return run_ranks(_load_from_checkpoints_and_rank0, 2, str(tmp_path_factory.mktemp("load")), timeout=360)
+
+
 @pytest.mark.timeout(420)
-def test_models_built_on_meta_load_their_slices_from_checkpoints(tmp_path):
+def test_models_built_on_meta_load_their_slices_from_checkpoints(loaded):
     """A model built under ``dynashard.empty_weights()`` (parameters on meta, buffers real) is
     parallelized from a checkpoint: safetensors (one file), DCP, and an HF directory with its index;
     each rank reads its pieces of the cut weights and the rest whole, and the compiled model equals
     the one that was saved."""
-    for rank, out in enumerate(run_ranks(_load_from_checkpoints, 2, str(tmp_path), timeout=360)):
+    for rank, out in enumerate(loaded):
         for name in MODELS:
             for fmt in ("safetensors", "dcp"):
                 err, sharded = out[f"{name}.{fmt}"]
@@ -465,13 +478,13 @@ def _same_as_saved(file: str, reference) -> list[str]:
 
 
 @pytest.mark.timeout(420)
-def test_rank0_holds_or_reads_the_weights_and_deals_every_rank_its_pieces(tmp_path):
+def test_rank0_holds_or_reads_the_weights_and_deals_every_rank_its_pieces(loaded):
     """weights="rank0": rank 0 holds the model (or reads a safetensors file), rank 1 is built on meta
     and never holds it whole; outputs equal the unsharded model's, and the model exported back to one
     file (a fused qkv, a tied head) is the saved one bit for bit (uneven deals at world 4: the
     resharding test). A read failing on rank 0 halfway and a checkpoint that does not fit are errors
     on every rank, models left on meta."""
-    for rank, out in enumerate(run_ranks(_load_from_rank0, 2, str(tmp_path), timeout=360)):
+    for rank, out in enumerate(r["rank0"] for r in loaded):
         for name in ("nanogpt", "llama"):
             for source in ("model", "checkpoint"):
                 err, held, sharded = out[f"{name}.{source}"]
