@@ -23,10 +23,10 @@ GRAD_RTOL = 1e-4
 # case -> (model name, hidden, ffn, input shape per step (batch, seq[, hidden]))
 W2 = {
     "mlp_3d": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)]),
-    "conv1d": ("conv1d", 32, 96, [(2, 3, 32), (4, 5, 32)]),  # HF Conv1D [in, out] weights
-    "head_gather": ("head", 32, 90, [(3, 32), (2, 5, 32)]),  # an unpaired colwise output gathered
     "nanogpt": ("nanogpt", 64, 96, [(2, 7), (3, 5)]),  # fused qkv per component, tied vocab-parallel head
     "llama": ("llama", 128, 96, [(2, 7), (3, 5)]),  # GQA, RoPE, SwiGLU, RMSNorm
+    "hf_gpt2": ("hf_gpt2", 64, 96, [(2, 7), (3, 5)]),  # Conv1D [in, out] weights, fused c_attn, tied head
+    "hf_llama": ("hf_llama", 64, 96, [(2, 7), (3, 5)]),  # 8 heads, 4 K/V heads
 }
 W4 = {
     "llama_6_heads": ("llama_6_heads", 96, 96, [(2, 7), (3, 5)]),  # 2/2/1/1 heads
@@ -94,6 +94,32 @@ def _compare(model, twin, facades, world: int) -> tuple[float, list[str], bool]:
     return worst, missing, same
 
 
+class _Logits(__import__("torch").nn.Module):
+    """An HF causal LM as the tests call it: ids in, logits out (no cache)."""
+
+    def __init__(self, lm) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(ids, use_cache=False).logits
+
+
+def _build(name: str, hidden: int, ffn: int):
+    import transformers as T
+
+    from tests import models
+
+    if name in ("hf_gpt2", "hf_gpt2_dropout"):  # dropout off for equality, or as configured by default (0.1)
+        off = {} if name == "hf_gpt2_dropout" else {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+        return _Logits(T.GPT2LMHeadModel(T.GPT2Config(n_embd=hidden, n_head=4, n_layer=2, vocab_size=ffn, **off)))
+    if name == "hf_llama":
+        return _Logits(T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=ffn)))
+    return models.build(name, hidden, ffn)
+
+
 def _train(rank: int, world: int, cases: dict) -> dict:
     import copy
 
@@ -101,13 +127,12 @@ def _train(rank: int, world: int, cases: dict) -> dict:
 
     import dynashard
     from dynashard.weights import STORE, cut
-    from tests import models
 
     out = {}
     for case, (name, hidden, ffn, shapes) in cases.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = models.build(name, hidden, ffn)
+        model = _build(name, hidden, ffn)
         twin = copy.deepcopy(model)
         if case == "mlp_3d":  # a frozen parameter: no gradient, on either side
             model.down.bias.requires_grad_(False)
@@ -164,6 +189,40 @@ def _train(rank: int, world: int, cases: dict) -> dict:
     return out
 
 
+def _adamw(rank: int, world: int) -> float:
+    """Llama, 20 AdamW steps: the largest relative difference of the loss from the twin's."""
+    import copy
+
+    import torch
+
+    import dynashard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _build("llama", 128, 96)
+    twin = copy.deepcopy(model)
+    x0, _ = _inputs((2, 7), 96, 0)
+    dynashard.parallelize(model, x0, options=OPTIONS)
+    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    opt, opt_twin = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    worst = 0.0
+    for step in range(20):
+        x, target = _inputs((2, 7), 96, step)
+        losses = []
+        for net, optimizer in ((fast, opt), (twin, opt_twin)):
+            loss = _loss(net(x), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        worst = max(worst, abs(losses[0] - losses[1]) / abs(losses[1]))
+    return worst
+
+
+def _train_and_adamw(rank: int, world: int, cases: dict) -> dict:
+    return {**_train(rank, world, cases), "adamw": _adamw(rank, world)}  # one spawn for both
+
+
 def _amax(t) -> float:
     return float(t.abs().max()) if t.numel() else 0.0  # (a rank may hold an empty shard)
 
@@ -188,10 +247,13 @@ def _check(results: list[dict], cases: dict) -> None:
 
 @pytest.mark.timeout(420)
 def test_sgd_steps_match_the_unsharded_twin_at_world_2():
-    """MLP (a frozen bias), GPT-2's Conv1D, a gathered head, nanoGPT (fused qkv, tied vocab-parallel
-    head), Llama (GQA, RoPE): 5 SGD steps with clipping, gradient accumulation at step 2 and a no_grad
-    eval at step 1, batch and sequence lengths changing between steps."""
-    _check(run_ranks(_train, 2, W2, timeout=360), W2)
+    """MLP (a frozen bias), nanoGPT (fused qkv, tied vocab-parallel head), Llama (GQA, RoPE), HF GPT-2
+    (Conv1D, fused c_attn, tied head) and HF Llama: 5 SGD steps with clipping, gradient accumulation at
+    step 2 and a no_grad eval at step 1, batch and sequence lengths changing between steps. Then
+    Llama under 20 AdamW steps: the loss within 1e-4 relative of the twin's at every step."""
+    results = run_ranks(_train_and_adamw, 2, W2, timeout=360)
+    _check(results, W2)
+    assert all(r["adamw"] < 1e-4 for r in results), [r["adamw"] for r in results]
 
 
 def _train_and_misuse(rank: int, world: int, cases: dict) -> dict:
@@ -204,7 +266,8 @@ def test_sgd_steps_match_the_unsharded_twin_at_world_4_and_misuse_is_refused():
     rank holding no features. Then misuse, on every rank: an optimizer built before parallelize
     raises at its first step, naming the fix; a layout without a correct backward (a fused qkv whose
     2 K/V heads every rank holds whole) is refused when compiled with gradients, and still runs
-    under no_grad."""
+    under no_grad. And HF GPT-2 with its default dropout in train mode equals the twin from the same
+    seed (the plan gathers before each dropout, so every rank draws the unsharded model's masks)."""
     results = run_ranks(_train_and_misuse, 4, W4, timeout=360)
     _check(results, W4)
     for rank, out in enumerate(results):
@@ -214,9 +277,12 @@ def test_sgd_steps_match_the_unsharded_twin_at_world_4_and_misuse_is_refused():
         assert "training (a backward) through this plan is not supported" in out["whole_parts"] and \
             "held whole" in out["whole_parts"], (rank, out)
         assert out["whole_parts_inference"] == (2, 5, 128), (rank, out)
+        assert out["dropout_err"] < 1e-5 and out["dropout_grad_err"] < GRAD_RTOL, (rank, out)
 
 
 def _misuse(rank: int, world: int) -> dict:
+    import copy
+
     import torch
 
     import dynashard
@@ -250,4 +316,22 @@ def _misuse(rank: int, world: int) -> dict:
         out["whole_parts"] = str(e)
     with torch.no_grad():  # inference through the same plan still works
         out["whole_parts_inference"] = tuple(torch.compile(model, backend=dynashard.backend(**OPTIONS))(x).shape)
+    # HF GPT-2 in train mode with its default dropout (0.1): the plan gathers the attention
+    # probabilities before dropout (no rule shards a random op), so every rank draws what the unsharded
+    # model draws from the same seed -- the same masks, the same output and gradients.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _build("hf_gpt2_dropout", 64, 96).train()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 7))
+    dynashard.parallelize(model, ids, options=OPTIONS)
+    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    torch.manual_seed(5)
+    got = fast(ids)
+    got.pow(2).mean().backward()
+    torch.manual_seed(5)
+    want = twin(ids)
+    want.pow(2).mean().backward()
+    out["dropout_err"] = float((got - want).abs().max())
+    out["dropout_grad_err"] = _compare(model, twin, _facades(model), world)[0]
     return out
