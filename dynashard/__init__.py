@@ -50,6 +50,6 @@ def export_safetensors(model, path, max_shard_size=None, group=None):
     """Write a sharded model's whole weights as one ``.safetensors`` file, or an HF directory (files
     of at most ``max_shard_size`` and their index). Every rank calls it; rank 0 gathers and writes
     one tensor at a time."""
-    from dynashard.checkpoint import export_safetensors as _export
+    from dynashard.export import export_safetensors as _export
 
     return _export(model, path, max_shard_size=max_shard_size, group=group)

@@ -192,3 +192,26 @@ def real_tensors():
 
     with unset_fake_temporarily(), tracing(None):
         yield
+
+
+def draws_random(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: an op tagged ``nondeterministic_seeded`` (dropout, rand,
+    SDPA kernels) unless its dropout probability is 0 or it runs with ``train=False``.
+
+    NOTE: reads the OpOverload's tags and schema (``op._schema``)."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    values = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+              for i, a in enumerate(op._schema.arguments)}
+    if values.get("train") is False:
+        return False
+    return not any(isinstance(values.get(name), (int, float)) and values[name] == 0 for name in ("dropout_p", "p"))
+
+
+def plain_torch_functions():
+    """A context where a tensor subclass's ``__torch_function__`` is off: ops return plain tensors
+    (``torch._C.DisableTorchFunctionSubclass``, the pattern torch's subclass docs use)."""
+    return torch._C.DisableTorchFunctionSubclass()

@@ -22,13 +22,10 @@ exist, a tensor missing from the checkpoint, a slice outside the saved shape, a 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import difflib
 import json
-import math
 import os
-import struct
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -290,188 +287,18 @@ def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int, p
         at, length = by_offset[index.offset]
         return local.detach().narrow(dim, at, length)
 
+    def reduce_ex(protocol: int) -> Any:
+        # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures
+        plain = local.detach()
+        if isinstance(local, torch.nn.Parameter):
+            plain = torch.nn.Parameter(plain, requires_grad=local.requires_grad)
+        return plain.__reduce_ex__(protocol)
+
     local.__create_write_items__ = write_items
     local.__create_chunk_list__ = lambda: list(chunks)
     local.__get_tensor_shard__ = tensor_shard
+    local.__reduce_ex__ = reduce_ex
     return local
-
-
-def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shard_size: int | str | None = None,
-                       group: Any = None) -> None:
-    """Write ``model``'s whole weights as safetensors from a model dynashard sharded (by
-    ``dynashard.parallelize`` or a compile): ``path`` ending in ``.safetensors`` is one file; any other
-    path is an HF directory (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at
-    most ``max_shard_size`` bytes ("5GB", as ``save_pretrained`` takes it) and
-    ``model.safetensors.index.json``, plus an HF model's ``config.json`` and generation config) that
-    ``from_pretrained`` and ``parallelize(checkpoint=...)`` read.
-
-    Every rank of the group calls it. Group rank 0 gathers one tensor at a time (every rank sends
-    its pieces) and streams it into the file, so no rank ever holds the whole model. A tied weight
-    is written once, under its first name (as safetensors' ``save_model`` does). Files are written
-    under a temporary name and renamed when complete: a failure (raised on every rank) leaves no
-    partial checkpoint.
-    """
-    import torch.distributed as dist
-
-    from dynashard.collectives import first_rank_status, gather_to_first, resolve_group
-    from dynashard.weights import STORE
-
-    group = resolve_group(group)
-    rank = dist.get_rank(group)
-    path = os.fspath(path)
-    entries = _export_entries(model, STORE)  # [(name, value, facade or None)], the same on every rank
-    sizes = [(name, math.prod(full.shape) * full.element_size()) for name, _, full in entries]
-    files = _file_plan(path, sizes, _parse_size(max_shard_size))
-    error, writers = None, []
-    try:
-        if rank == 0 and not path.endswith(".safetensors"):
-            os.makedirs(path, exist_ok=True)
-            for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
-                if hasattr(config, "save_pretrained"):  # an HF model: from_pretrained needs its config
-                    config.save_pretrained(path)
-        for file, names in files if rank == 0 else []:
-            writers.append(_Writer(file, [(n, full) for n, _, full in entries if n in names]))
-    except Exception as e:  # noqa: BLE001 - raised on every rank below
-        error = e
-    by_name = {n: w for w in writers for n in w.names}
-    try:
-        first_rank_status(error, group, f"opening {path} to export into")
-        for name, value, full in entries:
-            error = None
-            spec = STORE.spec_of(full) if full is not value else None
-            if spec is not None:
-                whole = gather_to_first(value, list(full.shape), spec.dim,
-                                        lambda r, s=spec: s.split.pieces(s.world, r), group)
-            else:
-                whole = value.detach() if rank == 0 else None
-            if rank == 0:
-                try:
-                    by_name[name].write(name, whole)
-                except Exception as e:  # noqa: BLE001 - raised on every rank below
-                    error = e
-            del whole
-            first_rank_status(error, group, f"writing {name!r} to {path}")
-        error = None
-        if rank == 0:
-            try:
-                for w in writers:
-                    w.finish()
-                if len(files) > 1:
-                    total = sum(size for _, size in sizes)
-                    weight_map = {n: os.path.basename(file) for file, names in files for n in names}
-                    with open(os.path.join(path, _INDEX), "w") as f:
-                        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        first_rank_status(error, group, f"finishing {path}")
-    finally:
-        for w in writers:
-            w.close()
-
-
-def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(name, value this rank holds, full-shape tensor)`` for each distinct state_dict tensor: for a
-    sharded weight the value is this rank's shard and the full tensor its storage-less facade."""
-    from dynashard.parameters import FACADES
-
-    facade_of: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for facade in module.__dict__.get(FACADES, {}).values():
-            facade_of[id(store.shard_of(facade))] = facade
-    entries, seen = [], set()
-    for name, value in model.state_dict(keep_vars=True).items():
-        if id(value) in seen or not isinstance(value, torch.Tensor):
-            continue
-        seen.add(id(value))
-        if store.is_sharded(value):  # compiled without parallelize: the parameter is the freed full tensor
-            entries.append((name, store.shard_of(value), value))
-        else:
-            entries.append((name, value, facade_of.get(id(value), value)))
-    return entries
-
-
-def _parse_size(size: int | str | None) -> int | None:
-    if size is None or isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    text = size.strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(text[: -len(unit)]) * factor)
-    raise UsageError(f"dynashard: max_shard_size={size!r} is not a size; expected bytes (an int) or a string "
-                     "such as '5GB' or '500MB'.")
-
-
-def _file_plan(path: str, sizes: list[tuple[str, int]], limit: int | None) -> list[tuple[str, set[str]]]:
-    """Which tensors go into which file, in order, each file under ``limit`` bytes (a larger tensor
-    alone), as ``save_pretrained`` splits them."""
-    if path.endswith(".safetensors"):
-        return [(path, {n for n, _ in sizes})]
-    groups: list[list[str]] = [[]]
-    held = 0
-    for name, size in sizes:
-        if limit is not None and groups[-1] and held + size > limit:
-            groups.append([])
-            held = 0
-        groups[-1].append(name)
-        held += size
-    if len(groups) == 1:
-        return [(os.path.join(path, "model.safetensors"), set(groups[0]))]
-    n = len(groups)
-    return [(os.path.join(path, f"model-{i + 1:05d}-of-{n:05d}.safetensors"), set(g)) for i, g in enumerate(groups)]
-
-
-class _Writer:
-    """One safetensors file written a tensor at a time: the header (names, dtypes, shapes, byte
-    offsets: all known from the full shapes) first, then each tensor's bytes as it arrives, in the
-    header's order. The format: an 8-byte little-endian header length, the JSON header padded with
-    spaces to 8 bytes, the data (https://github.com/huggingface/safetensors, "Format")."""
-
-    def __init__(self, file: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.file, self.tmp = file, file + ".partial"
-        self.names = [n for n, _ in tensors]
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, t in tensors:
-            size = math.prod(t.shape) * t.element_size()
-            header[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape),
-                            "data_offsets": [offset, offset + size]}
-            offset += size
-        self.expected = {n: header[n] for n in self.names}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.f = open(self.tmp, "wb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
-        self.next = 0
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        if self.names[self.next] != name:
-            raise UsageError(f"dynashard: export wrote {name!r} out of order (expected {self.names[self.next]!r})")
-        meta = self.expected[name]
-        if list(t.shape) != meta["shape"] or _dtype_name(t.dtype) != meta["dtype"]:
-            raise UsageError(f"dynashard: {name!r} gathered as {t.dtype}{list(t.shape)}; expected {meta}")
-        t = t.detach().to("cpu").contiguous()
-        if t.numel():
-            self.f.write(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
-        self.next += 1
-
-    def finish(self) -> None:
-        if self.next != len(self.names):
-            raise UsageError(f"dynashard: export of {self.file} stopped after {self.next} of {len(self.names)} tensors")
-        self.f.close()
-        os.replace(self.tmp, self.file)
-
-    def close(self) -> None:
-        if not self.f.closed:
-            self.f.close()
-            os.remove(self.tmp)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    names = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
-    if dtype not in names:
-        raise UsageError(f"dynashard: safetensors cannot hold {dtype}; expected one of {sorted(map(str, names))}")
-    return names[dtype]
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

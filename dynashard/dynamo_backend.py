@@ -124,7 +124,7 @@ def check_trainable(analysis: Analysis) -> None:
     # would mask differently on each rank -- replicated values that differ across ranks, silently. On
     # replicated values every rank draws the same, as the unsharded model does.
     for node in analysis.aten.graph.nodes:
-        if _draws_random(node) and (lm.layouts.get(node) is not None
+        if private.draws_random(node) and (lm.layouts.get(node) is not None
                                     or any(o is not None for o in lm.outputs.get(node) or [])):
             raise NotSupportedError(
                 f"dynashard: training through random op {node.target} ({node.name}) on a sharded value is not "
@@ -132,21 +132,6 @@ def check_trainable(analysis: Analysis) -> None:
                 "which replicated values rely on, would drift apart. Expected dropout off inside sharded layers "
                 "(attention-probability dropout, e.g. HF attn_pdrop / attention_dropout = 0), or model.eval(); "
                 "dropout on replicated values (the residual stream, embeddings) is fine.")
-
-
-def _draws_random(node: torch.fx.Node) -> bool:
-    """Whether ``node`` draws random numbers: an op tagged ``nondeterministic_seeded`` (dropout, rand,
-    SDPA kernels) unless its dropout probability is 0 or it runs with ``train=False``."""
-    op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded not in op.tags:
-        return False
-    values = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-              for i, a in enumerate(op._schema.arguments)}
-    if values.get("train") is False:
-        return False
-    return not any(isinstance(values.get(name), (int, float)) and values[name] == 0 for name in ("dropout_p", "p"))
 
 
 def _plan(

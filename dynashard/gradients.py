@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dynashard import _torch_private as private
+
 
 class ShardGrad(torch.Tensor):
     """A sharded parameter's gradient: its norm is the whole gradient's (see the module docstring)."""
@@ -30,7 +32,7 @@ class ShardGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with private.plain_torch_functions():
             if func in _NORMS:
                 return _global_norm(func, args, kwargs)
             return func(*args, **kwargs)

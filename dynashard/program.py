@@ -114,7 +114,8 @@ class ShardedProgram:
         for i, shard in shards.items():
             if self.train:  # the leaf the gradient lands in (the parameter parallelize registered)
                 shard = STORE.as_parameter(args[i])
-                gradients.mark(shard, group)
+                if shard.requires_grad:  # (a frozen weight gets no gradient, and no hook)
+                    gradients.mark(shard, group)
             args[i] = shard
         with torch.no_grad() if torch.is_grad_enabled() and not self.train else contextlib.nullcontext():
             try:

@@ -172,6 +172,11 @@ def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: 
     return {case: run_case(case, compiler, dtype, rank) for case in cases}
 
 
+def battery_of_configs(rank: int, world: int, groups: list[tuple[str, str, tuple[str, ...]]]) -> dict:
+    """Several (compiler, dtype, cases) groups in one spawn: ``{(compiler, dtype): battery results}``."""
+    return {(compiler, dtype): battery(rank, world, list(cases), compiler, dtype) for compiler, dtype, cases in groups}
+
+
 def models_mlp_ref(x: torch.Tensor) -> torch.Tensor:
     """The unsharded MLP(32, 96) of seed 0 on ``x``."""
     torch.manual_seed(0)

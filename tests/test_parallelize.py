@@ -82,6 +82,12 @@ def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
                 r[label] = "ran"
             except (UsageError, RuntimeError) as e:  # load_state_dict re-raises ours inside a RuntimeError
                 r[label] = str(e)
+        # torch.save of the state_dict (this rank's shards) and of the model's parameters: plain tensors
+        # on disk (the DCP protocol's closures are not pickled), loadable with weights_only
+        torch.save({"state": model.state_dict(), "params": list(model.parameters())}, f"{path}/{name}.{rank}.pt")
+        saved = torch.load(f"{path}/{name}.{rank}.pt", weights_only=True)
+        r["torch_save_equal"] = (all(torch.equal(saved["state"][n], t) for n, t in model.state_dict().items())
+                                 and all(torch.equal(a, b) for a, b in zip(saved["params"], model.parameters())))
         ckpt = f"{path}/{name}"
         # DCP's own state-dict API walks the FQNs with getattr: it reads the facades' metadata, saves the shards
         state = get_model_state_dict(model)
@@ -170,7 +176,7 @@ def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(t
             assert "already parallelized" in r["twice"], r["twice"]
             assert "cannot copy this model" in r["copy"], r["copy"]  # (copying a freed tensor killed the process)
             assert "cannot be replaced" in r["assign"], r["assign"]  # (a new object would be ignored silently)
-            assert r["dcp_api_is_state_dict"], (rank, name, r)
+            assert r["dcp_api_is_state_dict"] and r["torch_save_equal"], (rank, name, r)
             assert r.get("dcp_whole_equal", True) and r["dcp_pieces_equal"], (rank, name, r)
         assert rank != 0 or all("dcp_whole_equal" in out[n] for n in MODELS)
         assert "'up.weight' was sharded as" in out["conflict"] and "parallelize" in out["conflict"], out["conflict"]
