@@ -236,7 +236,8 @@ _HOOKED: list[Any] = []
 def _refuse_optimizers_of_freed_weights() -> None:
     """An optimizer built over the full-size parameters dynashard freed (before ``parallelize``, or on a
     model only compiled) would step nothing: its parameters get no gradient (the shards do). Its first
-    step raises instead (pytorch/examples #1324 is the silent version)."""
+    step raises instead (pytorch/examples #1324 is the silent version). After each step, the state of
+    a shard is made checkpointable like the shard (DCP)."""
     if _HOOKED:
         return
 
@@ -250,9 +251,24 @@ def _refuse_optimizers_of_freed_weights() -> None:
                         "optimizer would train nothing. Expected the optimizer built after "
                         "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards).")
 
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    def describe_state(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        # A shard's optimizer state (exp_avg, momentum: tensors of the shard's shape) is this rank's
+        # pieces too: give it the shard's DCP protocol, so get_state_dict(model, optimizer) + dcp.save
+        # write it at its global offsets (a plain local tensor would be saved as if it were whole).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                facade = STORE.facade_of(p)
+                if facade is None:
+                    continue
+                for value in optimizer.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor) and value.shape == p.shape and \
+                            not hasattr(value, "__create_chunk_list__"):
+                        STORE.checkpointable(facade, value)
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     _HOOKED.append(register_optimizer_step_pre_hook(refuse))
+    _HOOKED.append(register_optimizer_step_post_hook(describe_state))
 
 
 def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group) -> None:

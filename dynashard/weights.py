@@ -53,6 +53,7 @@ class WeightStore:
     def __init__(self) -> None:
         self._shards = private.weak_id_dict()
         self._agreed = private.weak_id_dict()
+        self._facade_of = private.weak_id_dict()  # registered shard Parameter -> its full-shape facade
         # dynashard.parallelize(checkpoint=... or weights="rank0"): where a storage-less parameter's
         # values come from (this rank's pieces under a spec, all of it for None), while it runs
         self.source: Callable[[torch.Tensor, ShardSpec | None], torch.Tensor] | None = None
@@ -81,7 +82,12 @@ class WeightStore:
         entry = self._shards[param]
         if not isinstance(entry.shard, torch.nn.Parameter):
             entry.shard = self.checkpointable(param, torch.nn.Parameter(entry.shard, requires_grad=param.requires_grad))
+            self._facade_of[entry.shard] = param
         return entry.shard
+
+    def facade_of(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The full-shape parameter a registered shard stands for (None for any other tensor)."""
+        return self._facade_of.get(shard)
 
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces
