@@ -5,7 +5,8 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["backend", "empty_weights", "explain", "export_safetensors", "held_bytes", "parallelize", "__version__"]
+__all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safetensors", "held_bytes", "parallelize",
+           "__version__"]
 
 
 def backend(**options):
@@ -53,3 +54,11 @@ def export_safetensors(model, path, max_shard_size=None, group=None):
     from dynashard.export import export_safetensors as _export
 
     return _export(model, path, max_shard_size=max_shard_size, group=group)
+
+
+def __getattr__(name):
+    if name == "LoadPlanner":  # (a DCP planner class: imported when first asked for, keeping import light)
+        from dynashard.checkpoint import LoadPlanner
+
+        return LoadPlanner
+    raise AttributeError(f"module 'dynashard' has no attribute {name!r}")

@@ -298,7 +298,47 @@ def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int, p
     local.__create_chunk_list__ = lambda: list(chunks)
     local.__get_tensor_shard__ = tensor_shard
     local.__reduce_ex__ = reduce_ex
+    local._dynashard_global_shape = torch.Size(full_shape)  # (read by LoadPlanner)
     return local
+
+
+def _load_planner_base():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    return DefaultLoadPlanner
+
+
+class LoadPlanner(_load_planner_base()):
+    """``dcp.load(state, checkpoint_id=..., planner=dynashard.LoadPlanner())`` into live shards: the
+    state of a parallelized model and its optimizer (``get_state_dict(model, optimizer)``), from a
+    checkpoint saved at any world size or unsharded. Each shard asks for its pieces of the saved
+    tensors (its checkpoint protocol's chunks) and is filled in place.
+
+    DCP's default planner first compares each tensor's own size with the saved one, which a shard's
+    local size fails; this planner shows DCP the global size of tensors that carry a shard's protocol
+    and leaves everything else to the default planner.
+    """
+
+    def create_local_plan(self):
+        real = self.state_dict
+        self.state_dict = {k: _GlobalSized(v) if hasattr(v, "_dynashard_global_shape") else v for k, v in real.items()}
+        try:
+            return super().create_local_plan()
+        finally:
+            self.state_dict = real
+
+
+class _GlobalSized:
+    """What the default load plan reads of a shard: its global size and its chunks."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        self._shard = shard
+
+    def size(self) -> torch.Size:
+        return self._shard._dynashard_global_shape
+
+    def __create_chunk_list__(self) -> list:
+        return self._shard.__create_chunk_list__()
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
