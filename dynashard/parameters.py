@@ -41,6 +41,7 @@ from dynashard.collectives import deal_from_first, exchange_status, resolve_grou
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.options import parse_options
+from dynashard.program import install_optimizer_hooks
 from dynashard.weights import STORE, ShardSpec, _refuse_copy
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
@@ -106,6 +107,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     finally:
         STORE.source = None
     _register(model)
+    install_optimizer_hooks()  # an optimizer over the shards: its state checkpointable like them
     return model
 
 

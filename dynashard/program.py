@@ -88,7 +88,7 @@ class ShardedProgram:
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
         if train:
-            _refuse_optimizers_of_freed_weights()
+            install_optimizer_hooks()
         self.specs = specs  # input slot -> (FQN, how that parameter is cut)
         self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
@@ -233,7 +233,7 @@ def _float(x: Any) -> bool:
 _HOOKED: list[Any] = []
 
 
-def _refuse_optimizers_of_freed_weights() -> None:
+def install_optimizer_hooks() -> None:
     """An optimizer built over the full-size parameters dynashard freed (before ``parallelize``, or on a
     model only compiled) would step nothing: its parameters get no gradient (the shards do). Its first
     step raises instead (pytorch/examples #1324 is the silent version). After each step, the state of
