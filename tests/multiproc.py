@@ -21,7 +21,7 @@ from typing import Any
 # Ranks fork from a server that has already imported torch, Dynamo, dynashard and the test models
 # (a fresh interpreter per rank, as "spawn" gives, but without paying the imports each time): a
 # 2-rank spawn that compiles an MLP took 2.9 s with "spawn" and 0.95 s this way on the project's
-# 2-core machine. The server runs no torch op, so no thread pool exists to be forked.
+# 2-core machine (tools/bench_spawn.py). The server runs no torch op, so no thread pool exists to be forked.
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dynashard.dynamo_backend",
                              "dynashard.parameters", "tests.battery", "transformers"])
