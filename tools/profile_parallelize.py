@@ -8,7 +8,8 @@ directory) and of the user's compile and first call, then a cProfile of ``parall
 cumulative time. Measured on the project's 2-core machine (2.16 GiB Llama, world 2, compiler eager,
 checkpoint in the page cache): parallelize 6.3 s, of which Dynamo's trace of the model about 2.7 s and
 the backend (aten trace, planning, rewrite, cutting) 2.8 s; compile + first call 2.4 s (a second
-Dynamo trace and planning). Later runs gave parallelize 6.9-9.1 s and compile + first call 2.7 s: the
+Dynamo trace and planning). Later runs gave parallelize 6.4 s (9.1 s with the checkpoint out of the page
+cache) and compile + first call 2.6-2.7 s: the
 split between tracing and the rest is what to read, not the totals.
 """
 
