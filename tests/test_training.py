@@ -245,18 +245,7 @@ def _adamw(rank: int, world: int, path: str) -> dict:
                if t.dim() and not torch.equal(mine(n, target["optim"]["state"][n][key]), t)]
     # Resume: a fresh model and AdamW load that checkpoint into their live shards (dynashard.LoadPlanner)
     # and continue exactly as the uninterrupted run does.
-    def steps(net, optimizer):
-        out = []
-        for step in range(20, 23):
-            x, target_ids = _inputs((2, 7), 96, step)
-            loss = _loss(net(x), target_ids)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(float(loss.detach()))
-        return out
-
-    uninterrupted = steps(fast, opt)
+    uninterrupted = _lm_steps(fast, opt, 20)
     torch.manual_seed(1)  # other initial values: the checkpoint must replace them all
     resumed = dynashard.parallelize(_build("llama", 128, 96), x0, options=OPTIONS)
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
@@ -264,13 +253,26 @@ def _adamw(rank: int, world: int, path: str) -> dict:
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=f"{path}/adamw", planner=dynashard.LoadPlanner())
     set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    again = steps(torch.compile(resumed, backend=dynashard.backend(**OPTIONS)), resumed_opt)
+    again = _lm_steps(torch.compile(resumed, backend=dynashard.backend(**OPTIONS)), resumed_opt, 20)
     resume_err = max(abs(a - b) / abs(b) for a, b in zip(again, uninterrupted))
     return {"loss_err": worst, "state_differ": differ, "state_checked": len(opt.state), "resume_err": resume_err}
 
 
 def _train_and_adamw(rank: int, world: int, cases: dict, path: str) -> dict:
     return {**_train(rank, world, cases), "adamw": _adamw(rank, world, path)}  # one spawn for both
+
+
+def _lm_steps(net, optimizer, first: int, n: int = 3) -> list[float]:
+    """``n`` optimizer steps of a token model on the batches of steps ``first``..: their losses."""
+    out = []
+    for step in range(first, first + n):
+        x, target = _inputs((2, 7), 96, step)
+        loss = _loss(net(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(float(loss.detach()))
+    return out
 
 
 def _amax(t) -> float:
@@ -412,25 +414,14 @@ def _resume_run(rank: int, world: int, path: str, save: bool) -> list[float]:
     fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def steps(first: int) -> list[float]:
-        out = []
-        for step in range(first, first + 3):
-            x, target = _inputs((2, 7), 96, step)
-            loss = _loss(fast(x), target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(float(loss.detach()))
-        return out
-
     if save:
-        steps(0)
+        _lm_steps(fast, opt, 0)
         dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=f"{path}/resume")
     else:
         state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
         dcp.load(state, checkpoint_id=f"{path}/resume", planner=dynashard.LoadPlanner())
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return steps(3)
+    return _lm_steps(fast, opt, 3)
 
 
 @pytest.mark.timeout(420)
