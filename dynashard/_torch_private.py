@@ -215,3 +215,20 @@ def plain_torch_functions():
     """A context where a tensor subclass's ``__torch_function__`` is off: ops return plain tensors
     (``torch._C.DisableTorchFunctionSubclass``, the pattern torch's subclass docs use)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def active_ddp(splits_graphs: bool = False) -> Any:
+    """The ``DistributedDataParallel`` whose forward is running (the graph being compiled is traced
+    inside it), or None; with ``splits_graphs``, only if Dynamo's DDPOptimizer is on for it.
+
+    NOTE: Dynamo 2.13 (``convert_frame.py``) hands a frame traced inside DDP's forward to DDPOptimizer
+    when ``get_optimize_ddp_mode()`` is ``"ddp_optimizer"`` (``torch._dynamo.config.optimize_ddp``'s
+    default): it cuts the graph at DDP's gradient-bucket boundaries and calls the backend once per piece.
+    DDP sets ``_active_ddp_module`` for the length of its forward, compiled or not."""
+    from torch._dynamo.utils import get_optimize_ddp_mode
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if splits_graphs and get_optimize_ddp_mode() != "ddp_optimizer":
+        return None
+    return ddp

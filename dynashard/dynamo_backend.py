@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
         return private.compile_graph(opts.compiler, gm, example_inputs)
+    check_data_parallel()
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
     agree = not private.is_fake_group(group)
@@ -98,6 +100,38 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         elif error is not None:
             raise error
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train)
+
+
+def check_data_parallel() -> None:
+    """A graph compiled inside DistributedDataParallel (data parallelism over other ranks, e.g. a mesh's
+    "dp" dim, around tensor parallelism over the group): whole graphs only, and a warning where DDP's
+    gradients lose their whole-gradient norm.
+
+    Dynamo's DDPOptimizer (on by default) cuts a DDP model's graph at DDP's gradient-bucket boundaries
+    and compiles each piece on its own; the plan pairs layers over the whole graph, and parallelize cut
+    the weights by that plan, so a piece is planned otherwise (measured: nanoGPT at 1 MB buckets raises
+    that a weight parallelize cut is now replicated). A model under one bucket (25 MB by default) is not
+    cut, and is refused all the same, so that a recipe tried on a small model holds for a large one."""
+    if private.active_ddp(splits_graphs=True) is not None:
+        raise UsageError(
+            "dynashard: this graph is compiled inside DistributedDataParallel with Dynamo's DDPOptimizer "
+            "(torch._dynamo.config.optimize_ddp, on by default), which cuts the graph at DDP's gradient-bucket "
+            "boundaries and compiles each piece on its own; dynashard plans the whole graph (a colwise layer "
+            "with its rowwise partner). Expected torch._dynamo.config.optimize_ddp = False before the first "
+            "call: one graph, whose gradients DDP all-reduces after the backward."
+        )
+    ddp = private.active_ddp()
+    if ddp is not None and ddp.gradient_as_bucket_view:
+        # DDP points each .grad at its bucket, a plain tensor, in place of the ShardGrad whose norm is the
+        # whole gradient's: clip_grad_norm_ would clip each rank by its own norm, and the ranks drift apart
+        warnings.warn(
+            "dynashard: DistributedDataParallel(gradient_as_bucket_view=True) replaces each sharded "
+            "parameter's .grad with a view of its bucket, so its norm is this rank's part only: "
+            "clip_grad_norm_ would clip each rank by another factor. Expected gradient_as_bucket_view=False "
+            "(the default) when clipping.",
+            UserWarning,
+            stacklevel=1,  # (the frames above are Dynamo's compile: none is the user's)
+        )
 
 
 def check_trainable(analysis: Analysis) -> None:
