@@ -34,7 +34,7 @@ from dynashard.match import LinearMatch
 from dynashard.options import Options
 from dynashard.propagate import propagate
 from dynashard.rules.inplace import unsafe_mutations
-from dynashard.shard import LayoutMap, Shard, Split, Wish, WishKind, even
+from dynashard.shard import LOSS_PARALLEL, LayoutMap, Shard, Split, Wish, WishKind, even
 
 # An unpaired colwise linear pays for its all-gather when each gathered element saves at least
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
@@ -306,6 +306,9 @@ def _auto(
             continue
         if m.node in partners:
             decisions[m.node] = Decision("colwise", f"pairs with rowwise {', '.join(sorted(set(partners[m.node])))}")
+        elif _only_loss_parallel(walked, m):
+            decisions[m.node] = Decision(
+                "colwise", "vocab-parallel logits into cross_entropy (loss parallel): never gathered")
         elif m.in_features >= _GATHER_MIN_IN_FEATURES:
             decisions[m.node] = Decision(
                 "colwise", f"no rowwise partner{_stopped_at(walked, m)}; output gathered "
@@ -324,8 +327,15 @@ def _auto(
 def _stopped_at(walked: LayoutMap, m: LinearMatch) -> str:
     """Where the tentatively colwise output of ``m`` was first gathered: the op no rule kept it
     sharded through (or the graph output)."""
-    ops = [c.reason for c in walked.collectives if c.kind.gathers and m.node in c.origins]
+    ops = [c.reason for c in walked.collectives if c.kind.gathers and m.node in c.origins and c.reason != LOSS_PARALLEL]
     return f" (its shard is gathered before {ops[0]})" if ops else ""
+
+
+def _only_loss_parallel(walked: LayoutMap, m: LinearMatch) -> bool:
+    """The tentatively colwise output of ``m`` reaches a loss-parallel cross-entropy and nothing
+    gathers it: the shard pays for itself (no ``[tokens, vocab]`` gather), however small."""
+    mine = [c.reason for c in walked.collectives if m.node in c.origins]
+    return LOSS_PARALLEL in mine and all(r == LOSS_PARALLEL for r in mine)
 
 
 def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dynashard import _torch_private as private
-from dynashard.shard import CollectiveKind
+from dynashard.shard import LOSS_PARALLEL, CollectiveKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,9 @@ class GraphReport:
                 nbytes = nbytes * cut // sum(lay.split.parts)
             owners = sorted((o for o in c.origins if o in charged), key=lambda o: o.name)
             label = c.kind.value if c.kind.reduces else f"{c.kind.value} (before {c.reason})"
+            if c.reason == LOSS_PARALLEL:  # per token, every rank's log-sum-exp and target logit (fp32)
+                label = f"{c.kind.value} ({LOSS_PARALLEL})"
+                nbytes = math.prod(private.size_hint(s) for s in val.shape[:-1]) * 2 * analysis.world * 4
             for o in owners:
                 charged[o].append((label, nbytes // max(1, len(owners))))
         rows = []

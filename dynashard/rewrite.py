@@ -139,6 +139,11 @@ class _Sharder(torch.fx.Interpreter):
                 return self._experts_rowwise(node)
         elif node in self.by_node and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
             return self._linear(node)
+        if node in self.lm.loss_parallel:
+            return self._log_sum_exp(node)
+        if node.op == "call_function" and node.target is aten.nll_loss_forward.default and (
+                node.args[0] in self.lm.loss_parallel):
+            return self._nll_loss(node)
         out = self.lm.layouts.get(node) or (self.lm.outputs.get(node) or [None])[0]
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._read(node, p, out))
         if node in self.lm.view_sizes:
@@ -162,6 +167,49 @@ class _Sharder(torch.fx.Interpreter):
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
             args, kwargs = _as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
+
+    def _log_sum_exp(self, node: torch.fx.Node) -> None:
+        """Loss parallel (rules/loss.py): a log_softmax along the cut vocab dim is only read by
+        nll_loss, which needs this rank's logits and their log-sum-exp per token, not the
+        log-probabilities; so no value stands for the node (a reader the rule did not expect
+        fails here, at compile time)."""
+        x = self.env[node.args[0]]
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # in fp32, as the kernel accumulates
+        self.converted[("lse", node)] = (x, torch.logsumexp(x, -1, keepdim=True))
+        return None
+
+    def _nll_loss(self, node: torch.fx.Node) -> Any:
+        """``nll_loss_forward`` of vocab-sharded log-probabilities: every rank's per-token
+        (log-sum-exp, target logit) in one all_gather, then the log-probability of each target,
+        and torch's own nll_loss on it (so reduction, ignore_index and out-of-range targets
+        behave as unsharded). With gradients, the gather's backward keeps this rank's columns:
+        the backward of the logits is local."""
+        lsm, target = node.args[0], self._read(node, node.args[1], None)
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+        ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+        x, lse = self.converted[("lse", lsm)]
+        shard, world = self.lm.layouts[lsm], self.lm.world
+        index, inside, offset = torch.zeros_like(target), torch.zeros_like(target, dtype=torch.bool), 0
+        for start, length in shard.pieces:  # the target's column among this rank's, if it holds it
+            hit = (target >= start) & (target < start + length)
+            index, inside, offset = torch.where(hit, target - start + offset, index), inside | hit, offset + length
+        picked = torch.where(inside, x.gather(-1, index.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=x.dtype))
+        mine = torch.stack([lse.squeeze(-1), picked], -1)  # [tokens, 2]
+        lengths = [[2] * world]
+        if self.train:
+            everyone = collectives.gather_from_shards(mine, lengths, self.lm.rank, self.group_name)
+        else:
+            everyone = self.comm.all_gather_last_dim(mine, lengths, self.lm.rank, self.group_name)
+        everyone = everyone.unflatten(-1, (world, 2))
+        logp = everyone[..., 1].sum(-1) - torch.logsumexp(everyone[..., 0], -1)  # of each target
+        # torch's nll_loss over two columns, the target's log-probability in column ``col``: the
+        # ignored targets stay ignored, an out-of-range target stays out of range (torch raises).
+        col = 1 if ignore == 0 else 0
+        inside_vocab = (target >= 0) & (target < shard.size)
+        target2 = torch.where(target == ignore, target, torch.where(inside_vocab, col, target))
+        zero = torch.zeros_like(logp)
+        probs = torch.stack([logp, zero] if col == 0 else [zero, logp], -1).to(lsm.meta["val"].dtype)
+        return aten.nll_loss_forward(probs, target2, None, reduction, ignore)
 
     def _all_reduce(self, value: Any) -> Any:
         if self.train:

@@ -37,6 +37,9 @@ class Read(str, enum.Enum):
     NARROW_GROUPS = "narrow_groups"  # of whole K/V heads, those of this rank's query heads (GQA)
 
 
+LOSS_PARALLEL = "loss parallel"  # the reason of the one collective of a loss-parallel cross-entropy
+
+
 class CollectiveKind(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
@@ -289,6 +292,9 @@ class LayoutMap:
     partial: dict[torch.fx.Node, frozenset[torch.fx.Node]] = dataclasses.field(default_factory=dict)
     reduced: set[tuple[torch.fx.Node, torch.fx.Node]] = dataclasses.field(default_factory=set)
     written: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # values an in-place op writes into
+    # Loss parallel (rules/loss.py): log_softmax nodes kept vocab-sharded, their nll_loss readers
+    # computed from each rank's log-sum-exp and target logit, exchanged in one small all_gather.
+    loss_parallel: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
 
     def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:

@@ -251,6 +251,56 @@ def test_random_moe(case, world, shape3d, plan_draw, data):
     assert set(report.layers) == {"moe.router", "moe.gate_up_proj", "moe.down_proj"}, str(report)
 
 
+class LossHead(nn.Module):
+    """An LM head into a cross-entropy: loss parallel where it applies (rules/loss.py), a gather
+    where it does not (label smoothing sums over the vocabulary, class weights, [B, V, T] logits,
+    the logits also returned, fewer vocabulary entries than ranks)."""
+
+    def __init__(self, hidden, ffn, vocab, form, ignore, reduction, smoothing, also_logits):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.norm, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+        self.register_buffer("class_weight", torch.rand(vocab) + 0.5)
+        self.form, self.ignore, self.reduction = form, ignore, reduction
+        self.smoothing, self.also_logits = smoothing, also_logits
+
+    def forward(self, x, target):
+        x = x + self.down(F.gelu(self.up(x)))
+        logits = self.head(self.norm(x))
+        flat, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+        kw = {"ignore_index": self.ignore, "reduction": self.reduction}
+        if self.form == "cross_entropy":
+            loss = F.cross_entropy(flat, t, label_smoothing=self.smoothing, **kw)
+        elif self.form == "log_softmax_nll":
+            loss = F.nll_loss(F.log_softmax(flat.float(), -1), t, **kw)
+        elif self.form == "class_weights":
+            loss = F.cross_entropy(flat, t, weight=self.class_weight, **kw)
+        else:  # "vocab_dim_1": [B, V, T] logits (nll_loss2d)
+            loss = F.cross_entropy(logits.transpose(1, 2), target, **kw)
+        return (loss, logits) if self.also_logits else loss
+
+
+@SETTINGS
+@given(world=st.integers(2, 4), hidden=st.integers(3, 24), vocab=st.integers(1, 70), plan_draw=st.booleans(),
+       form=st.sampled_from(["cross_entropy", "cross_entropy", "log_softmax_nll", "class_weights", "vocab_dim_1"]),
+       ignore=st.sampled_from([-100, 0, 2]), reduction=st.sampled_from(["mean", "sum", "none"]),
+       smoothing=st.sampled_from([0.0, 0.0, 0.1]), also_logits=st.booleans(), data=st.data())
+def test_random_loss_heads(world, hidden, vocab, plan_draw, form, ignore, reduction, smoothing, also_logits, data):
+    """Cross-entropy on a vocab-sharded head, however it is written: the loss (and its ignored
+    targets, reductions) equal to unsharded on every simulated rank."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    model = LossHead(hidden, 8, vocab, form, ignore, reduction, smoothing, also_logits)
+    x, target = torch.randn(2, 5, hidden), torch.randint(0, vocab, (2, 5))
+    target[0, :2] = ignore if 0 <= ignore < vocab or ignore == -100 else target[0, :2]
+    plan = "auto"
+    if plan_draw:
+        plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n) for n in ("up", "down")}
+        plan["head"] = "colwise"
+    report = dynashard.explain(model, x, target, world_size=world, options={"min_shard_numel": 0, "plan": plan},
+                               verify=True)
+    assert set(report.layers) == {"up", "down", "head"}, str(report)
+
+
 def test_verify_catches_a_wrong_shard(monkeypatch):
     """The check itself can fail: cut every rank's weights from the wrong place."""
     import dynashard.simulate as simulate

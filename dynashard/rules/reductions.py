@@ -20,9 +20,8 @@ aten = torch.ops.aten
 
 _ALONG_ONE_DIM = {  # op -> index of its dim argument; the op works along that dim only
     aten._softmax.default: 1,
-    aten._log_softmax.default: 1,
     aten._safe_softmax.default: 1,  # SDPA's math path
-}
+}  # (aten._log_softmax: rules/loss.py, which also keeps it sharded along the cut vocab dim)
 # Reductions over the dims in args[1] (keepdim in args[2] or kwargs): local when the cut dim is
 # not reduced (q/k RMSNorm over head_dim: Qwen3's q_norm, Gemma's; variance over the last dim).
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
@@ -30,12 +29,13 @@ _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin
 
 
 @rule(*_ALONG_ONE_DIM)
-def along_one_dim(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def along_one_dim(lm: LayoutMap, node: torch.fx.Node, index: int | None = None) -> bool:
+    """Along a dim that is not cut: each rank works on its own part (``index``: of the dim argument)."""
     found = lm.input_shard(node)
     if found is None:
         return False
     src, ndim, p = found
-    index = _ALONG_ONE_DIM[node.target]
+    index = _ALONG_ONE_DIM[node.target] if index is None else index
     d = norm_dim(node.args[index] if len(node.args) > index else 0, ndim)
     return d != p and lm.keep(node, src)
 
