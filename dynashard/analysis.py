@@ -67,10 +67,21 @@ def _merge_duplicate_views(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _drop_dead_detaches(gm: torch.fx.GraphModule) -> None:
+    """``detach`` nodes nothing reads: make_fx records one per tensor autograd would save, when
+    traced with gradients enabled. They are no computation, but a rule that looks at a value's
+    readers (loss parallel's "only nll_loss reads it") would count them."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def analyse(
     gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int, real_args: list[Any]
 ) -> Analysis:
     aten_gm = private.trace_aten(gm, fake_args)
+    _drop_dead_detaches(aten_gm)
     _merge_duplicate_views(aten_gm)
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]

@@ -23,7 +23,9 @@ GRAD_RTOL = 1e-4
 # case -> (model name, hidden, ffn, input shape per step (batch, seq[, hidden]))
 W2 = {
     "mlp_3d": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)]),
-    "nanogpt": ("nanogpt", 64, 96, [(2, 7), (3, 5)]),  # fused qkv per component, tied vocab-parallel head
+    # fused qkv per component, tied vocab-parallel head, the loss in the graph (loss parallel: the
+    # logits never gathered), 97 tokens: 49/48 (HF GPT-2 and Llama gather their logits for the output)
+    "nanogpt_loss": ("nanogpt_loss", 64, 97, [(2, 7), (3, 5)]),
     "llama": ("llama", 128, 96, [(2, 7), (3, 5)]),  # GQA, RoPE, SwiGLU, RMSNorm
     "hf_gpt2": ("hf_gpt2", 64, 96, [(2, 7), (3, 5)]),  # Conv1D [in, out] weights, fused c_attn, tied head
     "hf_llama": ("hf_llama", 64, 96, [(2, 7), (3, 5)]),  # 8 heads, 4 K/V heads
@@ -32,6 +34,8 @@ W4 = {
     "llama_6_heads": ("llama_6_heads", 96, 96, [(2, 7), (3, 5)]),  # 2/2/1/1 heads
     "llama_few_kv": ("llama_few_kv", 128, 96, [(2, 7), (3, 5)]),  # 2 K/V heads on 4 ranks: narrowed
     "uneven_empty_rank": ("mlp", 16, 3, [(2, 3, 16), (4, 5, 16)]),  # 3 features on 4 ranks: one holds none
+    # HF's own loss (labels=, shifted, ignore_index -100); 2 K/V heads on 4 ranks: held whole
+    "hf_llama_labels": ("hf_llama_labels", 64, 96, [(2, 7), (3, 5)]),
 }
 OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
 
@@ -104,6 +108,26 @@ class _Logits(__import__("torch").nn.Module):
         return self.lm(ids, use_cache=False).logits
 
 
+class _HFLoss(_Logits):
+    """HF's own loss: ``labels=`` (shifted inside, ignore_index -100); the first two labels ignored."""
+
+    def forward(self, ids, target):
+        labels = target.clone()
+        labels[:, :2] = -100
+        return self.lm(ids, labels=labels, use_cache=False).loss
+
+
+class _WithLoss(__import__("torch").nn.Module):
+    """``F.cross_entropy`` of a token model's logits, inside the compiled graph."""
+
+    def __init__(self, lm) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, target):
+        return _loss(self.lm(ids), target)
+
+
 def _build(name: str, hidden: int, ffn: int):
     import transformers as T
 
@@ -112,10 +136,13 @@ def _build(name: str, hidden: int, ffn: int):
     if name in ("hf_gpt2", "hf_gpt2_dropout"):  # dropout off for equality, or as configured by default (0.1)
         off = {} if name == "hf_gpt2_dropout" else {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
         return _Logits(T.GPT2LMHeadModel(T.GPT2Config(n_embd=hidden, n_head=4, n_layer=2, vocab_size=ffn, **off)))
-    if name == "hf_llama":
-        return _Logits(T.LlamaForCausalLM(T.LlamaConfig(
+    if name in ("hf_llama", "hf_llama_labels"):
+        wrap, kv = (_Logits, 4) if name == "hf_llama" else (_HFLoss, 2)
+        return wrap(T.LlamaForCausalLM(T.LlamaConfig(
             hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, vocab_size=ffn)))
+            num_key_value_heads=kv, vocab_size=ffn)))
+    if name.endswith("_loss"):
+        return _WithLoss(models.build(name.removesuffix("_loss"), hidden, ffn))
     return models.build(name, hidden, ffn)
 
 
@@ -137,8 +164,15 @@ def _train(rank: int, world: int, cases: dict) -> dict:
             for m in (model, twin):
                 m.down.bias.requires_grad_(False)
                 m.up.weight.requires_grad_(False)
-        x0, _ = _inputs(shapes[0], ffn, 0)
-        dynashard.parallelize(model, x0, options=OPTIONS)
+        x0, t0 = _inputs(shapes[0], ffn, 0)
+        in_graph = isinstance(model, (_WithLoss, _HFLoss))  # the model returns its loss
+
+        def loss_of(net, x, target, in_graph=in_graph):
+            return net(x, target) if in_graph else _loss(net(x), target)
+
+        if in_graph:  # the plan keeps the logits sharded into the loss (explain reads an unsharded copy)
+            loss_parallel = "all_gather (loss parallel)" in str(dynashard.explain(twin, x0, t0, options=OPTIONS))
+        dynashard.parallelize(model, *((x0, t0) if in_graph else (x0,)), options=OPTIONS)
         facades = _facades(model)
         compiles = []
 
@@ -156,7 +190,7 @@ def _train(rank: int, world: int, cases: dict) -> dict:
             micro = 2 if step == 2 else 1  # gradient accumulation over 2 micro-batches at step 2
             for m in range(micro):
                 x, target = _inputs(shapes[(step + m) % len(shapes)], ffn, 10 * step + m)
-                loss, loss_twin = _loss(fast(x), target), _loss(twin(x), target)
+                loss, loss_twin = loss_of(fast, x, target), loss_of(twin, x, target)
                 (loss / micro).backward()
                 (loss_twin / micro).backward()
                 rel = abs(float(loss.detach()) - float(loss_twin.detach())) / max(abs(float(loss_twin.detach())), 1e-6)
@@ -177,14 +211,15 @@ def _train(rank: int, world: int, cases: dict) -> dict:
             opt_twin.zero_grad()
             if step == 1:  # eval under no_grad between steps
                 with torch.no_grad():
-                    x, _ = _inputs(shapes[1], ffn, 99)
-                    r["eval_err"] = float((fast(x) - twin(x)).abs().max())
+                    x, target = _inputs(shapes[1], ffn, 99)
+                    r["eval_err"] = float((loss_of(fast, x, target) - loss_of(twin, x, target)).abs().max())
         params = dict(twin.named_parameters())
         r["param_err"] = max(
             _amax(p.detach() - (cut(params[n].detach(), *_cut_args(STORE, facades[n])) if n in facades
                                 else params[n].detach()))
             for n, p in model.named_parameters())
         r["compiles"] = (sum(compiles), len(compiles) - sum(compiles))  # with grad, without
+        r["loss_parallel"] = loss_parallel if in_graph else None
         out[case] = r
     return out
 
@@ -295,11 +330,13 @@ def _check(results: list[dict], cases: dict) -> None:
             assert r["loss_err"] < 1e-5 and r["eval_err"] < 1e-5 and r["param_err"] < 1e-5, (rank, case, r)
             # with grad: the first shape, then Dynamo's own dynamic recompile; one compile under no_grad
             assert r["compiles"][0] <= 2 and r["compiles"][1] <= 1, (rank, case, r["compiles"])
+            assert r["loss_parallel"] in (None, True), (rank, case, "the logits were gathered into the loss")
 
 
 @pytest.mark.timeout(420)
 def test_sgd_steps_match_the_unsharded_twin_at_world_2(tmp_path):
-    """MLP (a frozen bias and a frozen sharded weight), nanoGPT (fused qkv, tied vocab-parallel head),
+    """MLP (a frozen bias and a frozen sharded weight), nanoGPT (fused qkv, tied vocab-parallel head, its
+    cross-entropy in the graph: loss parallel),
     Llama (GQA, RoPE), HF GPT-2 (Conv1D, fused c_attn, tied head) and HF Llama: 5 SGD steps with
     clipping, gradient accumulation at step 2 and a no_grad eval at step 1, batch and sequence lengths
     changing between steps. Then Llama under 20 AdamW steps: the loss within 1e-4 relative of the
@@ -322,8 +359,9 @@ def _train_and_misuse(rank: int, world: int, cases: dict) -> dict:
 
 @pytest.mark.timeout(420)
 def test_sgd_steps_match_the_unsharded_twin_at_world_4_and_misuse_is_refused():
-    """Uneven layouts: 2/2/1/1 heads, 2 K/V heads narrowed on 4 ranks, a rank holding no features
-    (vocab-parallel embeddings train at world 2: nanoGPT, HF GPT-2). Then misuse, on every rank: an
+    """Uneven layouts: 2/2/1/1 heads, 2 K/V heads narrowed on 4 ranks, a rank holding no features, HF
+    Llama with 2 K/V heads on 4 ranks and HF's own loss (labels=; loss parallel). Vocab-parallel
+    embeddings train at world 2 (nanoGPT, HF GPT-2). Then misuse, on every rank: an
     optimizer built before parallelize raises at its first step, naming the fix; a layout without a
     correct backward (a fused qkv whose 2 K/V heads every rank holds whole) is refused when compiled
     with gradients, and still runs under no_grad. And HF GPT-2 with its default dropout in train mode

@@ -1,0 +1,135 @@
+"""Collectives of a training step, forward and backward, counted in the graphs AOTAutograd makes
+of the rewritten graph, on torch's ``fake`` process group (one process, no data moved).
+
+Megatron's count, which the rewrite must meet exactly: a colwise/rowwise pair costs one all_reduce
+forward (g, after the rowwise layer) and one backward (f, before the colwise layer, when its input
+needs a gradient, as a norm's output does); a vocab-parallel embedding one all_reduce forward, none
+backward; logits gathered for the output one all_gather forward, and a narrow backward; loss
+parallel one all_gather of ``[tokens, 2 x world]`` forward and nothing backward. The numerics of the
+same programs are checked on real ranks in test_training.py.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dynashard import _torch_private as private
+from dynashard.dynamo_backend import dynashard_backend
+from tests import models
+
+pytestmark = pytest.mark.unit
+
+_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter",
+          "all_to_all": "all_to_all"}
+
+
+def _collectives(gm: torch.fx.GraphModule) -> tuple[collections.Counter, list[tuple[int, ...]]]:
+    """Collectives by kind, and the output shapes of the all_gathers."""
+    counts, gathered = collections.Counter(), []
+    for node in gm.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        for kind, op in _KINDS.items():
+            if "_c10d_functional" in name and op in name:
+                counts[kind] += 1
+                if kind == "all_gather":
+                    gathered.append(tuple(node.meta["val"].shape))
+    return counts, gathered
+
+
+def step_graphs(monkeypatch, model: nn.Module, *args, world: int = 2) -> dict[str, torch.fx.GraphModule]:
+    """The forward and backward graphs of one training step of ``model(*args)`` (a scalar loss, or
+    the output's mean square) on rank 0 of a fake group of ``world`` ranks."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def compile_graph(compiler, gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture("forward"),
+                                     bw_compiler=capture("backward"))
+
+    monkeypatch.setattr(private, "compile_graph", compile_graph)
+    torch._dynamo.reset()
+    private.init_fake_process_group(world, 0)
+    try:
+        fast = torch.compile(model, backend=lambda gm, ex: dynashard_backend(gm, ex, {"min_shard_numel": 0}))
+        out = fast(*args)
+        (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
+    finally:
+        dist.destroy_process_group()
+    assert set(graphs) == {"forward", "backward"}, f"expected one forward and one backward graph, got {set(graphs)}"
+    return graphs
+
+
+class WithLoss(nn.Module):
+    """``F.cross_entropy`` of a token model's logits inside the compiled graph."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, target):
+        return F.cross_entropy(self.lm(ids).flatten(0, 1), target.flatten())
+
+
+def test_a_colwise_rowwise_pair_costs_one_all_reduce_each_way(monkeypatch):
+    """Pre-norm residual SwiGLU: g after ``down`` forward, f before ``gate``/``up`` backward (the
+    LayerNorm's gradients need every rank's part); one f for both readers of the norm's output."""
+    torch.manual_seed(0)
+    graphs = step_graphs(monkeypatch, models.ResidualBlock(32, 80), torch.randn(2, 5, 32))
+    assert _collectives(graphs["forward"])[0] == {"all_reduce": 1}
+    assert _collectives(graphs["backward"])[0] == {"all_reduce": 1}
+
+
+def test_a_decoder_costs_megatrons_collectives(monkeypatch):
+    """Llama, 2 layers, logits out (hidden 256: a colwise LM head pays for its gather): forward one
+    all_reduce for the vocab-parallel embedding and one per attention and per MLP, one all_gather of
+    the logits; backward one all_reduce per attention and per MLP input and one for the LM head's
+    input, and no gather (the gather's backward narrows)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (2, 7))
+    graphs = step_graphs(monkeypatch, models.build("llama", 256, 96), ids)
+    forward, gathered = _collectives(graphs["forward"])
+    assert forward == {"all_reduce": 1 + 2 * 2, "all_gather": 1}
+    assert gathered == [(2 * 2, 7, 48)]  # [world * batch, tokens, vocab / world]: the logits
+    assert _collectives(graphs["backward"])[0] == {"all_reduce": 2 * 2 + 1}
+
+
+def test_loss_parallel_gathers_two_numbers_per_token_and_nothing_backward(monkeypatch):
+    """The same decoder with its cross-entropy in the graph: the logits stay sharded, one all_gather
+    of ``[tokens, 2 x world]`` (each rank's log-sum-exp and target logit) replaces the logits'
+    gather, and the backward has no collective beyond the f of each colwise input."""
+    torch.manual_seed(0)
+    ids, target = torch.randint(0, 96, (2, 7)), torch.randint(0, 96, (2, 7))
+    graphs = step_graphs(monkeypatch, WithLoss(models.build("llama", 64, 96)), ids, target)
+    forward, gathered = _collectives(graphs["forward"])
+    assert forward == {"all_reduce": 1 + 2 * 2, "all_gather": 1}
+    assert gathered == [(2 * 2 * 7, 2)]  # [world * tokens, 2], never [.., vocab]
+    assert _collectives(graphs["backward"])[0] == {"all_reduce": 2 * 2 + 1}
+
+
+def test_loss_parallel_with_a_tied_head_at_world_4(monkeypatch):
+    """nanoGPT (fused qkv, the LM head tied to the vocab-parallel token embedding, 97 tokens on 4
+    ranks: 25/24/24/24; a vocab-parallel position embedding) with its loss in the graph: one small
+    all_gather, and per block the pair counts of the decoder, plus its colwise biases' gradients."""
+    torch.manual_seed(0)
+    ids, target = torch.randint(0, 97, (2, 7)), torch.randint(0, 97, (2, 7))
+    graphs = step_graphs(monkeypatch, WithLoss(models.build("nanogpt", 64, 97)), ids, target, world=4)
+    forward, gathered = _collectives(graphs["forward"])
+    assert forward == {"all_reduce": 2 + 2 * 2, "all_gather": 1}, forward  # token and position embeddings
+    assert gathered == [(4 * 2 * 7, 2)]
+    # nanoGPT's colwise layers have biases, held whole and narrowed: each rank's gradient of one is
+    # its own slice, so it is all-reduced too (one more per c_attn and c_fc; Megatron shards them)
+    assert _collectives(graphs["backward"])[0] == {"all_reduce": 2 * 2 + 1 + 2 * 2}
