@@ -70,7 +70,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     sharded_gm = compiled = None
     try:
         if train:
-            check_trainable(analysis)
+            check_trainable(analysis, example_inputs)
         new_fakes = shard_fakes(analysis, fake_args)
         sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group),
                              train=train)
@@ -134,13 +134,23 @@ def check_data_parallel() -> None:
         )
 
 
-def check_trainable(analysis: Analysis) -> None:
+def check_trainable(analysis: Analysis, example_inputs: list[Any]) -> None:
     """With gradients, only layouts whose backward dynashard gets right; anything else is refused here,
     at compile time, never a wrong gradient."""
     lm = analysis.plan.layouts
     why = None
-    if lm.per_rank or lm.stacked:
-        why = "inputs='per_rank' / weights='per_rank' (their backward is not built yet)"
+    if lm.per_rank and not lm.stacked:
+        plain = [fqn for i, (fqn, _) in analysis.params.items()
+                 if example_inputs[i].requires_grad and not getattr(example_inputs[i], "_dynashard_averaged", False)]
+        if plain:
+            raise NotSupportedError(
+                f"dynashard: training with inputs='per_rank' needs every parameter's gradient averaged over the "
+                f"ranks, and {plain[0]!r} (of {len(plain)}) has no such hook: each rank's gradient of it would be "
+                "its own batch's only. Expected dynashard.parallelize(model, example, options={'inputs': "
+                "'per_rank', ...}) before training, which installs them (DDP-style: one all_reduce per "
+                "replicated parameter per backward).")
+    if lm.stacked:
+        why = "weights='per_rank' (its backward is not built yet)"
     elif lm.partial:
         why = "mixture-of-experts partial sums (their backward is not built yet)"
     else:

@@ -75,3 +75,28 @@ def mark(param: torch.Tensor, group: dist.ProcessGroup) -> None:
 
     param.register_post_accumulate_grad_hook(as_shard_grad)
     param._dynashard_grad_hook = True
+
+
+def average_over_ranks(param: torch.Tensor, group: dist.ProcessGroup, sharded: bool) -> None:
+    """``inputs="per_rank"`` training: ``param``'s gradient becomes the one of the mean of every
+    rank's loss, as the unsharded model trained on the ranks' batches concatenated would get.
+
+    Each rank differentiates its own loss, and the graph's collectives carry every rank's share
+    (funcol's backwards: the sum of the ranks' losses). So a sharded parameter's gradient is already
+    the sum's: it is divided by the world size. A replicated one holds only this rank's loss's (its
+    rows), so it is summed over the ranks first -- one all_reduce per parameter per backward, as
+    DDP does -- then divided. A tensor hook changes the gradient before it is accumulated, so
+    gradient accumulation over micro-batches adds already-averaged gradients."""
+    if getattr(param, "_dynashard_averaged", False):
+        return
+    world = dist.get_world_size(group)
+
+    def average(grad: torch.Tensor) -> torch.Tensor:
+        if sharded:
+            return grad / world
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total / world
+
+    param.register_hook(average)
+    param._dynashard_averaged = True

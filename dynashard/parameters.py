@@ -40,6 +40,7 @@ from dynashard import _torch_private as private
 from dynashard.collectives import deal_from_first, exchange_status, resolve_group
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
+from dynashard.gradients import average_over_ranks
 from dynashard.options import parse_options
 from dynashard.program import install_optimizer_hooks
 from dynashard.weights import STORE, ShardSpec, _refuse_copy
@@ -108,7 +109,19 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         STORE.source = None
     _register(model)
     install_optimizer_hooks()  # an optimizer over the shards: its state checkpointable like them
+    if opts.inputs == "per_rank" and opts.weights != "per_rank":
+        _average_gradients(model, group)
     return model
+
+
+def _average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """``inputs="per_rank"``: every parameter's gradient averaged over the ranks (gradients.py), and
+    the facades marked so, which a training compile checks (dynamo_backend.check_trainable)."""
+    for p in model.parameters():
+        average_over_ranks(p, group, sharded=STORE.facade_of(p) is not None)
+    for module in model.modules():
+        for facade in module.__dict__.get(FACADES, {}).values():
+            facade._dynashard_averaged = True
 
 
 def _check_parallelizable(model: nn.Module, opts: Any, checkpoint: Any, from_first: bool, reads: bool) -> None:

@@ -48,12 +48,15 @@ class _Sharder(torch.fx.Interpreter):
     ) -> None:
         super().__init__(gm)
         self.a2a_reduce = a2a_reduce
-        # With gradients: every conversion with Megatron's backward (collectives.copy_to_shards etc.);
-        # sharded weights (and their transposes, ``self.weights``) hold this rank's part, not a replicated value
-        self.train = train
-
         self.comm = comm if comm is not None else collectives  # explain(verify=True) simulates them
         self.lm: LayoutMap = plan.layouts
+        # With gradients: every conversion with Megatron's backward (collectives.copy_to_shards etc.);
+        # sharded weights (and their transposes, ``self.weights``) hold this rank's part, not a
+        # replicated value. Under inputs="per_rank" nothing is replicated across ranks (each rank its
+        # own rows), and funcol's own backwards -- all_gather <-> reduce_scatter, all_to_all reversed,
+        # "the sum of every rank's loss" -- are the right ones: plain collectives, no f or g. The
+        # parameters' gradients are then averaged over the ranks by parallelize's hooks (gradients.py).
+        self.megatron = train and not self.lm.per_rank
         self.group_name = group_name
         self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
         self.weights = {n for m in self.by_node.values() for n in (m.weight, m.transpose) if n is not None}
@@ -86,7 +89,7 @@ class _Sharder(torch.fx.Interpreter):
             if lay.length == 0:
                 raise InternalError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
-        if self.train:
+        if self.megatron:
             full = collectives.gather_from_shards(moved, lay.split.lengths(lm.world), lm.rank, group)
         else:
             full = self.comm.all_gather_last_dim(moved, lay.split.lengths(lm.world), lm.rank, group, lay.split.whole)
@@ -107,7 +110,7 @@ class _Sharder(torch.fx.Interpreter):
         # With gradients, a replicated value read by an op whose output is sharded goes through f: each
         # rank's gradient for it is its own part's contribution, all-reduced in backward. One f per value,
         # shared by such readers only (a reader with a replicated output must not be summed again).
-        sharded_reader = self.train and out is not None and _differentiable(value)
+        sharded_reader = self.megatron and out is not None and _differentiable(value)
         replicated = self.lm.layouts.get(producer) is None and producer not in self.weights
         if sharded_reader and replicated and (consumer, producer) not in self.lm.reduced:
             key = ("copy", producer)
@@ -196,7 +199,7 @@ class _Sharder(torch.fx.Interpreter):
         picked = torch.where(inside, x.gather(-1, index.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=x.dtype))
         mine = torch.stack([lse.squeeze(-1), picked], -1)  # [tokens, 2]
         lengths = [[2] * world]
-        if self.train:
+        if self.megatron:
             everyone = collectives.gather_from_shards(mine, lengths, self.lm.rank, self.group_name)
         else:
             everyone = self.comm.all_gather_last_dim(mine, lengths, self.lm.rank, self.group_name)
@@ -212,7 +215,7 @@ class _Sharder(torch.fx.Interpreter):
         return aten.nll_loss_forward(probs, target2, None, reduction, ignore)
 
     def _all_reduce(self, value: Any) -> Any:
-        if self.train:
+        if self.megatron:
             return collectives.reduce_from_shards(value, self.group_name)  # g: identity backward
         return self.comm.all_reduce_sum(value, self.group_name)
 

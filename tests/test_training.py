@@ -470,3 +470,85 @@ def test_a_world_2_checkpoint_resumes_at_world_4(tmp_path):
     uninterrupted = run_ranks(_resume_run, 2, str(tmp_path), True, timeout=300)[0]
     for rank, resumed in enumerate(run_ranks(_resume_run, 4, str(tmp_path), False, timeout=300)):
         assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(resumed, uninterrupted)), (rank, resumed, uninterrupted)
+
+
+# inputs="per_rank": case -> (model name, hidden, ffn, input shape per step, per rank)
+PER_RANK = {
+    "pr_mlp_3d": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)]),
+    "pr_residual": ("residual", 32, 70, [(6, 32), (9, 32)]),  # LayerNorm: replicated, summed over ranks
+    "pr_tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)]),  # vocab-parallel embedding, tied head gathered
+}
+
+
+def _train_per_rank(rank: int, world: int, cases: dict) -> dict:
+    """Every rank its own batch (``inputs="per_rank"``); the twin, on every rank, takes every rank's
+    batch and averages their losses: the unsharded model on the batches concatenated, the loss
+    averaged over ranks. 4 SGD steps with clipping, 2 micro-batches at step 2; then a model that was
+    compiled without parallelize is refused when trained."""
+    import copy
+
+    import torch
+
+    import dynashard
+
+    options = {**OPTIONS, "inputs": "per_rank"}
+    out = {}
+    for case, (name, hidden, ffn, shapes) in cases.items():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _build(name, hidden, ffn)
+        twin = copy.deepcopy(model)
+        dynashard.parallelize(model, _inputs(shapes[0], ffn, 1000 + rank)[0], options=options)
+        facades = _facades(model)
+        fast = torch.compile(model, backend=dynashard.backend(**options))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05)
+        r = {"grad_err": 0.0, "missing": [], "replicated_same": True, "norms": [], "loss_err": 0.0}
+        for step in range(4):
+            micro = 2 if step == 2 else 1
+            for m in range(micro):
+                shape = shapes[(step + m) % len(shapes)]
+                batches = [_inputs(shape, ffn, 10 * step + m + 100 * other) for other in range(world)]
+                loss = _loss(fast(batches[rank][0]), batches[rank][1])
+                (loss / micro).backward()
+                losses_twin = [_loss(twin(x), target) for x, target in batches]
+                (torch.stack(losses_twin).mean() / micro).backward()
+                r["loss_err"] = max(r["loss_err"], abs(float(loss.detach()) - float(losses_twin[rank].detach())))
+            err, missing, same = _compare(model, twin, facades, world)
+            r["grad_err"], r["missing"], r["replicated_same"] = max(r["grad_err"], err), r["missing"] + missing, \
+                r["replicated_same"] and same
+            grads = [p.grad for p in twin.parameters() if p.grad is not None]
+            max_norm = 0.5 * float(torch.nn.utils.get_total_norm(grads))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            r["norms"].append((float(norm), float(torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm))))
+            opt.step()
+            opt_twin.step()
+            opt.zero_grad()
+            opt_twin.zero_grad()
+        out[case] = r
+    # Compiled without parallelize: no gradient would be averaged over the ranks, so training is refused.
+    torch._dynamo.reset()
+    x = _inputs((2, 3, 32), 96, 1000 + rank)[0]
+    try:
+        torch.compile(_build("mlp", 32, 96), backend=dynashard.backend(**options))(x).sum().backward()
+        out["unhooked"] = "ran"
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
+        out["unhooked"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_per_rank_inputs_train_as_the_unsharded_model_on_the_concatenated_batch():
+    """``inputs="per_rank"`` at world 2: each rank's loss is its own batch's, the gradients those of
+    the mean of every rank's loss (sharded parameters: the graph's collectives carry every rank's
+    share; replicated ones: summed over the ranks by parallelize's hooks) -- raw gradients every step,
+    clipped norms, replicated gradients bit-identical on every rank."""
+    results = run_ranks(_train_per_rank, 2, PER_RANK, timeout=240)
+    for rank, out in enumerate(results):
+        for case in PER_RANK:
+            r = out[case]
+            assert r["grad_err"] < GRAD_RTOL and not r["missing"], (rank, case, r)
+            assert r["replicated_same"], (rank, case, "replicated gradients differ across ranks")
+            assert all(abs(a - b) <= 1e-5 * b for a, b in r["norms"]), (rank, case, r["norms"])
+            assert r["loss_err"] < 1e-5, (rank, case, r)
+        assert "inputs='per_rank' needs every parameter's gradient averaged" in out["unhooked"], (rank, out["unhooked"])
