@@ -16,7 +16,7 @@ from dynashard import _torch_private as private
 from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options
 from dynashard.plan import Plan, make_plan
-from dynashard.shard import Split
+from dynashard.shard import Split, val
 from dynashard.weights import STORE
 
 
@@ -30,14 +30,20 @@ class Analysis:
     world: int
     rank: int
     stacked: bool  # weights="per_rank"
+    inputs: list[torch.fx.Node]  # the aten placeholders, in input order
+    names: dict[int, str]  # input index -> a name for it (an FQN, or where Dynamo found it)
 
     def sharded_inputs(self) -> dict[int, tuple[str, int, Split]]:
-        """Input index -> (FQN, dim to split, how) for every parameter the plan shards.
+        """Input index -> (name, dim to split, how) for every input the plan shards.
 
-        Weights always; with ``weights="per_rank"`` colwise biases too (every rank's differ).
+        Weights always; with ``weights="per_rank"`` colwise biases too (every rank's differ); inputs
+        written in place from a Shard (KV caches: ``LayoutMap.states``).
         """
         index = {node: i for i, (_, node) in self.params.items()}
         out: dict[int, tuple[str, int, Split]] = {}
+        for node, shard in self.plan.layouts.states.items():
+            i = self.inputs.index(node)
+            out[i] = (self.names[i], val(node).dim() + shard.dim, shard.split)
         for m in self.plan.sharded():
             style = self.plan.decisions[m.node].style
             dim = m.out_dim if style == "colwise" else m.in_dim
@@ -87,6 +93,8 @@ def analyse(
     aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     params: dict[int, tuple[str, torch.fx.Node]] = {}
     infos: dict[torch.fx.Node, ParamInfo] = {}
+    names = {i: private.placeholder_source_name(dyn) or node.name
+             for i, (dyn, node) in enumerate(zip(dyn_phs, aten_phs, strict=True))}
     for i, (dyn, node) in enumerate(zip(dyn_phs, aten_phs, strict=True)):
         source = private.placeholder_source_fqn(dyn)
         if source is None:
@@ -98,6 +106,7 @@ def analyse(
         )
         infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param)
         params[i] = (fqn, node)
+        names[i] = fqn
     linears, other_uses = find_linears(aten_gm.graph, infos)
     stacked = options.weights == "per_rank"
     uniform = frozenset() if stacked else frozenset(infos)
@@ -105,7 +114,7 @@ def analyse(
     split = {node: STORE.split_dim(real) for real, node in zip(real_args, aten_phs) if torch.is_tensor(real)}
     presplit = {node: dim for node, dim in split.items() if dim is not None}
     plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit)
-    return Analysis(aten_gm, params, plan, world, rank, stacked)
+    return Analysis(aten_gm, params, plan, world, rank, stacked, aten_phs, names)
 
 
 def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:

@@ -55,6 +55,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     sharded = analysis.sharded_inputs() if analysis else {}
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
+    named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in analysis.params]
     fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
     if agree:
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)

@@ -66,7 +66,8 @@ class Plan:
         """A hash every rank must agree on before the first collective."""
         cuts = self.layouts.weight_splits
         rows = [(m.fqn, m.node.name, self.decisions[m.node].style, str(cuts.get(m.node))) for m in self.linears]
-        return hashlib.sha256(repr((rows, shapes)).encode()).hexdigest()[:16]
+        states = sorted((n.name, s.dim, str(s.split)) for n, s in self.layouts.states.items())
+        return hashlib.sha256(repr((rows, states, shapes)).encode()).hexdigest()[:16]
 
 
 def _why_unshardable(other_uses: list[str]) -> str | None:
@@ -109,21 +110,33 @@ def make_plan(
     }
     auto = options.plan == "auto"
     user = None if auto else _user(linears, blocked, options.plan_dict, modes["stacked"], modes["per_rank"])
+
+    def solve(cuts: Cuts) -> dict[torch.fx.Node, Decision]:
+        def decide(wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:
+            if not auto:
+                return dict(user)
+            decisions = _auto(linears, blocked, graph, options, world, rank, modes, cuts, wishes)
+            _follow_earlier_splits(linears, decisions, blocked, presplit or {})
+            return decisions
+
+        return recut_until_stable(decide, graph, by_node, cuts, modes, world, rank, auto)
+
     cuts = Cuts()
-
-    def decide(wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:
-        if not auto:
-            return dict(user)
-        decisions = _auto(linears, blocked, graph, options, world, rank, modes, cuts, wishes)
-        _follow_earlier_splits(linears, decisions, blocked, presplit or {})
-        return decisions
-
-    decisions = recut_until_stable(decide, graph, by_node, cuts, modes, world, rank, auto)
+    decisions = solve(cuts)
+    if cuts.states and auto:
+        # A cache held sharded follows k's cut; where attention then needs another cut (GQA heads
+        # that do not divide the world) the auto plan may keep the projections whole instead. Keep
+        # whichever plan shards more weight: the cache sharded, or gathered k/v into a whole cache.
+        whole_caches = Cuts(allow_states=False)
+        other = solve(whole_caches)
+        if _sharded_numel(linears, other) > _sharded_numel(linears, decisions):
+            cuts, decisions = whole_caches, other
     splits = cuts.splits
     _describe_cuts(linears, decisions, splits)
     while True:
         layouts = propagate(
-            graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, **modes
+            graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, states=cuts.states,
+            **modes
         )
         unsafe = unsafe_mutations(graph, layouts)
         if not unsafe:
@@ -151,6 +164,9 @@ class Cuts:
 
     splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)
     forced: dict[torch.fx.Node, Decision] = dataclasses.field(default_factory=dict)
+    # graph inputs held sharded (KV caches written from head-sharded k/v): placeholder -> split, dim, origins
+    states: dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]] = dataclasses.field(default_factory=dict)
+    allow_states: bool = True
 
 
 def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts, modes: dict, world: int, rank: int,
@@ -166,7 +182,7 @@ def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts,
         wishes: list[Wish] = []
         decisions = decide(wishes)
         layouts = propagate(graph, by_node, lambda m, _src, d=decisions: d[m.node].style, world, rank,
-                            splits=cuts.splits, **modes)
+                            splits=cuts.splits, states=cuts.states, **modes)
         if not _grant(wishes + layouts.wishes, cuts, auto, list(by_node.values()), world):
             return decisions
     log.warning(
@@ -193,11 +209,19 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
         uses.setdefault(m.weight, []).append(m.node)
     # One expert weight used once per expert (``W[e]`` in a loop): its uses are re-cut together.
     family = {n: ns for ns in uses.values() if all(by_node[n].kind == "experts" for n in ns) for n in ns}
-    cuts: dict[torch.fx.Node, set[int]] = {}
+    boundaries: dict[torch.fx.Node, set[int]] = {}
     units: dict[torch.fx.Node, int] = {}
     whole: dict[torch.fx.Node, Wish] = {}  # auto plan: keep (parts of) these whole
     changed = False
     for w in wishes:
+        if w.kind == WishKind.STATE:  # an input written from a Shard: held cut like it
+            if not cuts.allow_states:
+                continue
+            placeholder, shard = w.arg
+            held = (shard.split, shard.dim, shard.origins)
+            changed |= cuts.states.get(placeholder) != held
+            cuts.states[placeholder] = held
+            continue
         for o in w.origins:
             m = by_node[o]
             if len(uses[m.weight]) > 1 and o not in family:
@@ -208,13 +232,13 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
                 if auto and o not in forced:
                     whole.setdefault(o, w)
             elif w.kind == WishKind.CUT:
-                cuts.setdefault(o, set()).update(w.arg)
+                boundaries.setdefault(o, set()).update(w.arg)
             else:
                 units[o] = math.lcm(units.get(o, current.unit), current.unit * w.arg)
-    for o in set(cuts) | set(units):
+    for o in set(boundaries) | set(units):
         m = by_node[o]
         current = splits.get(o, even(m.out_features))
-        new = current.cut(cuts.get(o, set()))
+        new = current.cut(boundaries.get(o, set()))
         if _empties_a_rank(current, new, world):
             new = current  # one-unit pieces (a per-head split) would all be dealt to the first ranks
         new = new.coarsen(units.get(o, new.unit) // new.unit) if units.get(o, new.unit) % new.unit == 0 else None
@@ -234,6 +258,10 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
                 forced[member] = Decision("replicate", f"kept whole: {w.reason}")
         changed = True
     return changed
+
+
+def _sharded_numel(linears: list[LinearMatch], decisions: dict) -> int:
+    return sum(m.numel for m in linears if decisions[m.node].style != "replicate")
 
 
 def _empties_a_rank(current: Split, new: Split, world: int) -> bool:

@@ -47,17 +47,23 @@ def propagate(
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
     stacked: bool = False,
     splits: dict[torch.fx.Node, Split] | None = None,
+    states: dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]] | None = None,
 ) -> LayoutMap:
     """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
 
     ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
-    under replicated weights); they matter only with ``per_rank``.
+    under replicated weights); they matter only with ``per_rank``. ``states``: graph inputs held
+    sharded (placeholder -> split, dim, origins: a KV cache the graph writes head-sharded k/v into).
     """
     lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}),
                    written=mutated_roots(graph))
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             lm.layouts[node] = None
+            if node in (states or {}):
+                split, dim, origins = states[node]
+                lm.layouts[node] = lm.states[node] = lm.shard(split, origins, dim)
+                continue
             if node.op == "get_attr" or node in uniform_inputs:
                 lm.uniform.add(node)
             continue

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from dynashard import _torch_private as private
-from dynashard.shard import LOSS_PARALLEL, CollectiveKind
+from dynashard.rules.inplace import alias_roots
+from dynashard.shard import LOSS_PARALLEL, CollectiveKind, mutates_self, op_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class GraphReport:
     rank: int
     output_err: float | None = None
     verified_ok: bool = True
+    # Graph inputs held sharded because the graph writes Shards into them (KV caches): one row each,
+    # style "cache", weight_bytes this rank's part
+    caches: list[LayerRow] = dataclasses.field(default_factory=list)
 
     def with_errors(self, per_layer: dict[str, float], output_err: float) -> GraphReport:
         rows = [dataclasses.replace(r, verify_err=per_layer.get(r.fqn)) for r in self.rows]
@@ -44,7 +48,7 @@ class GraphReport:
         # Absolute floor 1e-5 (fp32 outputs of O(1)); errors are compared as absolute values
         # against rtol: the test models and the fuzz keep activations O(1) by construction.
         ok = all(e <= 1e-5 + rtol * 10 for e in [output_err, *per_layer.values()])
-        return GraphReport(rows, self.world, self.rank, output_err, ok)
+        return GraphReport(rows, self.world, self.rank, output_err, ok, self.caches)
 
     @classmethod
     def build(cls, analysis: Any, example_inputs: list[Any]) -> GraphReport:
@@ -89,7 +93,23 @@ class GraphReport:
                     dtype=val.dtype,
                 )
             )
-        return cls(rows, analysis.world, analysis.rank)
+        caches = []
+        roots = alias_roots(analysis.aten.graph)
+        for node, shard in lm.states.items():
+            i = analysis.inputs.index(node)
+            full = node.meta["val"]
+            sizes = [private.size_hint(d) for d in full.shape]
+            per_dim = math.prod(sizes) // max(1, sizes[shard.dim])  # elements per index of the cut dim
+            how = ", ".join(sorted({op_name(n).removesuffix(".default") for n in analysis.aten.graph.nodes
+                                    if n.op == "call_function" and mutates_self(n)
+                                    and roots.get(n.args[0], n.args[0]) is node}))
+            caches.append(LayerRow(
+                fqn=analysis.names[i], weight_shape=tuple(sizes), style="cache",
+                reason=f"written in place ({how}) from head-sharded values: held cut like them on dim "
+                       f"{full.dim() + shard.dim}, no gather per step",
+                collectives="-", comm_bytes=0, weight_bytes=per_dim * shard.length * full.element_size(),
+                dtype=full.dtype))
+        return cls(rows, analysis.world, analysis.rank, caches=caches)
 
 
 def _human(n: int) -> str:
@@ -107,7 +127,7 @@ def format_table(graphs: list[GraphReport]) -> str:
     ) + ("reason",)
     lines = []
     for gi, g in enumerate(graphs):
-        for r in g.rows:
+        for r in g.rows + g.caches:
             err = ("-" if r.verify_err is None else f"{r.verify_err:.1e}",) if verified else ()
             lines.append(
                 (

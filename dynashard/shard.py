@@ -60,6 +60,9 @@ class WishKind(str, enum.Enum):
     COARSEN = "coarsen"  # units ``arg`` times larger
     CUT = "cut"  # components also split at the unit offsets in ``arg``
     REPLICATE = "replicate"  # keep the origins whole; each rank narrows what it needs
+    # a graph input written in place from a Shard (a KV cache): held sharded like it, ``arg`` =
+    # (the input's placeholder, the written Shard); cut and freed like a weight
+    STATE = "state"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +298,9 @@ class LayoutMap:
     # Loss parallel (rules/loss.py): log_softmax nodes kept vocab-sharded, their nll_loss readers
     # computed from each rank's log-sum-exp and target logit, exchanged in one small all_gather.
     loss_parallel: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+    # Graph inputs held sharded because the graph writes Shards into them in place (KV caches):
+    # placeholder -> its layout, seeded by the plan (Cuts.states) before the walk.
+    states: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
 
     def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:

@@ -247,6 +247,8 @@ def cut(full: torch.Tensor, dim: int, split: Split, world: int, rank: int) -> to
 def _checksum(t: torch.Tensor) -> tuple[float, float, float]:
     """Cheap and position-sensitive enough to tell differently initialised weights apart."""
     flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:  # (a mask buffer: abs has no bool kernel)
+        flat = flat.to(torch.int64)
     return (
         float(flat.sum(dtype=torch.float64)),
         float(flat.abs().sum(dtype=torch.float64)),

@@ -744,3 +744,95 @@ def build(name: str, hidden: int, ffn: int) -> nn.Module:
 
 IDS_IN = {"tiny_lm", "nanogpt", "nanogpt_manual", "llama", "llama_complex", "llama_manual", "llama_few_kv",
           "llama_6_heads", "llama_sdpa_gqa", "llama_mqa", "hf_mixtral"}
+
+
+class KVCache(nn.Module):
+    """gpt-fast's cache: ``[batch, kv_heads, max_len, head_dim]`` buffers written in place at
+    ``input_pos``. ``form``: "index_put" (gpt-fast: ``k_out[:, :, input_pos] = k``), "index_copy"
+    (HF StaticCache: ``index_copy_(2, input_pos, k)``) or "slice" (Meta's Llama:
+    ``k_out[:, :, start:start + T] = k``, ``start`` a Python int)."""
+
+    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, form: str = "index_put") -> None:
+        super().__init__()
+        self.form = form
+        self.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, head_dim))
+        self.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, head_dim))
+
+    def update(self, input_pos, k, v):
+        if self.form == "index_copy":
+            return self.k_cache.index_copy_(2, input_pos, k), self.v_cache.index_copy_(2, input_pos, v)
+        if self.form == "slice":
+            start = int(input_pos)
+            self.k_cache[:, :, start:start + k.shape[2]] = k
+            self.v_cache[:, :, start:start + v.shape[2]] = v
+            return self.k_cache, self.v_cache
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        return self.k_cache, self.v_cache
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class CachedAttention(nn.Module):
+    """gpt-fast's Attention: fused ``wqkv``, RoPE, a KV cache, ``repeat_interleave`` for GQA, SDPA
+    over the whole cache with a mask row per position."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, batch: int, max_len: int, form: str) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hidden // n_heads
+        self.wqkv = nn.Linear(hidden, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(hidden, hidden, bias=False)
+        self.kv_cache = KVCache(batch, max_len, n_kv_heads, self.head_dim, form)
+
+    def forward(self, x, cos, sin, mask, input_pos, positions):
+        b, t, _ = x.shape
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        c, s = cos[positions].unsqueeze(0).unsqueeze(0), sin[positions].unsqueeze(0).unsqueeze(0)
+        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        k, v = self.kv_cache.update(input_pos, k, v)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class CachedDecoder(nn.Module):
+    """A gpt-fast-style Llama with KV-cache buffers: ``forward(ids, input_pos)`` -> logits; prefill
+    passes the prompt and ``arange(T)``, each decode step one token and its position (the "slice"
+    form: the first position, an int)."""
+
+    def __init__(self, vocab: int = 96, hidden: int = 64, n_heads: int = 8, n_kv_heads: int = 4, n_layer: int = 2,
+                 batch: int = 2, max_len: int = 32, form: str = "index_put") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(
+            CachedAttention(hidden, n_heads, n_kv_heads, batch, max_len, form) for _ in range(n_layer))
+        self.mlps = nn.ModuleList(SwiGLU(hidden, 2 * hidden) for _ in range(n_layer))
+        self.norms = nn.ModuleList(RMSNorm(hidden) for _ in range(2 * n_layer + 1))
+        self.output = nn.Linear(hidden, vocab, bias=False)
+        cos, sin = rope_tables(hidden // n_heads, max_len)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+        self.register_buffer("causal", torch.ones(max_len, max_len, dtype=torch.bool).tril())
+
+    def forward(self, ids, input_pos):
+        x = self.embed(ids)
+        positions = input_pos if torch.is_tensor(input_pos) else torch.arange(
+            input_pos, input_pos + ids.shape[1], device=ids.device)
+        mask = self.causal[None, None, positions]
+        for i, (attn, mlp) in enumerate(zip(self.layers, self.mlps)):
+            x = x + attn(self.norms[2 * i](x), self.cos, self.sin, mask, input_pos, positions)
+            x = x + mlp(self.norms[2 * i + 1](x))
+        return self.output(self.norms[-1](x))

@@ -13,7 +13,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dynashard.shard import LayoutMap, Read, mutates_self
+from dynashard.rules.registry import rule
+from dynashard.shard import LayoutMap, Read, Shard, WishKind, all_args, mutates_self, norm_dim, op_name, size_at, val
+
+aten = torch.ops.aten
 
 
 def aliases_input(node: torch.fx.Node) -> bool:
@@ -77,3 +80,95 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         if through_copy or stale:
             found.append((node, shard.origins))
     return found
+
+
+# Writes into a KV cache: ``cache[:, :, pos] = k`` (index_put_), ``cache.index_copy_(2, pos, k)``,
+# ``cache[:, :, a:b] = k`` (a slice, then copy_: rules/pointwise.py). With k head-sharded, the
+# cache is held sharded on its head dim like k (a STATE wish: the plan seeds the cache input as a
+# Shard, and the backend cuts and frees it like a weight), so no k or v is gathered per step.
+_ALIASES_KEEPING_DIMS = (aten.slice.Tensor, aten.alias.default)
+
+
+@rule(aten.index_put_.default)
+def index_put(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``self[..., idx, ...] = values`` with one 1-D index tensor on a dim that is not cut."""
+    target, indices, values = node.args[0], node.args[1], node.args[2]
+    indexed = [i for i, ix in enumerate(indices) if ix is not None]
+    if len(indexed) != 1 or not isinstance(values, torch.fx.Node) or val(indices[indexed[0]]) is None:
+        return False
+    if val(indices[indexed[0]]).dim() != 1 or val(indices[indexed[0]]).dtype == torch.bool:
+        return False
+    return _write_along(lm, node, target, values, indexed[0])
+
+
+@rule(aten.index_copy_.default)
+def index_copy(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``self.index_copy_(dim, index, source)`` along a dim that is not cut."""
+    target, dim, source = node.args[0], node.args[1], node.args[3]
+    t = val(target)
+    return t is not None and _write_along(lm, node, target, source, norm_dim(dim, t.dim()))
+
+
+@rule(aten.copy_.default)
+def copy(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``self.copy_(src)`` (a slice assignment): a Shard into a Shard cut alike, or a replicated
+    value narrowed (or broadcast) into a Shard."""
+    target, source = node.args[0], node.args[1]
+    held, written = lm.layouts.get(target), lm.layouts.get(source)
+    if not isinstance(source, torch.fx.Node) or val(target) is None or val(source) is None:
+        return False
+    if held is None or (written is not None and not held.alike(written)):
+        if written is not None:
+            wish_state(lm, node, target, written)
+        return False
+    if val(source).dim() < -held.dim and written is not None:
+        return False
+    for arg in all_args(node):
+        lm.read_as_shard(node, arg, held) if arg is source else lm.read(node, arg, Read.LOCAL)
+    lm.layouts[node] = held
+    return True
+
+
+def _write_along(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, source: torch.fx.Node, d: int) -> bool:
+    t, s = val(target), val(source)
+    if t is None or s is None or t.dim() != s.dim():
+        return False
+    held, written = lm.layouts.get(target), lm.layouts.get(source)
+    if held is None or (written is not None and not held.alike(written)):
+        if written is not None:
+            wish_state(lm, node, target, written)
+        return False
+    if t.dim() + held.dim == d:
+        return False  # written along the cut dim itself
+    for arg in all_args(node):
+        lm.read_as_shard(node, arg, held) if arg is source else lm.read(node, arg, Read.LOCAL)
+    lm.layouts[node] = held
+    return True
+
+
+def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, written: Shard) -> None:
+    """``node`` writes the Shard ``written`` into ``target`` in place: if ``target`` is (a
+    dim-keeping slice of) a graph input, wish that input held sharded the same way."""
+    if lm.per_rank or lm.stacked:
+        return
+    root = target
+    while root.op == "call_function" and root.target in _ALIASES_KEEPING_DIMS:
+        root = root.args[0]
+    t, r = val(target), val(root)
+    if root.op != "placeholder" or t is None or r is None or t.dim() != r.dim() or t.dim() < -written.dim:
+        return
+    cut = t.dim() + written.dim
+    if size_at(root, written.dim) != written.size or size_at(target, written.dim) != written.size:
+        return
+    for n in _chain(target, root):  # a slice along the cut dim would not keep it
+        if n.target is aten.slice.Tensor and norm_dim(n.args[1] if len(n.args) > 1 else 0, t.dim()) == cut:
+            return
+    lm.wish(written.origins, WishKind.STATE, (root, written), f"{op_name(node)} writes a shard into input {root.name}")
+
+
+def _chain(node: torch.fx.Node, root: torch.fx.Node) -> list[torch.fx.Node]:
+    out = []
+    while node is not root:
+        out.append(node)
+        node = node.args[0]
+    return out

@@ -13,6 +13,7 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard.rules.inplace import wish_state
 from dynashard.rules.registry import rule
 from dynashard.shard import LayoutMap, Read, Shard, all_args, finest, mutates_self, op_name, tensor_args, val
 
@@ -38,8 +39,10 @@ def pointwise(lm: LayoutMap, node: torch.fx.Node) -> bool:
                 for a in args if lm.layouts.get(a) is not None)
         and all(lm.can_read_as_shard(a, first, out_val.dim()) for a in args)
     )
-    if ok and mutates_self(node):
-        ok = lm.layouts.get(node.args[0]) is not None  # writing into a replicated tensor needs it whole
+    if mutates_self(node) and lm.layouts.get(node.args[0]) is None:
+        if first is not None:  # a Shard copied into a replicated graph input (a cache slice): hold it sharded
+            wish_state(lm, node, node.args[0], first)
+        ok = False  # writing into a replicated tensor needs it whole
     if not ok:
         return False
     out = Shard(first.split, frozenset().union(*(s.origins for s in sharded)), first.dim, lm.world, lm.rank)
