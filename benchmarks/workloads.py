@@ -9,7 +9,11 @@ One plan per workload, written once as ``{module FQN glob: style}`` and applied 
   collectives written in by hand -- one all_reduce per rowwise layer, per vocab-parallel embedding
   and per MoE block, one all_gather for a gathered head -- plus the same head-count edit.
   Everything else in the model (norms, RoPE, attention, routing, residuals) is the model's own
-  code on local shards.
+  code on local shards. ``shard_by_hand(..., copies=workload.copies)`` is the same bound for
+  training (``bench_train.py``): Megatron's conversions as autograd Functions -- ``f`` (identity
+  forward, all_reduce backward) once on each value the colwise layers read (the workload's
+  ``copies``), ``g`` (all_reduce forward, identity backward) after each rowwise layer and vocab
+  embedding, and the LM head's all_gather whose backward keeps this rank's columns.
 
 dynashard gets no plan: ``plan="auto"`` must find this one (the suite reports its collectives).
 
@@ -66,6 +70,8 @@ _BLOCK_PLAN = {
     "down_proj": "rowwise",
 }
 
+_BLOCK_COPIES = {"self_attn": "input", "post_attention_layernorm": "output"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -75,6 +81,9 @@ class Workload:
     inputs: Callable[[Sizes, int, int], tuple[Any, ...]]  # (sizes, tokens, max tokens) -> call args
     # system kind ("dtensor", ...) -> why the workload cannot run it; the suite reports those n/a
     not_applicable: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the training bound's f: {module FQN glob: "input" | "output"}, the one value each group of colwise
+    # layers reads (q/k/v share self_attn's input; gate/up the post-attention norm's output)
+    copies: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _block_inputs(s: Sizes, tokens: int, max_tokens: int) -> tuple[Any, ...]:
@@ -86,13 +95,15 @@ WORKLOADS = {
     w.name: w
     for w in (
         Workload("mlp", {"up": "colwise", "down": "rowwise"}, lambda s, _: MLP(s.hidden, s.mlp_ffn),
-                 lambda s, t, _: (torch.randn(1, t, s.hidden),)),
-        Workload("block", _BLOCK_PLAN, lambda s, _: LlamaBlock(s.hidden, s.n_heads, ffn=s.llama_ffn), _block_inputs),
+                 lambda s, t, _: (torch.randn(1, t, s.hidden),), copies={"up": "input"}),
+        Workload("block", _BLOCK_PLAN, lambda s, _: LlamaBlock(s.hidden, s.n_heads, ffn=s.llama_ffn), _block_inputs,
+                 copies=_BLOCK_COPIES),
         Workload(
             "decoder",
             {"embed_tokens": "vocab", **{f"layers.*.{k}": v for k, v in _BLOCK_PLAN.items()}, "lm_head": "gather"},
             lambda s, m: LlamaDecoder(s.vocab, s.hidden, s.n_heads, ffn=s.llama_ffn, n_layer=s.n_layer, max_len=m),
             lambda s, t, _: (torch.randint(0, s.vocab, (1, t)),),
+            copies={**{f"layers.*.{k}": v for k, v in _BLOCK_COPIES.items()}, "lm_head": "input"},
         ),
         Workload(
             "moe", {"": "experts"}, lambda s, _: MoE(s.hidden, s.moe_ffn, experts=s.experts, top_k=2),
@@ -123,6 +134,15 @@ def _planned(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
     return found
 
 
+def sharded_parameters(model: nn.Module, plan: dict[str, str]) -> set[str]:
+    """Names of the parameters ``plan`` cuts: every planned layer's weight, and the bias of a colwise
+    or gathered layer (a rowwise layer adds its bias whole, after the sum)."""
+    planned = _planned(model, plan)
+    names = {f"{fqn}.weight" for fqn, _ in planned}
+    names |= {f"{fqn}.bias" for fqn, style in planned if style in ("colwise", "gather")}
+    return names & {name for name, _ in model.named_parameters()}
+
+
 def dtensor_parallelize(model: nn.Module, plan: dict[str, str], mesh: Any) -> nn.Module:
     if "experts" in plan.values():
         raise NotImplementedError("no DTensor parallel style shards 3-D expert parameters")
@@ -143,30 +163,80 @@ def dtensor_parallelize(model: nn.Module, plan: dict[str, str], mesh: Any) -> nn
 # --- the bound: this rank's shards and the minimal collectives, by hand ----------------------------
 
 
+class _CopyToShards(torch.autograd.Function):
+    """Megatron's f, before a colwise layer: identity forward, all_reduce of the gradient backward
+    (each rank's colwise shard contributes a partial gradient of the replicated input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
+
+
+class _ReduceFromShards(torch.autograd.Function):
+    """Megatron's g, after a rowwise layer: all_reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group_name: str) -> torch.Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromShards(torch.autograd.Function):
+    """The gathered LM head: all_gather of the last dim forward, this rank's columns backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, world: int, rank: int, group_name: str) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, y.shape[-1]
+        g = funcol.wait_tensor(funcol.all_gather_single(y.contiguous(), 0, group_name))  # [world * d0, ...]
+        return g.view(world, *y.shape).movedim(0, -2).reshape(*y.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width), None, None, None
+
+
 class _Shard(nn.Module):
     """Holds this rank's shard. ``comm=False`` skips the collective (the compute alone); a list in
-    ``record`` collects ``(kind, shape, dtype)`` of every collective a call makes (eager calls only)."""
+    ``record`` collects ``(kind, shape, dtype)`` of every collective a call makes (eager calls only).
+    ``differentiable``: trainable shards and collectives with Megatron's backward (f/g above)."""
 
-    def __init__(self, world: int, group_name: str, comm: bool) -> None:
+    def __init__(self, world: int, group_name: str, comm: bool, differentiable: bool = False) -> None:
         super().__init__()
-        self.world, self.group_name, self.comm = world, group_name, comm
+        self.world, self.group_name, self.comm, self.differentiable = world, group_name, comm, differentiable
         self.record: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
 
     def _note(self, kind: str, t: torch.Tensor) -> None:
         if self.record is not None:
             self.record.append((kind, tuple(t.shape), t.dtype))
 
-    @staticmethod
-    def _param(t: torch.Tensor | None) -> nn.Parameter | None:
-        return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=False)
+    def _param(self, t: torch.Tensor | None) -> nn.Parameter | None:
+        return None if t is None else nn.Parameter(t.detach().clone(), requires_grad=self.differentiable)
+
+    def _sum(self, y: torch.Tensor) -> torch.Tensor:
+        """The partial sums' all_reduce (skipped when ``comm=False``)."""
+        self._note("all_reduce", y)
+        if not self.comm:
+            return y
+        if self.differentiable:
+            return _ReduceFromShards.apply(y, self.group_name)
+        return funcol.all_reduce(y, "sum", self.group_name)
 
 
 class ColwiseShard(_Shard):
-    def __init__(self, linear: nn.Linear, world: int, rank: int, group_name: str, comm: bool, gather: bool) -> None:
-        super().__init__(world, group_name, comm)
+    def __init__(self, linear: nn.Linear, world: int, rank: int, group_name: str, comm: bool, gather: bool,
+                 differentiable: bool = False) -> None:
+        super().__init__(world, group_name, comm, differentiable)
         if linear.out_features % world:
             raise ValueError(f"{linear.out_features} output features do not split over {world} ranks")
-        self.gather = gather
+        self.gather, self.rank = gather, rank
         self.weight = self._param(linear.weight.chunk(world, 0)[rank])
         self.bias = self._param(None if linear.bias is None else linear.bias.chunk(world, 0)[rank])
 
@@ -177,31 +247,32 @@ class ColwiseShard(_Shard):
         self._note("all_gather", y)
         if not self.comm:
             return y
+        if self.differentiable:
+            return _GatherFromShards.apply(y, self.world, self.rank, self.group_name)
         g = funcol.all_gather_single(y.contiguous(), 0, self.group_name)  # [world * d0, ..., out/world]
         return g.view(self.world, *y.shape).movedim(0, -2).reshape(*y.shape[:-1], -1)
 
 
 class RowwiseShard(_Shard):
-    def __init__(self, linear: nn.Linear, world: int, rank: int, group_name: str, comm: bool) -> None:
-        super().__init__(world, group_name, comm)
+    def __init__(self, linear: nn.Linear, world: int, rank: int, group_name: str, comm: bool,
+                 differentiable: bool = False) -> None:
+        super().__init__(world, group_name, comm, differentiable)
         if linear.in_features % world:
             raise ValueError(f"{linear.in_features} input features do not split over {world} ranks")
         self.weight = self._param(linear.weight.chunk(world, 1)[rank])
         self.bias = self._param(linear.bias)  # added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        self._note("all_reduce", y)
-        if self.comm:
-            y = funcol.all_reduce(y, "sum", self.group_name)
+        y = self._sum(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
 class VocabShard(_Shard):
     """Megatron's vocab-parallel embedding: rows this rank owns, zeros for the rest, one all_reduce."""
 
-    def __init__(self, emb: nn.Embedding, world: int, rank: int, group_name: str, comm: bool) -> None:
-        super().__init__(world, group_name, comm)
+    def __init__(self, emb: nn.Embedding, world: int, rank: int, group_name: str, comm: bool,
+                 differentiable: bool = False) -> None:
+        super().__init__(world, group_name, comm, differentiable)
         if emb.num_embeddings % world:
             raise ValueError(f"a vocabulary of {emb.num_embeddings} does not split over {world} ranks")
         self.weight = self._param(emb.weight.chunk(world, 0)[rank])
@@ -211,8 +282,7 @@ class VocabShard(_Shard):
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        self._note("all_reduce", y)
-        return funcol.all_reduce(y, "sum", self.group_name) if self.comm else y
+        return self._sum(y)
 
 
 class ExpertsShard(_Shard):
@@ -245,37 +315,61 @@ class ExpertsShard(_Shard):
         gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
         y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         y = (y * weights.reshape(-1, 1)).view(-1, self.k, shape[-1]).sum(1)  # this rank's partial sum
-        self._note("all_reduce", y)
-        if self.comm:
-            y = funcol.all_reduce(y, "sum", self.group_name)
-        return x + y.view(shape)
+        return x + self._sum(y).view(shape)
 
 
-def shard_by_hand(model: nn.Module, plan: dict[str, str], world: int, rank: int, comm: bool = True) -> nn.Module:
+def shard_by_hand(model: nn.Module, plan: dict[str, str], world: int, rank: int, comm: bool = True,
+                  copies: dict[str, str] | None = None) -> nn.Module:
     """``model`` (a copy) with every planned layer replaced by this rank's shard module (the model
-    itself replaced when its FQN ``""`` is planned, e.g. a lone MoE block)."""
+    itself replaced when its FQN ``""`` is planned, e.g. a lone MoE block). With ``copies`` (a
+    workload's ``copies``) the bound is for training: trainable shards, differentiable collectives,
+    and f on each value the colwise layers read."""
     model = copy.deepcopy(model)
     group_name = dist.group.WORLD.group_name
     planned = _planned(model, plan)
     if any(not fqn for fqn, _ in planned) and len(planned) > 1:
         raise ValueError("a plan that replaces the whole model can hold nothing else")
+    grad = copies is not None
     for fqn, style in planned:
         parent_fqn, _, attr = fqn.rpartition(".")
         old = model.get_submodule(fqn)
         if style == "experts":
+            if grad:
+                raise NotImplementedError("the bound has no backward for the experts' partial sums")
             new = ExpertsShard(old, world, rank, group_name, comm)
         elif style == "vocab":
-            new = VocabShard(old, world, rank, group_name, comm)
+            new = VocabShard(old, world, rank, group_name, comm, grad)
         elif style == "rowwise":
-            new = RowwiseShard(old, world, rank, group_name, comm)
+            new = RowwiseShard(old, world, rank, group_name, comm, grad)
         else:
-            new = ColwiseShard(old, world, rank, group_name, comm, gather=style == "gather")
+            new = ColwiseShard(old, world, rank, group_name, comm, style == "gather", grad)
         if fqn:
             setattr(model.get_submodule(parent_fqn), attr, new)
         else:
             model = new
+    if grad:
+        _place_copies(model, copies, group_name)
     split_heads(model, world)
     return model
+
+
+def _place_copies(model: nn.Module, copies: dict[str, str], group_name: str) -> None:
+    """Megatron's f on the first input or on the output of each module ``copies`` names, by hooks
+    (Dynamo inlines them): one all_reduce in backward per value the colwise layers read, however
+    many of them read it."""
+
+    def on_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (_CopyToShards.apply(args[0], group_name), *args[1:])
+
+    def on_output(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        return _CopyToShards.apply(out, group_name)
+
+    for fqn, where in _planned(model, copies):
+        module = model.get_submodule(fqn)
+        if where == "input":
+            module.register_forward_pre_hook(on_input)
+        else:
+            module.register_forward_hook(on_output)
 
 
 def collectives_of(model: nn.Module, *args: Any) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
