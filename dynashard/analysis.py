@@ -113,7 +113,9 @@ def analyse(
     # Weights an earlier graph (e.g. across a graph break) already split: later uses follow that split.
     split = {node: STORE.split_dim(real) for real, node in zip(real_args, aten_phs) if torch.is_tensor(real)}
     presplit = {node: dim for node, dim in split.items() if dim is not None}
-    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit)
+    # Weights a graph compiled earlier reads whole: cutting them would free what it reads.
+    prewhole = {node for real, node in zip(real_args, aten_phs) if torch.is_tensor(real) and STORE.read_whole(real)}
+    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit, prewhole)
     return Analysis(aten_gm, params, plan, world, rank, stacked, aten_phs, names)
 
 

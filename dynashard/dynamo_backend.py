@@ -67,6 +67,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
         compiled = private.compile_graph(opts.compiler, gm, example_inputs)
+        if analysis is not None:
+            STORE.note_read_whole([example_inputs[i] for i in analysis.params])
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
     sharded_gm = compiled = None
     try:
@@ -100,6 +102,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
             exchange_status(None, error, group, "loading")
         elif error is not None:
             raise error
+    STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train)
 
 
@@ -205,6 +208,13 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
                 "model.to_empty(device=...) and load a checkpoint on every rank, or load it on rank 0 "
                 "and pass options={'weights': 'rank0'}."
             )
+    for i, (fqn, _, _) in sharded.items():
+        if i in analysis.params and STORE.read_whole(example_inputs[i]):
+            raise UsageError(
+                f"dynashard: {fqn!r} is read whole by a graph compiled earlier (another shape, or a graph "
+                "before a graph break), and this compile's plan shards it, which would free the full value "
+                "that graph reads. Expected the same plan for every graph of a model: mark it 'replicate' in "
+                "options={'plan': ...}, or shard it everywhere.")
     for i, (fqn, _) in analysis.params.items():
         if i not in sharded and STORE.is_sharded(example_inputs[i]):
             raise UsageError(

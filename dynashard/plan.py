@@ -100,6 +100,7 @@ def make_plan(
     rank: int,
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
     presplit: dict[torch.fx.Node, int] | None = None,
+    prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset(),
 ) -> Plan:
     blocked = {m.node: _why_unshardable(other_uses[m.weight]) for m in linears}
     by_node = {m.node: m for m in linears}
@@ -116,7 +117,7 @@ def make_plan(
             if not auto:
                 return dict(user)
             decisions = _auto(linears, blocked, graph, options, world, rank, modes, cuts, wishes)
-            _follow_earlier_splits(linears, decisions, blocked, presplit or {})
+            _follow_earlier_splits(linears, decisions, blocked, presplit or {}, prewhole)
             return decisions
 
         return recut_until_stable(decide, graph, by_node, cuts, modes, world, rank, auto)
@@ -326,7 +327,7 @@ def _auto(
         return decisions[m.node].style
 
     by_node = {m.node: m for m in linears}
-    walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, **modes)
+    walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, states=cuts.states, **modes)
     wishes.extend(walked.wishes)
     for m in linears:
         d = decisions[m.node]
@@ -387,9 +388,14 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
         decisions[m.node] = Decision("replicate", f"weight shared by uses that would split it differently: {names}")
 
 
-def _follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dict[torch.fx.Node, int]) -> None:
-    """A weight an earlier graph split (and freed) is split the same way here, if it can be."""
+def _follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dict[torch.fx.Node, int],
+                           prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> None:
+    """A weight an earlier graph split (and freed) is split the same way here, if it can be; one an
+    earlier graph reads whole stays whole (cutting it would free what that graph reads)."""
     for m in linears:
+        if m.weight in prewhole and decisions[m.node].style != "replicate":
+            decisions[m.node] = Decision("replicate", "kept whole: a graph compiled earlier reads this weight whole")
+            continue
         dim = presplit.get(m.weight)
         if dim is None or _split_dim(m, decisions[m.node].style) == dim or blocked[m.node]:
             continue

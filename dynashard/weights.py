@@ -54,6 +54,8 @@ class WeightStore:
         self._shards = private.weak_id_dict()
         self._agreed = private.weak_id_dict()
         self._facade_of = private.weak_id_dict()  # registered shard Parameter -> its full-shape facade
+        # parameters a compiled program reads whole: a later graph must not cut (and free) them
+        self._read_whole = private.weak_id_dict()
         # dynashard.parallelize(checkpoint=... or weights="rank0"): where a storage-less parameter's
         # values come from (this rank's pieces under a spec, all of it for None), while it runs
         self.source: Callable[[torch.Tensor, ShardSpec | None], torch.Tensor] | None = None
@@ -99,6 +101,16 @@ class WeightStore:
 
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
+
+    def note_read_whole(self, params: list[torch.Tensor]) -> None:
+        """A compiled program reads these parameters whole (every call passes their full values)."""
+        for p in params:
+            if torch.is_tensor(p) and p not in self._shards:
+                self._read_whole[p] = True
+
+    def read_whole(self, param: torch.Tensor) -> bool:
+        """Whether a compiled program reads ``param`` whole: cutting (and freeing) it would break it."""
+        return param in self._read_whole
 
     def spec_of(self, param: torch.Tensor) -> ShardSpec | None:
         """How ``param`` was cut, if it was."""
