@@ -26,6 +26,7 @@ import fnmatch
 import hashlib
 import logging
 import math
+import re
 
 import torch.fx
 
@@ -122,40 +123,41 @@ def make_plan(
 
         return recut_until_stable(decide, graph, by_node, cuts, modes, world, rank, auto)
 
+    def finish(cuts: Cuts) -> Plan:
+        """The fixpoint's styles, then layers an unsafe in-place write reaches kept whole."""
+        decisions = solve(cuts)
+        _describe_cuts(linears, decisions, cuts.splits)
+        while True:
+            layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank,
+                                splits=cuts.splits, states=cuts.states, **modes)
+            unsafe = unsafe_mutations(graph, layouts)
+            if not unsafe:
+                return Plan(linears, decisions, layouts)
+            node, origins = unsafe[0]
+            names = sorted(by_node[o].fqn for o in origins)
+            if options.plan != "auto":
+                raise UsageError(
+                    f"dynashard: the in-place op {node.target} writes into the output of {names}, which the plan "
+                    "shards, through a view dynashard cannot keep sharded; expected out-of-place code there, "
+                    f"or mark {names} 'replicate'."
+                )
+            for o in origins:  # keep the written-to layers whole and plan again
+                decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
+            for n, d in list(decisions.items()):  # partners now read a replicated input: say so
+                if d.style == "rowwise" and d.fed_by & set(names):
+                    decisions[n] = Decision(
+                        "rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
+
     cuts = Cuts()
-    decisions = solve(cuts)
+    plan = finish(cuts)
     if cuts.states and auto:
         # A cache held sharded follows k's cut; where attention then needs another cut (GQA heads
         # that do not divide the world) the auto plan may keep the projections whole instead. Keep
         # whichever plan shards more weight: the cache sharded, or gathered k/v into a whole cache.
-        whole_caches = Cuts(allow_states=False)
-        other = solve(whole_caches)
-        if _sharded_numel(linears, other) > _sharded_numel(linears, decisions):
-            cuts, decisions = whole_caches, other
-    splits = cuts.splits
-    _describe_cuts(linears, decisions, splits)
-    while True:
-        layouts = propagate(
-            graph, by_node, lambda m, _src: decisions[m.node].style, world, rank, splits=splits, states=cuts.states,
-            **modes
-        )
-        unsafe = unsafe_mutations(graph, layouts)
-        if not unsafe:
-            return Plan(linears, decisions, layouts)
-        node, origins = unsafe[0]
-        names = sorted(by_node[o].fqn for o in origins)
-        if options.plan != "auto":
-            raise UsageError(
-                f"dynashard: the in-place op {node.target} writes into the output of {names}, which the plan "
-                "shards, through a view dynashard cannot keep sharded; expected out-of-place code there, "
-                f"or mark {names} 'replicate'."
-            )
-        for o in origins:  # keep the written-to layers whole and plan again
-            decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
-        for n, d in list(decisions.items()):  # partners now read a replicated input: say so
-            if d.style == "rowwise" and d.fed_by & set(names):
-                decisions[n] = Decision(
-                    "rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
+        other = finish(Cuts(allow_states=False))
+        if _sharded_numel(linears, other.decisions) > _sharded_numel(linears, plan.decisions):
+            plan = other
+    return plan
 
 
 @dataclasses.dataclass
@@ -236,6 +238,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
                 boundaries.setdefault(o, set()).update(w.arg)
             else:
                 units[o] = math.lcm(units.get(o, current.unit), current.unit * w.arg)
+    before = dict(splits)
     for o in set(boundaries) | set(units):
         m = by_node[o]
         current = splits.get(o, even(m.out_features))
@@ -258,7 +261,31 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
             else:
                 forced[member] = Decision("replicate", f"kept whole: {w.reason}")
         changed = True
+    recut = {o: (before.get(o, even(by_node[o].out_features)), split) for o, split in splits.items()
+             if split != before.get(o)}
+    _recut_siblings(recut, splits, linears, uses, family)
     return changed
+
+
+def _recut_siblings(recut: dict, splits: dict, linears: list[LinearMatch], uses: dict, family: dict) -> None:
+    """The same layer of the other blocks (``layers.3.attn.wqkv`` for ``layers.0.attn.wqkv``: the same
+    name but for its numbers, the same width, the same cut so far) is re-cut as ``recut`` re-cut it.
+
+    Each round's walk only gets as far as the first layer whose cut is still changing: the layers
+    after it see a gathered stream and are planned otherwise. Without this, a deep model re-cuts one
+    block per round (two rounds per block: components, then heads) and stops at the round limit.
+    A sibling is only cut as its twin is, which is a valid cut whatever it turns out to need; the
+    next round's wishes correct it like any other."""
+    by_node = {m.node: m for m in linears}
+    by_pattern: dict[tuple, tuple[Split, Split]] = {}
+    for o, change in recut.items():
+        by_pattern[(re.sub(r"\d+", "#", by_node[o].fqn), by_node[o].out_features)] = change
+    for m in linears:
+        change = by_pattern.get((re.sub(r"\d+", "#", m.fqn), m.out_features))
+        if change is None or m.node in recut or len(uses[m.weight]) > 1 or m.node in family:
+            continue
+        if splits.get(m.node, even(m.out_features)) == change[0]:
+            splits[m.node] = change[1]
 
 
 def _sharded_numel(linears: list[LinearMatch], decisions: dict) -> int:

@@ -836,3 +836,14 @@ class CachedDecoder(nn.Module):
             x = x + attn(self.norms[2 * i](x), self.cos, self.sin, mask, input_pos, positions)
             x = x + mlp(self.norms[2 * i + 1](x))
         return self.output(self.norms[-1](x))
+
+
+class HFLogits(nn.Module):
+    """An HF causal LM called as ids in, logits out, without a cache (``self.m``)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.m = lm
+
+    def forward(self, ids):
+        return self.m(ids, use_cache=False).logits

@@ -506,6 +506,25 @@ def test_the_recut_fixpoint_logs_its_round_limit_and_stays_correct(monkeypatch, 
     assert [r for r in caplog.records if "stopped re-cutting after 1 rounds" in r.getMessage()]
 
 
+def test_a_deep_model_is_cut_in_a_few_rounds_whatever_its_depth(caplog):
+    """Each round's walk used to get only as far as the first block whose cut was still changing
+    (the blocks after it saw a gathered stream), so a model re-cut one block per two rounds and a
+    10-layer HF Llama (32 heads, 4 K/V heads) stopped at the round limit, its last layers gathering
+    before views, norms and matmuls. The same layer of every block is now re-cut together: only the
+    LM head gathers (its output)."""
+    import transformers as T
+
+    config = T.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=10, num_attention_heads=32,
+                           num_key_value_heads=4, vocab_size=1000)
+    torch.manual_seed(0)
+    model = models.HFLogits(T.LlamaForCausalLM(config).eval())
+    with caplog.at_level("WARNING", logger="dynashard.plan"):
+        report = dynashard.explain(model, torch.randint(0, 1000, (1, 8)), world_size=2)
+    assert not [r for r in caplog.records if "stopped re-cutting" in r.getMessage()]
+    gathering = [r.fqn for r in report.rows if "all_gather" in r.collectives]
+    assert gathering == ["m.lm_head"], str(report)
+
+
 @pytest.mark.parametrize("world,kv_heads,kept_whole,cache", [(2, 2, False, False), (4, 4, False, False),
                                                         (2, 4, False, True), (4, 2, True, False)])
 def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, kv_heads, kept_whole, cache):

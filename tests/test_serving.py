@@ -42,6 +42,17 @@ def test_a_cache_written_from_sharded_heads_is_held_sharded(form):
 
 
 @pytest.mark.unit
+def test_a_batch_of_one_is_held_sharded_too():
+    """gpt-fast decodes a batch of one: ``index_put_`` then gets ``[heads, 1, head_dim]`` values for a
+    ``[1, heads, max_len, head_dim]`` cache (aligned from the end); they once went unrecognised."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.CachedDecoder(batch=1), torch.randint(0, 96, (1, 1)), torch.tensor([3]),
+                               world_size=2, options={"min_shard_numel": 0}, verify=True)
+    assert len([r for g in report.graphs for r in g.caches]) == 4, str(report)
+    assert all("all_gather" not in r.collectives for r in report.rows), str(report)
+
+
+@pytest.mark.unit
 def test_fewer_kv_heads_than_ranks_keep_the_cache_whole():
     """2 K/V heads on 4 ranks: k and v are held whole (each rank reads the K/V heads of its query
     heads), so is the cache, and still nothing is gathered."""

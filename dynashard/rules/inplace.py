@@ -130,8 +130,10 @@ def copy(lm: LayoutMap, node: torch.fx.Node) -> bool:
 
 
 def _write_along(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, source: torch.fx.Node, d: int) -> bool:
+    """The source's dims line up with the target's from the end (index_put_ broadcasts its values:
+    a batch of one may arrive as ``[heads, T, D]`` for a ``[1, heads, max_len, D]`` cache)."""
     t, s = val(target), val(source)
-    if t is None or s is None or t.dim() != s.dim():
+    if t is None or s is None or s.dim() > t.dim():
         return False
     held, written = lm.layouts.get(target), lm.layouts.get(source)
     if held is None or (written is not None and not held.alike(written)):
@@ -149,8 +151,8 @@ def _write_along(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, sour
 def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, written: Shard) -> None:
     """``node`` writes the Shard ``written`` into ``target`` in place: if ``target`` is (a
     dim-keeping slice of) a graph input, wish that input held sharded the same way."""
-    if lm.per_rank or lm.stacked:
-        return
+    if lm.per_rank or lm.stacked or written.split.fewest_units(lm.world) < 1:
+        return  # (a cache some rank would hold no head of: fewer K/V heads than ranks, k is held whole)
     root = target
     while root.op == "call_function" and root.target in _ALIASES_KEEPING_DIMS:
         root = root.args[0]
