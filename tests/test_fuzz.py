@@ -168,7 +168,7 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False):
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, derandomize=True,
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 25)), deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 

@@ -146,6 +146,11 @@ def _generate(rank: int, world: int, cases: list) -> dict:
     return out
 
 
+def _decode_and_generate(rank: int, world: int, cases: list) -> dict:
+    hf = _hf_generate(rank, world, ["static", "dynamic"]) if world == 2 else None
+    return {**_generate(rank, world, cases), "hf": hf}
+
+
 W2 = [("index_put", "eager", 8, 4), ("index_copy", "eager", 8, 4), ("slice", "eager", 8, 4),
       ("index_put", "inductor", 8, 4)]
 W4 = [("index_copy", "eager", 8, 4), ("index_put", "eager", 8, 2)]  # 1 K/V head per rank; 2 on 4: whole
@@ -158,10 +163,18 @@ def test_decode_with_sharded_caches_matches_the_unsharded_model(world):
     """Each form at world 2 (eager, and gpt-fast's under Inductor), world 4 with 1 K/V head per rank
     and with 2 K/V heads on 4 ranks (held whole): logits of a prefill and 7 decode steps within 1e-5 of
     unsharded (float32: attention sums the same products in another order), 2 compiles (prefill,
-    decode), each rank holding 1/world of the caches (whole ones: all of them) and the full ones freed."""
+    decode), each rank holding 1/world of the caches (whole ones: all of them) and the full ones freed.
+
+    At world 2 also HF ``generate``: greedy tokens equal the unsharded model's, three calls in one
+    process, with a StaticCache (held sharded in the decode graph) and the default DynamicCache
+    (correct, gathered: its tensors leave the graph). The second call with the prompt length of the
+    first once crashed: the decode graph cut k_proj, which the earlier prefill graph reads whole (now
+    kept whole)."""
     cases = W2 if world == 2 else W4
-    results = run_ranks(_generate, world, cases, timeout=240)
+    results = run_ranks(_decode_and_generate, world, cases, timeout=240)
     for rank, out in enumerate(results):
+        if world == 2:  # HF generate, in the same spawn (see _hf_generate)
+            assert out["hf"] == {"static": [True] * 3, "dynamic": [True] * 3}, (rank, out["hf"])
         for case in cases:
             r = out[case]
             assert r["err"] < 1e-5 and r["compiles"] == 2, (rank, case, r)
@@ -197,15 +210,3 @@ def _hf_generate(rank: int, world: int, caches: list[str]) -> dict:
                 same.append(torch.equal(model.generate(ids, **kw), twin.generate(ids, **kw)))
         out[cache] = same
     return out
-
-
-@pytest.mark.gloo
-@pytest.mark.timeout(300)
-def test_hf_generate_matches_the_unsharded_model():
-    """Greedy tokens of ``generate`` equal the unsharded model's, three calls in one process, with a
-    StaticCache (held sharded in the decode graph) and the default DynamicCache (correct, gathered:
-    its tensors leave the graph). The second call with the prompt length of the first once crashed:
-    the decode graph cut k_proj, which the earlier prefill graph reads whole (now kept whole)."""
-    results = run_ranks(_hf_generate, 2, ["static", "dynamic"], timeout=240)
-    for rank, out in enumerate(results):
-        assert out == {"static": [True] * 3, "dynamic": [True] * 3}, (rank, out)

@@ -32,9 +32,9 @@ W2 = {
 }
 W4 = {
     "llama_6_heads": ("llama_6_heads", 96, 96, [(2, 7), (3, 5)]),  # 2/2/1/1 heads
-    "llama_few_kv": ("llama_few_kv", 128, 96, [(2, 7), (3, 5)]),  # 2 K/V heads on 4 ranks: narrowed
     "uneven_empty_rank": ("mlp", 16, 3, [(2, 3, 16), (4, 5, 16)]),  # 3 features on 4 ranks: one holds none
-    # HF's own loss (labels=, shifted, ignore_index -100); 2 K/V heads on 4 ranks: held whole
+    # HF's own loss (labels=, shifted, ignore_index -100); 2 K/V heads on 4 ranks: held whole and
+    # narrowed to each rank's query heads (the same path llama_few_kv takes, which this replaced)
     "hf_llama_labels": ("hf_llama_labels", 64, 96, [(2, 7), (3, 5)]),
 }
 OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
@@ -381,8 +381,8 @@ def _train_and_misuse(rank: int, world: int, cases: dict) -> dict:
 
 @pytest.mark.timeout(420)
 def test_sgd_steps_match_the_unsharded_twin_at_world_4_and_misuse_is_refused():
-    """Uneven layouts: 2/2/1/1 heads, 2 K/V heads narrowed on 4 ranks, a rank holding no features, HF
-    Llama with 2 K/V heads on 4 ranks and HF's own loss (labels=; loss parallel). Vocab-parallel
+    """Uneven layouts: 2/2/1/1 heads, a rank holding no features, HF Llama with 2 K/V heads on 4 ranks
+    (held whole, narrowed to each rank's query heads) and HF's own loss (labels=; loss parallel). Vocab-parallel
     embeddings train at world 2 (nanoGPT, HF GPT-2). Then misuse, on every rank: an
     optimizer built before parallelize raises at its first step, naming the fix; a layout without a
     correct backward (a fused qkv whose 2 K/V heads every rank holds whole) is refused when compiled
