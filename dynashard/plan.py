@@ -26,7 +26,6 @@ import fnmatch
 import hashlib
 import logging
 import math
-import re
 
 import torch.fx
 
@@ -269,23 +268,29 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
 
 def _recut_siblings(recut: dict, splits: dict, linears: list[LinearMatch], uses: dict, family: dict) -> None:
     """The same layer of the other blocks (``layers.3.attn.wqkv`` for ``layers.0.attn.wqkv``: the same
-    name but for its numbers, the same width, the same cut so far) is re-cut as ``recut`` re-cut it.
+    name but for its block numbers, the same width, the same cut so far) is re-cut as ``recut`` re-cut it.
 
     Each round's walk only gets as far as the first layer whose cut is still changing: the layers
     after it see a gathered stream and are planned otherwise. Without this, a deep model re-cuts one
-    block per round (two rounds per block: components, then heads) and stops at the round limit.
+    block per two rounds (components, then heads) and stops at the round limit.
     A sibling is only cut as its twin is, which is a valid cut whatever it turns out to need; the
     next round's wishes correct it like any other."""
     by_node = {m.node: m for m in linears}
     by_pattern: dict[tuple, tuple[Split, Split]] = {}
     for o, change in recut.items():
-        by_pattern[(re.sub(r"\d+", "#", by_node[o].fqn), by_node[o].out_features)] = change
+        by_pattern[(_block_pattern(by_node[o].fqn), by_node[o].out_features)] = change
     for m in linears:
-        change = by_pattern.get((re.sub(r"\d+", "#", m.fqn), m.out_features))
+        change = by_pattern.get((_block_pattern(m.fqn), m.out_features))
         if change is None or m.node in recut or len(uses[m.weight]) > 1 or m.node in family:
             continue
         if splits.get(m.node, even(m.out_features)) == change[0]:
             splits[m.node] = change[1]
+
+
+def _block_pattern(fqn: str) -> str:
+    """``layers.3.attn.wqkv`` -> ``layers.#.attn.wqkv``: the numbered path components (a block's
+    index in a ModuleList) replaced, names such as ``w1`` / ``w3`` kept apart."""
+    return ".".join("#" if part.isdigit() else part for part in fqn.split("."))
 
 
 def _sharded_numel(linears: list[LinearMatch], decisions: dict) -> int:
