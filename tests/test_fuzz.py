@@ -312,3 +312,25 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
     model = RandomMLP(16, [24], "gelu", True, False, False)
     with pytest.raises(RuntimeError, match="differs from the model"):
         dynashard.explain(model, torch.randn(4, 16), world_size=2, options={"min_shard_numel": 0}, verify=True)
+
+
+# (each example plans and simulates two cached decoders: 12 by default keeps the suite's time;
+# FUZZ_EXAMPLES=100 passed when this test was written)
+@settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 12)))
+@given(world=st.integers(2, 4), kv=st.integers(1, 4), rep=st.integers(1, 3), dh=st.sampled_from([2, 4, 8]),
+       form=st.sampled_from(["index_put", "index_copy", "slice"]), batch=st.integers(1, 2), t=st.integers(1, 6),
+       data=st.data())
+def test_random_caches(world, kv, rep, dh, form, batch, t, data):
+    """gpt-fast-style decoders whose KV caches the graph writes in place (every write form), any
+    head counts (dividing the world or not, fewer K/V heads than ranks), a batch of one or two, a
+    prefill or a decode step: every rank's output equal to unsharded, the caches held sharded or
+    whole as the plan decides."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    heads = kv * rep
+    model = models.CachedDecoder(vocab=50, hidden=heads * dh, n_heads=heads, n_kv_heads=kv, n_layer=2, batch=batch,
+                                 max_len=16, form=form)
+    start = data.draw(st.integers(0, 16 - t), label="start")
+    pos = start if form == "slice" else torch.arange(start, start + t)
+    report = dynashard.explain(model, torch.randint(0, 50, (batch, t)), pos, world_size=world,
+                               options={"min_shard_numel": 0}, verify=True)
+    assert {"layers.0.wqkv", "layers.1.wqkv"} <= set(report.layers), str(report)
