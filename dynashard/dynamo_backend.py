@@ -218,8 +218,9 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
     for i, (fqn, _) in analysis.params.items():
         if i not in sharded and STORE.is_sharded(example_inputs[i]):
             raise UsageError(
-                f"dynashard: {fqn!r} was sharded by an earlier dynashard compile of this model and its "
-                "full value freed, but this compile's plan replicates it (were the options different?). "
+                f"dynashard: {fqn!r} was sharded by an earlier dynashard compile of this model (or by "
+                "dynashard.parallelize) and its full value freed, but this compile's plan replicates it (were "
+                "the options different?). "
                 "Expected the same options for every compile of a model: compile it once and reuse "
                 "the compiled module, or rebuild the model to change the plan."
             )

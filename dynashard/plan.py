@@ -58,6 +58,7 @@ class Plan:
     linears: list[LinearMatch]
     decisions: dict[torch.fx.Node, Decision]
     layouts: LayoutMap
+    held_biases: frozenset[torch.fx.Node] = frozenset()  # colwise biases held cut (in layouts.states)
 
     def sharded(self) -> list[LinearMatch]:
         return [m for m in self.linears if self.decisions[m.node].style != "replicate"]
@@ -127,11 +128,12 @@ def make_plan(
         decisions = solve(cuts)
         _describe_cuts(linears, decisions, cuts.splits)
         while True:
+            biases = _held_biases(linears, decisions, cuts.splits, modes, presplit or {}, prewhole)
             layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank,
-                                splits=cuts.splits, states=cuts.states, **modes)
+                                splits=cuts.splits, states={**cuts.states, **biases}, **modes)
             unsafe = unsafe_mutations(graph, layouts)
             if not unsafe:
-                return Plan(linears, decisions, layouts)
+                return Plan(linears, decisions, layouts, frozenset(biases))
             node, origins = unsafe[0]
             names = sorted(by_node[o].fqn for o in origins)
             if options.plan != "auto":
@@ -157,6 +159,40 @@ def make_plan(
         if _sharded_numel(linears, other.decisions) > _sharded_numel(linears, plan.decisions):
             plan = other
     return plan
+
+
+def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, modes: dict,
+                 presplit: dict[torch.fx.Node, int], prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node]
+                 ) -> dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]]:
+    """Colwise biases held cut like the linear's output, as Megatron holds them: each rank stores
+    and adds only its features' part, so a training step has no all_reduce of the bias's gradient
+    (a whole bias narrowed in the graph gets its gradient summed over the ranks every step).
+
+    Only a 1-D parameter read by colwise linears alone, all cut alike (a layer called twice), and
+    not one a graph compiled earlier reads whole; one an earlier graph cut is held cut whatever
+    else reads it (those readers gather it). Held like a cache (``LayoutMap.states``): the store
+    cuts and frees it, ``parallelize`` registers the shard, the graph reads it locally.
+    """
+    if modes["per_rank"] or modes["stacked"]:
+        return {}
+    readers: dict[torch.fx.Node, list[LinearMatch]] = {}
+    for m in linears:
+        if m.bias is not None:
+            readers.setdefault(m.bias, []).append(m)
+    out: dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]] = {}
+    for b, ms in readers.items():
+        if b.op != "placeholder" or b not in modes["uniform_inputs"] or b in prewhole:
+            continue
+        if any(m.kind != "linear" or decisions[m.node].style != "colwise" for m in ms):
+            continue
+        v = b.meta.get("val")
+        cuts = {splits.get(m.node, even(m.out_features)) for m in ms}
+        if v is None or v.dim() != 1 or len(cuts) != 1 or any(v.shape[0] != m.out_features for m in ms):
+            continue
+        if set(b.users) != {m.node for m in ms} and b not in presplit:
+            continue
+        out[b] = (cuts.pop(), -1, frozenset(m.node for m in ms))
+    return out
 
 
 @dataclasses.dataclass

@@ -96,6 +96,8 @@ class GraphReport:
         caches = []
         roots = alias_roots(analysis.aten.graph)
         for node, shard in lm.states.items():
+            if node in analysis.plan.held_biases:  # (shown with its linear)
+                continue
             i = analysis.inputs.index(node)
             full = node.meta["val"]
             sizes = [private.size_hint(d) for d in full.shape]

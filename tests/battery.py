@@ -81,21 +81,23 @@ CASES = {
 }
 
 # Parameters each case must actually shard: a case that silently replicated would prove nothing.
+# A colwise linear's 1-D bias is held cut like its output (and freed) as well: plan._held_biases.
 SHARDED = {
-    "mlp": {"up.weight", "down.weight"},
+    "mlp": {"up.weight", "up.bias", "down.weight"},
     "mlp_nobias": {"up.weight", "down.weight"},
-    "mlp_stack": {f"layers.{i}.{n}.weight" for i in range(3) for n in ("up", "down")},
+    "mlp_stack": {f"layers.{i}.{n}" for i in range(3) for n in ("up.weight", "up.bias", "down.weight")},
     "residual": {"gate.weight", "up.weight", "down.weight"},
-    "functional": {"w1", "w2"},
+    "functional": {"w1", "b1", "w2"},
     "matmul": {"w1", "w2"},
-    "conv1d": {"c_fc.weight", "c_proj.weight"},
-    "head": {"proj.weight"},
-    "inplace": {"up.weight", "down.weight"},
+    "conv1d": {"c_fc.weight", "c_fc.bias", "c_proj.weight"},
+    "head": {"proj.weight", "proj.bias"},
+    "inplace": {"up.weight", "up.bias", "down.weight"},
     "seed": {"weight"},
-    "attention": {"q.weight", "k.weight", "v.weight", "o.weight"},
-    "tiny_lm": {"embed.weight", "mlp.up.weight", "mlp.down.weight"},
+    "attention": {"q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "o.weight"},
+    "tiny_lm": {"embed.weight", "mlp.up.weight", "mlp.up.bias", "mlp.down.weight"},
     "nanogpt": {"wte.weight", "wpe.weight"}
-    | {f"h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj")},
+    | {f"h.{i}.{n}.weight" for i in range(2) for n in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj")}
+    | {f"h.{i}.{n}.bias" for i in range(2) for n in ("attn.c_attn", "c_fc")},
     "llama": {"embed_tokens.weight"}
     | {f"layers.{i}.{n}.weight" for i in range(2) for n in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "gate_proj", "up_proj",
@@ -109,9 +111,10 @@ SHARDED["llama_sdpa_gqa"] = SHARDED["llama"]
 SHARDED["llama_mqa"] = SHARDED["llama_few_kv"]
 SHARDED["fused_gqa"] = SHARDED["fused_gqa_probe"] = SHARDED["fused_gqa_heads"] = {"qkv_proj.weight", "o_proj.weight"}
 SHARDED["per_head_scale"] = SHARDED["per_head_scale_infer"] = SHARDED["attention"]
-SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = SHARDED["attention"]
-SHARDED["bloom_alibi"] = SHARDED["falcon_gqa"] = SHARDED["falcon_mqa"] = {"query_key_value.weight", "dense.weight"}
-SHARDED["cat_mlp"] = {"a.weight", "b.weight", "down.weight"}
+SHARDED["qk_norm"] = SHARDED["qk_layernorm_rot2"] = {"q.weight", "k.weight", "v.weight", "o.weight"}
+SHARDED["bloom_alibi"] = {"query_key_value.weight", "query_key_value.bias", "dense.weight"}
+SHARDED["falcon_gqa"] = SHARDED["falcon_mqa"] = {"query_key_value.weight", "dense.weight"}
+SHARDED["cat_mlp"] = {"a.weight", "a.bias", "b.weight", "b.bias", "down.weight"}
 SHARDED["moe"] = SHARDED["moe_loop"] = {"gate_up_proj", "down_proj"}
 SHARDED["hf_mixtral"] = {"model.model.embed_tokens.weight"} | {
     f"model.model.layers.{i}.{n}" for i in range(2) for n in (
@@ -122,7 +125,14 @@ SHARDED_BY_CASE = {
     "pr_seed_colwise": {"weight", "bias"},
     "pr_mlp_own_weights": SHARDED["mlp_stack"] | {f"layers.{i}.up.bias" for i in range(3)},
     "pr_conv1d_own_weights": SHARDED["conv1d"] | {"c_fc.bias"},
+    "inverted_plan": {"up.weight", "down.weight", "down.bias"},  # down is the colwise one
 }
+# inputs="per_rank" alone keeps colwise biases whole (each rank adds the rows of every rank's batch).
+SHARDED_BY_CASE.update({
+    case: {n for n in SHARDED[model] if not n.endswith("bias") and n != "b1"}
+    for case, (model, *_, extra) in CASES.items()
+    if extra.get("inputs") == "per_rank" and extra.get("weights") != "per_rank"
+})
 
 
 def _options(extra: dict, compiler: str) -> dict:

@@ -65,18 +65,19 @@ def test_linear_called_twice(special):
     for r in special:
         # Both calls of each layer split its weight the same way: sharded once, used twice.
         assert r["called_twice_auto"]["err"] <= 1e-5
-        assert r["called_twice_auto"]["freed"] == ["down.weight", "up.weight"]
+        # (up's bias too: held cut like up's output, by both calls)
+        assert r["called_twice_auto"]["freed"] == ["down.weight", "up.bias", "up.weight"]
         assert r["called_twice_plan"]["err"] <= 1e-5
-        assert r["called_twice_plan"]["freed"] == ["down.weight", "up.weight"]
+        assert r["called_twice_plan"]["freed"] == ["down.weight", "up.bias", "up.weight"]
 
 
 def test_mixed_dtypes(special):
     for r in special:
         assert r["mixed_dtypes"]["dtype_ok"] and r["mixed_dtypes"]["err"] <= 5e-2
-        assert len(r["mixed_dtypes"]["freed"]) == 4
+        assert len(r["mixed_dtypes"]["freed"]) == 6  # 2 pairs' weights, and each up's bias (held cut)
 
 
 def test_sub_group_leaves_other_ranks_untouched(special):
     for rank, r in enumerate(special):
         assert r["sub_group"]["err"] <= 1e-5
-        assert r["sub_group"]["freed"] == (["down.weight", "up.weight"] if rank < 2 else [])
+        assert r["sub_group"]["freed"] == (["down.weight", "up.bias", "up.weight"] if rank < 2 else [])

@@ -75,8 +75,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     mul = arg2_1 * arg3_1
     view = torch.ops.aten.view.default(arg4_1, [mul, 32])
     t = torch.ops.aten.t.default(arg0_1)
-    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 0, 48)
-    addmm = torch.ops.aten.addmm.default(slice_1, view, t)
+    addmm = torch.ops.aten.addmm.default(arg1_1, view, t)
     view_1 = torch.ops.aten.view.default(addmm, [arg2_1, arg3_1, 48])
     gelu = torch.ops.aten.gelu.default(view_1)
     view_2 = torch.ops.aten.view.default(gelu, [mul, 48])
@@ -95,8 +94,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         self.assertExpectedInline(_normalise(gm.code), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
     t = torch.ops.aten.t.default(arg0_1)
-    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 0, 48)
-    addmm = torch.ops.aten.addmm.default(slice_1, arg3_1, t)
+    addmm = torch.ops.aten.addmm.default(arg1_1, arg3_1, t)
     relu = torch.ops.aten.relu.default(addmm)
     t_1 = torch.ops.aten.t.default(arg4_1)
     mm = torch.ops.aten.mm.default(relu, t_1)
@@ -134,8 +132,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1):
         self.assertExpectedInline(_normalise(gm.code), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     view = torch.ops.aten.view.default(arg2_1, [-1, 32])
-    slice_1 = torch.ops.aten.slice.Tensor(arg3_1, -1, 48, 96)
-    addmm = torch.ops.aten.addmm.default(slice_1, view, arg4_1)
+    addmm = torch.ops.aten.addmm.default(arg3_1, view, arg4_1)
     view_1 = torch.ops.aten.view.default(addmm, [arg0_1, arg1_1, 48])
     gelu = torch.ops.aten.gelu.default(view_1, approximate = 'tanh')
     view_2 = torch.ops.aten.view.default(gelu, [-1, 48])
@@ -156,19 +153,18 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         self.assertExpectedInline(_normalise(gm.code), """\
 def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     t = torch.ops.aten.t.default(arg0_1)
-    slice_1 = torch.ops.aten.slice.Tensor(arg1_1, -1, 68, 90)
-    addmm = torch.ops.aten.addmm.default(slice_1, arg3_1, t)
+    addmm = torch.ops.aten.addmm.default(arg1_1, arg3_1, t)
     constant_pad_nd = torch.ops.aten.constant_pad_nd.default(addmm, [0, 1], 0.0)
     all_gather_into_tensor = torch.ops._c10d_functional.all_gather_into_tensor.default(constant_pad_nd, 4, 'G')
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor)
     view = torch.ops.aten.view.default(wait_tensor, [4, arg2_1, 23])
     permute = torch.ops.aten.permute.default(view, [1, 0, 2])
-    slice_2 = torch.ops.aten.slice.Tensor(permute, -2, 0, 2)
-    clone = torch.ops.aten.clone.default(slice_2, memory_format = torch.contiguous_format)
+    slice_1 = torch.ops.aten.slice.Tensor(permute, -2, 0, 2)
+    clone = torch.ops.aten.clone.default(slice_1, memory_format = torch.contiguous_format)
     _unsafe_view = torch.ops.aten._unsafe_view.default(clone, [arg2_1, 46])
-    slice_3 = torch.ops.aten.slice.Tensor(permute, -2, 2, 4)
-    slice_4 = torch.ops.aten.slice.Tensor(slice_3, -1, 0, 22)
-    clone_1 = torch.ops.aten.clone.default(slice_4, memory_format = torch.contiguous_format)
+    slice_2 = torch.ops.aten.slice.Tensor(permute, -2, 2, 4)
+    slice_3 = torch.ops.aten.slice.Tensor(slice_2, -1, 0, 22)
+    clone_1 = torch.ops.aten.clone.default(slice_3, memory_format = torch.contiguous_format)
     _unsafe_view_1 = torch.ops.aten._unsafe_view.default(clone_1, [arg2_1, 44])
     cat = torch.ops.aten.cat.default([_unsafe_view, _unsafe_view_1], -1)
     _softmax = torch.ops.aten._softmax.default(cat, -1, False)
@@ -227,11 +223,7 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
     mul = arg0_1 * arg1_1
     view = torch.ops.aten.view.default(arg2_1, [mul, 96])
     t = torch.ops.aten.t.default(arg3_1)
-    slice_1 = torch.ops.aten.slice.Tensor(arg4_1, -1, 80, 96)
-    slice_2 = torch.ops.aten.slice.Tensor(arg4_1, -1, 176, 192)
-    slice_3 = torch.ops.aten.slice.Tensor(arg4_1, -1, 272, 288)
-    cat = torch.ops.aten.cat.default([slice_1, slice_2, slice_3], -1)
-    addmm = torch.ops.aten.addmm.default(cat, view, t)
+    addmm = torch.ops.aten.addmm.default(arg4_1, view, t)
     view_1 = torch.ops.aten.view.default(addmm, [arg0_1, arg1_1, 48])
     split_with_sizes = torch.ops.aten.split_with_sizes.default(view_1, [16, 16, 16], -1)
     getitem = split_with_sizes[0]

@@ -93,6 +93,16 @@ def test_a_colwise_rowwise_pair_costs_one_all_reduce_each_way(monkeypatch):
     assert _collectives(graphs["backward"])[0] == {"all_reduce": 1}
 
 
+def test_a_colwise_bias_is_held_cut_so_its_gradient_needs_no_collective(monkeypatch):
+    """An MLP with biases on a plain input (no gradient wanted): forward the one all_reduce of
+    ``down``; backward nothing at all. ``up``'s bias is this rank's features' part, so its gradient
+    is local (held whole and narrowed in the graph, it would be all-reduced every step)."""
+    torch.manual_seed(0)
+    graphs = step_graphs(monkeypatch, models.MLP(32, 96), torch.randn(2, 5, 32))
+    assert _collectives(graphs["forward"])[0] == {"all_reduce": 1}
+    assert _collectives(graphs["backward"])[0] == {}
+
+
 def test_a_decoder_costs_megatrons_collectives(monkeypatch):
     """Llama, 2 layers, logits out (hidden 256: a colwise LM head pays for its gather): forward one
     all_reduce for the vocab-parallel embedding and one per attention and per MLP, one all_gather of
@@ -123,13 +133,14 @@ def test_loss_parallel_gathers_two_numbers_per_token_and_nothing_backward(monkey
 def test_loss_parallel_with_a_tied_head_at_world_4(monkeypatch):
     """nanoGPT (fused qkv, the LM head tied to the vocab-parallel token embedding, 97 tokens on 4
     ranks: 25/24/24/24; a vocab-parallel position embedding) with its loss in the graph: one small
-    all_gather, and per block the pair counts of the decoder, plus its colwise biases' gradients."""
+    all_gather, and per block the pair counts of the decoder, its colwise biases' gradients local."""
     torch.manual_seed(0)
     ids, target = torch.randint(0, 97, (2, 7)), torch.randint(0, 97, (2, 7))
     graphs = step_graphs(monkeypatch, WithLoss(models.build("nanogpt", 64, 97)), ids, target, world=4)
     forward, gathered = _collectives(graphs["forward"])
     assert forward == {"all_reduce": 2 + 2 * 2, "all_gather": 1}, forward  # token and position embeddings
     assert gathered == [(4 * 2 * 7, 2)]
-    # nanoGPT's colwise layers have biases, held whole and narrowed: each rank's gradient of one is
-    # its own slice, so it is all-reduced too (one more per c_attn and c_fc; Megatron shards them)
-    assert _collectives(graphs["backward"])[0] == {"all_reduce": 2 * 2 + 1 + 2 * 2}
+    # nanoGPT's colwise layers have biases, held cut like their outputs (as Megatron holds them): their
+    # gradients stay local, with no all_reduce (held whole and narrowed, c_attn's and c_fc's would each
+    # add one per block)
+    assert _collectives(graphs["backward"])[0] == {"all_reduce": 2 * 2 + 1}
