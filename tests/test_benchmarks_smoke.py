@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     "script,ranks",
     # (the seed scenario and the collectives comparison are documented at 4 ranks; 2 prove the scripts run)
     [("bench_seed.py", 2), ("bench_memory.py", 2), ("bench_collectives.py", 2), ("suite.py", 2),
-     ("bench_overlap.py", 2), ("bench_fused_kv.py", 2), ("bench_call_check.py", 2), ("bench_train.py", 2)],
+     ("bench_overlap.py", 2), ("bench_fused_kv.py", 2), ("bench_call_check.py", 2), ("bench_train.py", 2),
+     ("bench_decode.py", 2)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):
     """Each script's ``main()`` with ``--smoke`` on the test harness's gloo ranks (forked from a
