@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import types
 import warnings
@@ -108,10 +109,37 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     finally:
         STORE.source = None
     _register(model)
+    _run_calls_through_dynashard(model, opts)
     install_optimizer_hooks()  # an optimizer over the shards: its state checkpointable like them
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
     return model
+
+
+def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
+    """A call of the parallelized model outside ``torch.compile`` runs it sharded: its forward,
+    compiled with the dynashard backend and ``parallelize``'s options on first use. Code that calls
+    the model both ways works unchanged (HF ``generate`` with a ``compile_config`` compiles only its
+    decode step and calls the model plainly for prefill). Inside a compile (the user's own
+    ``torch.compile``) the original forward is traced as before; a submodule called on its own
+    still raises (its facades hold no values)."""
+    original = model.forward
+    compiled = None
+
+    def sharded_backend(gm, example_inputs):
+        return dynashard_backend(gm, example_inputs, opts)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(original, backend=sharded_backend)
+        return compiled(*args, **kwargs)
+
+    forward._dynashard_runs_sharded = True
+    model.forward = forward
 
 
 def _average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:

@@ -64,9 +64,13 @@ def _parallelize_and_check(rank: int, world: int, path: str) -> dict:
             r["max_err"] = max(float((compiled(x) - reference(x)).abs().max()) for x in inputs)
         r["compiles"] = len(compiles)
         r["same_shards"] = all(STORE.shard_of(f) is params[n] for n, f in _facades(model))
-        try:
+        with torch.no_grad():  # a plain call runs through dynashard (parallelize's options): sharded, no error
+            r["plain_call_err"] = max(float((model(x) - reference(x)).abs().max()) for x in inputs)
+        r["plain_call_kept_shards"] = all(STORE.shard_of(f) is params[n] for n, f in _facades(model))
+        try:  # a submodule called on its own has no values to run on
             with torch.no_grad():
-                model(inputs[0])
+                (model.up if name == "mlp" else model.layers[0].gate_proj if name == "llama" else model.h[0].c_fc)(
+                    torch.randn(2, 128 if name == "llama" else 64))
             r["eager"] = "ran"
         except UsageError as e:
             r["eager"] = str(e)
@@ -160,7 +164,7 @@ def _facades(model):
 
 
 @pytest.mark.timeout(420)
-def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(tmp_path):
+def test_parallelize_registers_shards_that_compile_save_and_run_plain_calls_sharded(tmp_path):
     results = run_ranks(_parallelize_and_check, 2, str(tmp_path), timeout=360)
     for rank, out in enumerate(results):
         for name in MODELS:
@@ -172,6 +176,7 @@ def test_parallelize_registers_shards_that_compile_save_and_refuse_eager_calls(t
             # float32 sums of <= 128 products in another order: a few ulps (see test_numerics.py)
             assert r["max_err"] < 1e-5, (rank, name, r)
             assert r["compiles"] <= 2, (rank, name, r)  # the first shape, then Dynamo's dynamic recompile
+            assert r["plain_call_err"] < 1e-5 and r["plain_call_kept_shards"], (rank, name, r)
             assert "sharded by dynashard.parallelize" in r["eager"] and "torch.compile" in r["eager"], r["eager"]
             assert "already parallelized" in r["twice"], r["twice"]
             assert "cannot copy this model" in r["copy"], r["copy"]  # (copying a freed tensor killed the process)

@@ -146,14 +146,17 @@ def _generate(rank: int, world: int, cases: list) -> dict:
     return out
 
 
-def _decode_and_generate(rank: int, world: int, cases: list) -> dict:
-    hf = _hf_generate(rank, world, ["static", "dynamic"]) if world == 2 else None
-    return {**_generate(rank, world, cases), "hf": hf}
+def _decode_and_generate(rank: int, world: int, cases: list, hf_cases: list) -> dict:
+    return {**_generate(rank, world, cases), "hf": _hf_generate(rank, world, hf_cases)}
 
 
 W2 = [("index_put", "eager", 8, 4), ("index_copy", "eager", 8, 4), ("slice", "eager", 8, 4),
       ("index_put", "inductor", 8, 4)]
 W4 = [("index_copy", "eager", 8, 4), ("index_put", "eager", 8, 2)]  # 1 K/V head per rank; 2 on 4: whole
+# HF models: (architecture, cache, how the model is compiled; see _hf_generate)
+HF_W2 = [("llama", "static", "forward"), ("llama", "dynamic", "forward"), ("llama", "static", "compile_config"),
+         ("qwen2", "static", "forward"), ("phi3", "static", "compile_config"), ("gpt2", "dynamic", "parallelize")]
+HF_W4 = [("mistral", "static", "compile_config"), ("phi3", "dynamic", "forward")]  # 2 K/V heads on 4 ranks
 
 
 @pytest.mark.gloo
@@ -165,48 +168,86 @@ def test_decode_with_sharded_caches_matches_the_unsharded_model(world):
     unsharded (float32: attention sums the same products in another order), 2 compiles (prefill,
     decode), each rank holding 1/world of the caches (whole ones: all of them) and the full ones freed.
 
-    At world 2 also HF ``generate``: greedy tokens equal the unsharded model's, three calls in one
-    process, with a StaticCache (held sharded in the decode graph) and the default DynamicCache
-    (correct, gathered: its tensors leave the graph). The second call with the prompt length of the
-    first once crashed: the decode graph cut k_proj, which the earlier prefill graph reads whole (now
-    kept whole)."""
-    cases = W2 if world == 2 else W4
-    results = run_ranks(_decode_and_generate, world, cases, timeout=240)
+    Also HF ``generate`` (see _hf_generate): greedy tokens equal the unsharded model's in four calls in
+    one process; after the first call with a new prompt length (Dynamo's own recompile to dynamic
+    shapes: the prompt, and the static cache's length), further lengths compile nothing; under one seed
+    ``do_sample`` draws the same tokens on every rank; each rank holds less than the model. The second
+    call with the prompt length of the first once crashed: the decode graph cut k_proj, which the earlier
+    prefill graph reads whole (now kept whole)."""
+    cases, hf_cases = (W2, HF_W2) if world == 2 else (W4, HF_W4)
+    results = run_ranks(_decode_and_generate, world, cases, hf_cases, timeout=280)
     for rank, out in enumerate(results):
-        if world == 2:  # HF generate, in the same spawn (see _hf_generate)
-            assert out["hf"] == {"static": [True] * 3, "dynamic": [True] * 3}, (rank, out["hf"])
         for case in cases:
             r = out[case]
             assert r["err"] < 1e-5 and r["compiles"] == 2, (rank, case, r)
             whole = case[3] < world
             assert r["held"] == (r["full"] if whole else r["full"] // world), (rank, case, r)
             assert r["freed"] != whole, (rank, case, r)
+        for case in hf_cases:
+            r = out["hf"][case]
+            assert r["same"] == [True] * 4, (rank, case, r)
+            # prefill and decode graphs at the first call; at most one recompile per phase later (Qwen2's
+            # second call recompiles once as well: HF builds its mask dict differently on a fresh cache)
+            assert r["compiles"][0] <= 3 and sum(r["compiles"]) <= 5 and r["compiles"][3] == 0, (rank, case, r)
+            assert r["sampled"] == results[0]["hf"][case]["sampled"], (rank, case, r)
+            assert r["held"] < 0.7 * r["full"], (rank, case, r)  # embedding, norms and lm_head: some kept whole
 
 
-def _hf_generate(rank: int, world: int, caches: list[str]) -> dict:
-    """HF Llama (8 heads, 4 K/V heads), ``model.forward`` compiled with dynashard, greedy ``generate``
-    three times (prompts of 5, 5 and 7 tokens) against the unsharded model's tokens."""
+def _hf_model(arch: str, kv_heads: int = 4):
+    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), 2 layers."""
+    import transformers as T
+
+    if arch == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64))
+    config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+                     "mistral": (T.MistralConfig, T.MistralForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
+    return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+                        bos_token_id=None, eos_token_id=None))  # (no early stop: every call makes 6 tokens)
+
+
+def _hf_generate(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
+    """Greedy ``generate`` four times (prompts of 5, 5, 7 and 9 tokens) against the unsharded model's
+    tokens, per (architecture, cache, how): ``forward``: ``model.forward`` compiled with dynashard;
+    ``compile_config``: ``parallelize`` first, then HF's own ``compile_config`` (HF compiles the decode
+    step only, and calls the model plainly for prefill: parallelize makes that call run sharded);
+    ``parallelize``: that alone, ``generate`` unchanged.
+    Also the compiles per call and this rank's sampled tokens under one seed (``do_sample``)."""
     import copy
 
     import transformers as T
 
     out = {}
-    for cache in caches:
+    opts = {"min_shard_numel": 0, "compiler": "eager"}
+    for arch, cache, how in cases:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                               num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-        model = T.LlamaForCausalLM(config).eval()
+        model = _hf_model(arch, kv_heads=2 if world == 4 else 4).eval()
         twin = copy.deepcopy(model)
-        model.forward = torch.compile(model.forward, backend="dynashard",
-                                      options={"min_shard_numel": 0, "compiler": "eager"})
         kw = {"max_new_tokens": 6, "do_sample": False}
         if cache == "static":
             kw["cache_implementation"] = "static"
-        same = []
-        for length in (5, 5, 7):
+        plain = dict(kw)  # the unsharded twin runs eagerly
+        if how == "forward":
+            model.forward = torch.compile(model.forward, backend="dynashard", options=opts)
+        else:  # "parallelize" alone: every call runs through dynashard
+            dynashard.parallelize(model, torch.randint(0, 128, (1, 4)), options=opts)
+        if how == "compile_config":
+            config = T.CompileConfig(backend="dynashard", mode=None, fullgraph=False, options=opts)
+            config._compile_all_devices = True  # (HF compiles on GPUs only, unless told)
+            kw["compile_config"] = config
+        same, per_call = [], []
+        graphs = torch._dynamo.utils.counters["stats"]
+        for length in (5, 5, 7, 9):
             ids = torch.randint(0, 128, (1, length))
+            before = graphs["unique_graphs"]
             with torch.no_grad():
-                same.append(torch.equal(model.generate(ids, **kw), twin.generate(ids, **kw)))
-        out[cache] = same
+                same.append(torch.equal(model.generate(ids, **kw), twin.generate(ids, **plain)))
+            per_call.append(graphs["unique_graphs"] - before)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            sampled = model.generate(torch.randint(0, 128, (1, 5)), **{**kw, "do_sample": True, "top_k": 20}).tolist()
+        out[(arch, cache, how)] = {"same": same, "compiles": per_call, "sampled": sampled,
+                                   "held": dynashard.held_bytes(model),
+                                   "full": sum(p.numel() * p.element_size() for p in twin.parameters())}
     return out
