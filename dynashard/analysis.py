@@ -42,6 +42,8 @@ class Analysis:
         index = {node: i for i, (_, node) in self.params.items()}
         out: dict[int, tuple[str, int, Split]] = {}
         for node, shard in self.plan.layouts.states.items():
+            if node.op != "placeholder":  # allocated by the graph: see held_outputs
+                continue
             i = self.inputs.index(node)
             out[i] = (self.names[i], val(node).dim() + shard.dim, shard.split)
         for m in self.plan.sharded():
@@ -52,6 +54,15 @@ class Analysis:
             if self.stacked and style == "colwise" and m.bias in index:
                 out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)
         return out
+
+    def held_outputs(self) -> dict[int, tuple[int, Split]]:
+        """Output index -> (dim, how) of each cache the graph allocates and returns as this rank's
+        shard (``LayoutMap.held_outputs``): the program hands it back wrapped as a full-shape facade."""
+        lm = self.plan.layouts
+        output = next(n for n in self.aten.graph.nodes if n.op == "output")
+        flat = torch.utils._pytree.tree_leaves(output.args[0])
+        return {i: (val(n).dim() + lm.held_outputs[n].dim, lm.held_outputs[n].split)
+                for i, n in enumerate(flat) if isinstance(n, torch.fx.Node) and n in lm.held_outputs}
 
 
 def _merge_duplicate_views(gm: torch.fx.GraphModule) -> None:

@@ -103,7 +103,9 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         elif error is not None:
             raise error
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
-    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train)
+    held = {i: ShardSpec(dim, split, world, rank, group_name(group))
+            for i, (dim, split) in analysis.held_outputs().items()}
+    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held)
 
 
 def check_data_parallel() -> None:

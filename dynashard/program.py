@@ -82,8 +82,11 @@ class ShardedProgram:
         fingerprint: str,
         check: CallCheck | None,
         train: bool = False,
+        held: dict[int, ShardSpec] | None = None,
     ) -> None:
         self.compiled = compiled
+        # output slot -> how a cache the program allocates is cut: handed back as a facade (STORE.hold)
+        self.held = held or {}
         # compiled with gradients: shards are passed as the leaves the gradients land in (the
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
@@ -119,10 +122,22 @@ class ShardedProgram:
             args[i] = shard
         with torch.no_grad() if torch.is_grad_enabled() and not self.train else contextlib.nullcontext():
             try:
-                return self.compiled(*args)
+                out = self.compiled(*args)
             except RuntimeError as e:
                 self._diagnose(e)
                 raise
+        return self._hand_back(out) if self.held else out
+
+    def _hand_back(self, out: Any) -> Any:
+        """Each cache the program allocated as this rank's shard goes back to Dynamo (which stores it
+        where the model keeps it) as a full-shape facade; the next graph reads the shard by it."""
+        out = list(out)
+        for i, spec in self.held.items():
+            local = out[i]
+            shape = list(local.shape)
+            shape[spec.dim] = spec.split.size
+            out[i] = STORE.hold(local, torch.Size(shape), spec, f"cache allocated by the graph (output {i})")
+        return out
 
 
     def _adopt(self, args: list[Any], fresh: list[int]) -> None:

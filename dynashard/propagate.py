@@ -29,7 +29,7 @@ import torch.fx
 
 from dynashard import rules
 from dynashard.match import LinearMatch
-from dynashard.rules.inplace import mutated_roots
+from dynashard.rules.inplace import alias_roots, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
 from dynashard.shard import LayoutMap, Read, Shard, Split, all_args
@@ -67,6 +67,10 @@ def propagate(
             if node.op == "get_attr" or node in uniform_inputs:
                 lm.uniform.add(node)
             continue
+        if node in (states or {}):  # a cache the graph allocates (rules.inplace.FACTORIES): at this rank's size
+            split, dim, origins = states[node]
+            lm.layouts[node] = lm.states[node] = lm.shard(split, origins, dim)
+            continue
         seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())  # randn differs per rank
         if node.op == "call_function" and not seeded and all(a in lm.uniform for a in all_args(node)):
             lm.uniform.add(node)
@@ -86,7 +90,17 @@ def propagate(
             lm.styles[node] = style
             linear(lm, match, style)
             continue
-        found = rules.lookup(node, per_rank) if node.op != "output" else None
+        if node.op == "output":  # (partial sums reduced above) returned whole, but a cache the graph
+            # allocated is returned as it is held (program.py wraps it)
+            roots = alias_roots(graph)
+            for arg in all_args(node):
+                root, lay = roots.get(arg, arg), lm.layouts.get(arg)
+                if root.op == "call_function" and root in lm.states and lay is not None and lay.alike(lm.states[root]):
+                    lm.held_outputs[arg] = lay
+                lm.read(node, arg, Read.GATHER if lay is not None and arg not in lm.held_outputs else Read.LOCAL)
+            lm.layouts[node] = None
+            continue
+        found = rules.lookup(node, per_rank)
         if found is None or not found(lm, node):
             lm.gather_all(node)
     return lm

@@ -98,7 +98,8 @@ class GraphReport:
         for node, shard in lm.states.items():
             if node in analysis.plan.held_biases:  # (shown with its linear)
                 continue
-            i = analysis.inputs.index(node)
+            allocated = node.op != "placeholder"  # by the graph (HF's lazy StaticCache): at this rank's size
+            name = f"{node.name} (allocated by the graph)" if allocated else analysis.names[analysis.inputs.index(node)]
             full = node.meta["val"]
             sizes = [private.size_hint(d) for d in full.shape]
             per_dim = math.prod(sizes) // max(1, sizes[shard.dim])  # elements per index of the cut dim
@@ -106,9 +107,10 @@ class GraphReport:
                                     if n.op == "call_function" and mutates_self(n)
                                     and roots.get(n.args[0], n.args[0]) is node}))
             caches.append(LayerRow(
-                fqn=analysis.names[i], weight_shape=tuple(sizes), style="cache",
+                fqn=name, weight_shape=tuple(sizes), style="cache",
                 reason=f"written in place ({how}) from head-sharded values: held cut like them on dim "
-                       f"{full.dim() + shard.dim}, no gather per step",
+                       f"{full.dim() + shard.dim}, no gather per step"
+                       + ("; allocated at this rank's size, returned as its shard" if allocated else ""),
                 collectives="-", comm_bytes=0, weight_bytes=per_dim * shard.length * full.element_size(),
                 dtype=full.dtype))
         return cls(rows, analysis.world, analysis.rank, caches=caches)

@@ -159,6 +159,10 @@ class _Sharder(torch.fx.Interpreter):
             if node in self.lm.view_rows_scaled and shape[0] != -1:
                 shape[0] = shape[0] * self.lm.world
             args = (args[0], shape, *args[2:])
+        if node.op == "call_function" and node in self.lm.states:  # a cache allocated here: at this rank's size
+            shard, size = self.lm.states[node], list(args[0])
+            size[len(size) + shard.dim] = shard.length
+            return node.target(size, *args[1:], **kwargs)
         if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
             return self._view(node, args[0], args[1])
         if node in self.lm.part_sizes:  # a split or slice of the cut dim: this rank's parts

@@ -301,6 +301,8 @@ class LayoutMap:
     # Graph inputs held sharded because the graph writes Shards into them in place (KV caches):
     # placeholder -> its layout, seeded by the plan (Cuts.states) before the walk.
     states: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
+    # values of states the graph allocates itself (rules.inplace.FACTORIES) that it returns: as shards
+    held_outputs: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
 
     def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:

@@ -147,6 +147,17 @@ class WeightStore:
         self._shards[param] = _Entry(spec, shard, fqn)
         return shard
 
+    def hold(self, local: torch.Tensor, shape: torch.Size, spec: ShardSpec, name: str) -> torch.Tensor:
+        """A shard a compiled program made (a cache it allocated at this rank's size): a storage-less
+        full-shape facade, by which later graphs find the shard as they find a cut weight's."""
+        with private.real_tensors():
+            facade = torch.empty(shape, dtype=local.dtype, device=local.device)
+        facade.untyped_storage().resize_(0)  # (its pages never touched)
+        facade.__deepcopy__ = _refuse_copy
+        self._shards[facade] = _Entry(spec, local, name)
+        self._agreed[facade] = True  # every rank made it by one program
+        return facade
+
     def materialize(self, params: list[torch.Tensor]) -> None:
         """Storage-less ``params`` a graph reads whole (replicated), filled from :attr:`source`."""
         for p in params:

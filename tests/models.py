@@ -749,16 +749,24 @@ IDS_IN = {"tiny_lm", "nanogpt", "nanogpt_manual", "llama", "llama_complex", "lla
 class KVCache(nn.Module):
     """gpt-fast's cache: ``[batch, kv_heads, max_len, head_dim]`` buffers written in place at
     ``input_pos``. ``form``: "index_put" (gpt-fast: ``k_out[:, :, input_pos] = k``), "index_copy"
-    (HF StaticCache: ``index_copy_(2, input_pos, k)``) or "slice" (Meta's Llama:
-    ``k_out[:, :, start:start + T] = k``, ``start`` a Python int)."""
+    (HF StaticCache: ``index_copy_(2, input_pos, k)``), "slice" (Meta's Llama:
+    ``k_out[:, :, start:start + T] = k``, ``start`` a Python int) or "lazy" (HF StaticCache's lazy
+    initialisation: ``torch.zeros`` at the first update, inside the compiled graph, then ``index_copy_``)."""
 
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, form: str = "index_put") -> None:
         super().__init__()
-        self.form = form
+        self.form, self.shape = form, (batch, kv_heads, max_len, head_dim)
+        if form == "lazy":  # HF's StaticCache: plain attributes, allocated by the first update (in the graph)
+            self.k_cache = self.v_cache = None
+            return
         self.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, head_dim))
         self.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, head_dim))
 
     def update(self, input_pos, k, v):
+        if self.form == "lazy":
+            if self.k_cache is None:
+                self.k_cache, self.v_cache = torch.zeros(self.shape), torch.zeros(self.shape)
+            return self.k_cache.index_copy_(2, input_pos, k), self.v_cache.index_copy_(2, input_pos, v)
         if self.form == "index_copy":
             return self.k_cache.index_copy_(2, input_pos, k), self.v_cache.index_copy_(2, input_pos, v)
         if self.form == "slice":

@@ -24,8 +24,8 @@ def _sharded_layers(param_names: set[str]) -> set[str]:
     """The layer FQNs of the weights a case must shard ("up.weight" -> "up"; a bare "w1" is its own)."""
     layers = set()
     for name in param_names:
-        if name.endswith("bias"):
-            continue  # (per-rank weights exchange colwise biases with their weight)
+        if name.endswith("bias") or name == "b1":
+            continue  # (colwise biases are held cut with their weight: "functional"'s is the bare "b1")
         layers.add(name.removesuffix("weight").removesuffix(".") if name.endswith("weight") else name)
     return layers
 

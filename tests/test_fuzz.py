@@ -318,10 +318,11 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
 # FUZZ_EXAMPLES=100 passed when this test was written)
 @settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 12)))
 @given(world=st.integers(2, 4), kv=st.integers(1, 4), rep=st.integers(1, 3), dh=st.sampled_from([2, 4, 8]),
-       form=st.sampled_from(["index_put", "index_copy", "slice"]), batch=st.integers(1, 2), t=st.integers(1, 6),
+       form=st.sampled_from(["index_put", "index_copy", "slice", "lazy"]), batch=st.integers(1, 2), t=st.integers(1, 6),
        data=st.data())
 def test_random_caches(world, kv, rep, dh, form, batch, t, data):
-    """gpt-fast-style decoders whose KV caches the graph writes in place (every write form), any
+    """gpt-fast-style decoders whose KV caches the graph writes in place (every write form, and caches
+    the graph allocates itself, returned as each rank's shard: "lazy"), any
     head counts (dividing the world or not, fewer K/V heads than ranks), a batch of one or two, a
     prefill or a decode step: every rank's output equal to unsharded, the caches held sharded or
     whole as the plan decides."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import dynashard
 from dynashard import _torch_private as private
 from dynashard.dynamo_backend import dynashard_backend
+from dynashard.weights import STORE
 from tests import models
 from tests.multiproc import run_ranks
 
@@ -39,6 +40,27 @@ def test_a_cache_written_from_sharded_heads_is_held_sharded(form):
     assert len(caches) == 4 and all(r.style == "cache" for r in caches), str(report)
     assert all(r.weight_bytes == 2 * 4 * 32 * 8 * 4 // 2 for r in caches), str(report)  # half the heads
     assert all("all_gather" not in r.collectives for r in report.rows), str(report)
+
+
+@pytest.mark.unit
+def test_a_cache_the_graph_allocates_is_allocated_at_this_ranks_size():
+    """HF's StaticCache allocates its tensors at the first update, inside the prefill graph
+    (``torch.zeros``, then ``index_copy_``): each rank allocates only its K/V heads and the graph
+    returns them as they are (the program wraps them as full-shape facades); before, the graph
+    allocated the whole cache and gathered k and v into it. Every simulated rank's returned cache
+    equals its heads of the unsharded one (``verify``)."""
+    torch.manual_seed(0)
+    report = dynashard.explain(models.CachedDecoder(form="lazy"), *_prompt("lazy"), world_size=2,
+                               options={"min_shard_numel": 0}, verify=True)
+    caches = [r for g in report.graphs for r in g.caches]
+    assert len(caches) == 4 and all("allocated by the graph" in r.fqn for r in caches), str(report)
+    assert all(r.weight_bytes == 2 * 4 * 32 * 8 * 4 // 2 for r in caches), str(report)  # half the heads
+    assert all("all_gather" not in r.collectives for r in report.rows), str(report)
+    prefill, decode = _rank_graphs(models.CachedDecoder(form="lazy"), form="lazy")
+    zeros = [n for n in prefill.graph.nodes if n.target is torch.ops.aten.zeros.default and len(n.args[0]) == 4]
+    assert [n.args[0] for n in zeros] == [[2, 2, 32, 8]] * 4  # [batch, K/V heads / 2, max_len, head_dim]
+    caches = [n for n in decode.graph.nodes if n.op == "placeholder" and tuple(n.meta["val"].shape) == (2, 2, 32, 8)]
+    assert len(caches) == 4  # the next graph reads those shards
 
 
 @pytest.mark.unit
@@ -76,8 +98,13 @@ def test_heads_that_do_not_divide_the_world_stay_correct(world):
     assert any(r.style == "colwise" for r in report.rows if r.fqn.endswith("wqkv")), str(report)
 
 
-def _decode_graph(model, world: int = 2) -> torch.fx.GraphModule:
+def _decode_graph(model, world: int = 2, form: str = "index_put") -> torch.fx.GraphModule:
     """Rank 0's rewritten graph of a decode step (one token after a 5-token prefill)."""
+    return _rank_graphs(model, world, form)[-1]
+
+
+def _rank_graphs(model, world: int = 2, form: str = "index_put") -> list[torch.fx.GraphModule]:
+    """Rank 0's rewritten graphs of a 5-token prefill and of one decode step (fake process group)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -90,11 +117,11 @@ def _decode_graph(model, world: int = 2) -> torch.fx.GraphModule:
     try:
         fast = torch.compile(model, backend=backend)
         with torch.no_grad():
-            fast(*_prompt("index_put"))
+            fast(*_prompt(form))
             fast(torch.zeros(2, 1, dtype=torch.long), torch.tensor([5]))
     finally:
         dist.destroy_process_group()
-    return graphs[-1]
+    return graphs
 
 
 @pytest.mark.unit
@@ -138,7 +165,9 @@ def _generate(rank: int, world: int, cases: list) -> dict:
                 at = 5 + step
                 pos = torch.tensor([at]) if form != "slice" else at
         caches = [m.kv_cache for m in model.layers]
-        held = sum(dynashard.held_bytes(c) for c in caches)
+        # (a lazy cache is a plain attribute, not a buffer: held_bytes of the module would not see it)
+        held = sum(STORE.shard_of(t).nbytes if STORE.is_sharded(t) else t.nbytes
+                   for c in caches for t in (c.k_cache, c.v_cache))
         full = sum(t.numel() * t.element_size() for c in caches for t in (c.k_cache, c.v_cache))
         freed = all(t.untyped_storage().nbytes() == 0 for c in caches for t in (c.k_cache, c.v_cache))
         out[(form, compiler, n_heads, n_kv)] = {"err": worst, "compiles": len(compiles), "held": held, "full": full,
@@ -150,7 +179,7 @@ def _decode_and_generate(rank: int, world: int, cases: list, hf_cases: list) -> 
     return {**_generate(rank, world, cases), "hf": _hf_generate(rank, world, hf_cases)}
 
 
-W2 = [("index_put", "eager", 8, 4), ("index_copy", "eager", 8, 4), ("slice", "eager", 8, 4),
+W2 = [("index_put", "eager", 8, 4), ("index_copy", "eager", 8, 4), ("slice", "eager", 8, 4), ("lazy", "eager", 8, 4),
       ("index_put", "inductor", 8, 4)]
 W4 = [("index_copy", "eager", 8, 4), ("index_put", "eager", 8, 2)]  # 1 K/V head per rank; 2 on 4: whole
 # HF models: (architecture, cache, how the model is compiled; see _hf_generate)
@@ -200,10 +229,11 @@ def _hf_model(arch: str, kv_heads: int = 4):
     if arch == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64))
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-                     "mistral": (T.MistralConfig, T.MistralForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
+                     "mistral": (T.MistralConfig, T.MistralForCausalLM),
+                     "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
     return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                        num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
-                        bos_token_id=None, eos_token_id=None))  # (no early stop: every call makes 6 tokens)
+                        num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=64,
+                        pad_token_id=0, bos_token_id=None, eos_token_id=None))  # (no early stop: 6 tokens each call)
 
 
 def _hf_generate(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:

@@ -87,6 +87,9 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
 # cache is held sharded on its head dim like k (a STATE wish: the plan seeds the cache input as a
 # Shard, and the backend cuts and frees it like a weight), so no k or v is gathered per step.
 _ALIASES_KEEPING_DIMS = (aten.slice.Tensor, aten.alias.default)
+# Allocations a cache may start as inside a graph (HF's lazy StaticCache: ``torch.zeros`` in prefill):
+# held sharded like an input cache, allocated at this rank's size, returned as a shard.
+FACTORIES = (aten.zeros.default, aten.empty.memory_format, aten.full.default)
 
 
 @rule(aten.index_put_.default)
@@ -150,14 +153,17 @@ def _write_along(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, sour
 
 def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, written: Shard) -> None:
     """``node`` writes the Shard ``written`` into ``target`` in place: if ``target`` is (a
-    dim-keeping slice of) a graph input, wish that input held sharded the same way."""
+    dim-keeping slice of) a graph input, or of a tensor the graph allocates (``FACTORIES``), wish
+    it held sharded the same way."""
     if lm.per_rank or lm.stacked or written.split.fewest_units(lm.world) < 1:
         return  # (a cache some rank would hold no head of: fewer K/V heads than ranks, k is held whole)
     root = target
     while root.op == "call_function" and root.target in _ALIASES_KEEPING_DIMS:
         root = root.args[0]
     t, r = val(target), val(root)
-    if root.op != "placeholder" or t is None or r is None or t.dim() != r.dim() or t.dim() < -written.dim:
+    allocated = root.op == "call_function" and root.target in FACTORIES
+    if not (root.op == "placeholder" or allocated) or t is None or r is None or t.dim() != r.dim() or (
+            t.dim() < -written.dim):
         return
     cut = t.dim() + written.dim
     if size_at(root, written.dim) != written.size or size_at(target, written.dim) != written.size:
