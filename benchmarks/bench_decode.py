@@ -59,6 +59,10 @@ Bytes per rank (after the first run): weights (every parameter: a dynashard shar
 store, a DTensor's local tensor, the full tensor if its storage was not freed) and KV cache (the
 cache buffers, or the StaticCache that hf tp's generate returns), largest rank.
 
+Graphs: how many graphs Dynamo compiled during the system's build and first run (dynashard: one for
+the prefill, one for the decode steps); the record also holds how many were compiled after the
+first runs, while timing and counting (0 expected: no recompiles).
+
 Collectives per decode step: ``c10d::`` op events in a torch.profiler session around one decode step
 after the timed rounds (hf tp: between the first and second LogitsProcessor calls of a generate),
 as bench_train.py counts them; "via dist": not issued by a funcol op (dynashard's per-call input
@@ -483,6 +487,13 @@ def decode_collectives(sys_: System, hf: bool) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------------
 
 
+def _graphs() -> int:
+    """Graphs Dynamo has compiled in this process (a frame compiled, or compiled again)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _first_mismatch(got: torch.Tensor, want: torch.Tensor) -> int | None:
     if got.shape != want.shape:
         return 0
@@ -523,11 +534,11 @@ def measure(args: argparse.Namespace, s: Sizes, ctx: dict[str, Any], bar: Progre
         error, got = None, None
         try:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, g0 = time.perf_counter(), _graphs()
             sys_ = build(name, base, s, prompt, args, ctx)
             first = sys_.run()
             got = {"first_run_s": time.perf_counter() - t0, "tokens": first.tokens.tolist(),
-                   "first_mismatch": _first_mismatch(first.tokens, ref)}
+                   "first_mismatch": _first_mismatch(first.tokens, ref), "graphs": _graphs() - g0}
             params = list({id(p): p for p in sys_.model.parameters()}.values())
             got["weight_bytes"] = sum(held(p) for p in params)
             got["kv_cache_bytes"] = (sys_.cache_bytes() if sys_.cache_bytes else
@@ -548,6 +559,7 @@ def measure(args: argparse.Namespace, s: Sizes, ctx: dict[str, Any], bar: Progre
     calls = {n: (lambda n=n: runs[n].append(systems[n].run())) for n in systems}
     bar.show(f"timing {len(calls)} systems")
     load.append(os.getloadavg()[0])
+    g0 = _graphs()
     time_interleaved(calls, args.warmup, args.reps, on_round=bar.step)
     load.append(os.getloadavg()[0])
     bar.show("counting collectives")
@@ -559,6 +571,7 @@ def measure(args: argparse.Namespace, s: Sizes, ctx: dict[str, Any], bar: Progre
                        prefill_runs_s=[r.prefill_s for r in timed],
                        tokens_repeated=all(torch.equal(r.tokens, ref) for r in timed))
         mine[n]["collectives"] = decode_collectives(sys_, n == "hf tp")
+    info["graphs_after_first_runs"] = _graphs() - g0  # recompiles while timing or counting: expect 0
     systems.clear()
     results = []
     for n in args.systems:
@@ -579,6 +592,7 @@ def measure(args: argparse.Namespace, s: Sizes, ctx: dict[str, Any], bar: Progre
             "decode_ms": 1e3 * max(p["decode_s"] for p in pr),
             "decode_mean_ms": 1e3 * max(p["decode_mean_s"] for p in pr),
             "first_run_s": max(p["first_run_s"] for p in pr),
+            "graphs": max(p["graphs"] for p in pr),
             "weight_bytes": max(p["weight_bytes"] for p in pr),
             "kv_cache_bytes": max(p["kv_cache_bytes"] for p in pr),
             "collectives": pr[0]["collectives"],
@@ -607,8 +621,8 @@ def table(results: list[dict], info: dict, world: int, args: argparse.Namespace)
         "(slowest rank)",
         "",
         "| system | prefill ms | decode ms/token | decode vs bound | decode speedup vs unsharded | weights MiB/rank "
-        "| KV cache MiB/rank | collectives per decode step | first run s |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| KV cache MiB/rank | collectives per decode step | graphs | first run s |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in results:
         if "error" in r:
@@ -623,10 +637,11 @@ def table(results: list[dict], info: dict, world: int, args: argparse.Namespace)
         lines.append(
             f"| {r['system']} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f}{'' if r['ok'] else ' (tokens changed)'} "
             f"| {vs_bound} | {speedup} | {mib(r['weight_bytes'])} | {mib(r['kv_cache_bytes'])} "
-            f"| {r['collectives']['text']} | {r['first_run_s']:.1f} |"
+            f"| {r['collectives']['text']} | {r['graphs']} | {r['first_run_s']:.1f} |"
         )
     lines.append(f"\nUnsharded: {mib(info['weight_bytes'])} MiB of weights, {mib(info['kv_cache_bytes'])} MiB of "
-                 "KV cache per rank. Tokens: every row above was checked equal to unsharded eager's.")
+                 "KV cache per rank. Tokens: every row above was checked equal to unsharded eager's. Graphs "
+                 f"compiled after the first runs (while timing and counting): {info['graphs_after_first_runs']}.")
     return "\n".join(lines)
 
 
