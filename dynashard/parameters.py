@@ -138,7 +138,6 @@ def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
             compiled = torch.compile(original, backend=sharded_backend)
         return compiled(*args, **kwargs)
 
-    forward._dynashard_runs_sharded = True
     model.forward = forward
 
 

@@ -87,6 +87,9 @@ class ShardedProgram:
         self.compiled = compiled
         # output slot -> how a cache the program allocates is cut: handed back as a facade (STORE.hold)
         self.held = held or {}
+        if self.held:
+            log.info("dynashard: graph outputs %s are caches the graph allocates, returned as this rank's shards "
+                     "(storage-less full-shape tensors outside the compiled model)", sorted(self.held))
         # compiled with gradients: shards are passed as the leaves the gradients land in (the
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train

@@ -161,7 +161,10 @@ def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, writte
     while root.op == "call_function" and root.target in _ALIASES_KEEPING_DIMS:
         root = root.args[0]
     t, r = val(target), val(root)
-    allocated = root.op == "call_function" and root.target in FACTORIES
+    # (an allocation counts only when written at positions, as a cache is: a tensor it returns is handed
+    # back as a shard, which eager code cannot read; a buffer filled by slices stays whole)
+    allocated = root.op == "call_function" and root.target in FACTORIES and node.target in (
+        aten.index_copy_.default, aten.index_put_.default)
     if not (root.op == "placeholder" or allocated) or t is None or r is None or t.dim() != r.dim() or (
             t.dim() < -written.dim):
         return
