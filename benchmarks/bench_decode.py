@@ -75,7 +75,6 @@ inductor, at most 0.8x of hf tp's and of dtensor eager's.
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import dataclasses
 import functools
@@ -95,7 +94,7 @@ from torch import nn
 
 from benchmarks._common import OUT_HELP, Progress, gather, init, mib, out_path, record, time_interleaved, write_json
 from benchmarks.suite import cold_cache, source_version, warm_up_toolchain
-from benchmarks.train_metrics import _quiet_stderr
+from benchmarks.train_metrics import _quiet_stderr, tally_collectives
 
 SYSTEMS = ("unsharded eager", "unsharded inductor", "dynashard", "dynashard unchecked", "bound", "dtensor eager",
            "dtensor compiled", "hf tp")
@@ -469,19 +468,7 @@ def decode_collectives(sys_: System, hf: bool) -> dict[str, Any]:
         else:
             with prof:
                 sys_.step(prof)
-    ops: collections.Counter[str] = collections.Counter()
-    direct: collections.Counter[str] = collections.Counter()
-    shapes = []
-    for e in prof.events():
-        if e.name.startswith("_c10d_functional::") and "wait_tensor" not in e.name:
-            shapes.append(e.input_shapes[0] if e.input_shapes else [])
-        if e.name.startswith("c10d::"):
-            kind = e.name.removeprefix("c10d::").strip("_")
-            ops[kind] += 1
-            parent = e.cpu_parent
-            direct[kind] += parent is None or not parent.name.startswith("_c10d_functional::")
-    text = ", ".join(f"{v} {k}" + (f" ({direct[k]} via dist)" if direct[k] else "") for k, v in sorted(ops.items()))
-    return {"text": text or "none", "counts": dict(ops), "via_dist": dict(direct), "funcol_shapes": shapes}
+    return tally_collectives(prof)
 
 
 # --- the run --------------------------------------------------------------------------------------

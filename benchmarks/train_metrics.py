@@ -37,23 +37,30 @@ def count_collectives(step: Callable[[Phase], None]) -> dict[str, dict[str, Any]
     def phase(name: str, fn: Callable[[], Any]) -> Any:
         with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             out = fn()
-        ops: collections.Counter[str] = collections.Counter()
-        direct: collections.Counter[str] = collections.Counter()
-        shapes = []
-        for e in prof.events():
-            if e.name.startswith("_c10d_functional::") and "wait_tensor" not in e.name:
-                shapes.append(e.input_shapes[0] if e.input_shapes else [])
-            if e.name.startswith("c10d::"):
-                kind = e.name.removeprefix("c10d::").strip("_")
-                ops[kind] += 1
-                parent = e.cpu_parent
-                direct[kind] += parent is None or not parent.name.startswith("_c10d_functional::")
-        text = ", ".join(f"{v} {k}" + (f" ({direct[k]} via dist)" if direct[k] else "") for k, v in sorted(ops.items()))
-        counts[name] = {"text": text or "none", "funcol_shapes": shapes}
+        found = tally_collectives(prof)
+        counts[name] = {"text": found["text"], "funcol_shapes": found["funcol_shapes"]}
         return out
 
     step(phase)
     return counts
+
+
+def tally_collectives(prof: Any) -> dict[str, Any]:
+    """The ``c10d::`` ops of a finished profiler session: a text ("3 allreduce (1 via dist)": how many
+    were not issued by a ``_c10d_functional`` op), the counts, and the funcol ops' input shapes."""
+    ops: collections.Counter[str] = collections.Counter()
+    direct: collections.Counter[str] = collections.Counter()
+    shapes = []
+    for e in prof.events():
+        if e.name.startswith("_c10d_functional::") and "wait_tensor" not in e.name:
+            shapes.append(e.input_shapes[0] if e.input_shapes else [])
+        if e.name.startswith("c10d::"):
+            kind = e.name.removeprefix("c10d::").strip("_")
+            ops[kind] += 1
+            parent = e.cpu_parent
+            direct[kind] += parent is None or not parent.name.startswith("_c10d_functional::")
+    text = ", ".join(f"{v} {k}" + (f" ({direct[k]} via dist)" if direct[k] else "") for k, v in sorted(ops.items()))
+    return {"text": text or "none", "counts": dict(ops), "via_dist": dict(direct), "funcol_shapes": shapes}
 
 
 @contextlib.contextmanager
