@@ -793,10 +793,11 @@ class CachedAttention(nn.Module):
     """gpt-fast's Attention: fused ``wqkv``, RoPE, a KV cache, ``repeat_interleave`` for GQA, SDPA
     over the whole cache with a mask row per position."""
 
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, batch: int, max_len: int, form: str) -> None:
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, batch: int, max_len: int, form: str,
+                 bias: bool = False) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, hidden // n_heads
-        self.wqkv = nn.Linear(hidden, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.wqkv = nn.Linear(hidden, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.wo = nn.Linear(hidden, hidden, bias=False)
         self.kv_cache = KVCache(batch, max_len, n_kv_heads, self.head_dim, form)
 
@@ -822,11 +823,11 @@ class CachedDecoder(nn.Module):
     form: the first position, an int)."""
 
     def __init__(self, vocab: int = 96, hidden: int = 64, n_heads: int = 8, n_kv_heads: int = 4, n_layer: int = 2,
-                 batch: int = 2, max_len: int = 32, form: str = "index_put") -> None:
+                 batch: int = 2, max_len: int = 32, form: str = "index_put", bias: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(
-            CachedAttention(hidden, n_heads, n_kv_heads, batch, max_len, form) for _ in range(n_layer))
+        self.layers = nn.ModuleList(  # (bias: Qwen2-style, on the fused q|k|v)
+            CachedAttention(hidden, n_heads, n_kv_heads, batch, max_len, form, bias) for _ in range(n_layer))
         self.mlps = nn.ModuleList(SwiGLU(hidden, 2 * hidden) for _ in range(n_layer))
         self.norms = nn.ModuleList(RMSNorm(hidden) for _ in range(2 * n_layer + 1))
         self.output = nn.Linear(hidden, vocab, bias=False)

@@ -322,14 +322,15 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
        data=st.data())
 def test_random_caches(world, kv, rep, dh, form, batch, t, data):
     """gpt-fast-style decoders whose KV caches the graph writes in place (every write form, and caches
-    the graph allocates itself, returned as each rank's shard: "lazy"), any
+    the graph allocates itself, returned as each rank's shard: "lazy"), with or without a bias on the
+    fused q|k|v (held cut like its output, whole components included), any
     head counts (dividing the world or not, fewer K/V heads than ranks), a batch of one or two, a
     prefill or a decode step: every rank's output equal to unsharded, the caches held sharded or
     whole as the plan decides."""
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     heads = kv * rep
     model = models.CachedDecoder(vocab=50, hidden=heads * dh, n_heads=heads, n_kv_heads=kv, n_layer=2, batch=batch,
-                                 max_len=16, form=form)
+                                 max_len=16, form=form, bias=data.draw(st.booleans(), label="bias"))
     start = data.draw(st.integers(0, 16 - t), label="start")
     pos = start if form == "slice" else torch.arange(start, start + t)
     report = dynashard.explain(model, torch.randint(0, 50, (batch, t)), pos, world_size=world,
