@@ -41,6 +41,13 @@ Systems (all hold the same weights; ``--systems`` picks; default: all but "unsha
                       rank 0 to a temporary directory), greedy model.generate(...,
                       cache_implementation="static") run eagerly (generate compiles its decode step
                       on CPU only with CompileConfig._compile_all_devices); needs `accelerate`
+  hf dynashard static the same checkpoint loaded whole by LlamaForCausalLM.from_pretrained, then README
+                      Serving's recipe (a): model.forward = torch.compile(model.forward, backend=dynashard),
+                      greedy model.generate(..., cache_implementation="static"): HF's StaticCache, held
+                      sharded by heads (allocated at the local size inside the prefill graph)
+  hf dynashard dynamic  the same with HF's default DynamicCache (torch.cat growth, returned from each graph
+                      and passed back): dynashard gathers k and v before the cat, so every rank holds the
+                      whole cache; this row against the static one is the cost of that
 
 Tokens, before timing: every system's greedy tokens are compared with the unsharded eager model's
 (HF TP's too: the checkpoint holds the same weights). A system whose tokens differ is not timed: its
@@ -51,25 +58,31 @@ Timing: every system's first run (compiles, Inductor cache cold) is the token ch
 ``--warmup`` untimed and ``--reps`` timed rounds, one whole generation of every system per round
 (interleaved, a barrier before each). Prefill ms: the first call (prompt in, first token out),
 median over the reps; decode ms/token: the median over every decode step of every rep, each step
-the model call plus its argmax (hf tp: the time between successive calls of a LogitsProcessor, so
+the model call plus its argmax (hf systems: the time between successive calls of a LogitsProcessor, so
 generate's own per-token work is included, and its prefill includes generate's set-up). The
 slowest rank's medians are reported.
 
 Bytes per rank (after the first run): weights (every parameter: a dynashard shard held in its
 store, a DTensor's local tensor, the full tensor if its storage was not freed) and KV cache (the
-cache buffers, or the StaticCache that hf tp's generate returns), largest rank.
+cache buffers, or the cache that an hf system's generate returns: a dynashard shard, else the
+tensor), largest rank.
 
 Graphs: how many graphs Dynamo compiled during the system's build and first run (dynashard: one for
 the prefill, one for the decode steps); the record also holds how many were compiled after the
 first runs, while timing and counting (0 expected: no recompiles).
 
 Collectives per decode step: ``c10d::`` op events in a torch.profiler session around one decode step
-after the timed rounds (hf tp: between the first and second LogitsProcessor calls of a generate),
+after the timed rounds (hf systems: between the first and second LogitsProcessor calls of a generate),
 as bench_train.py counts them; "via dist": not issued by a funcol op (dynashard's per-call input
 check, HF's in-place dist.all_reduce).
 
 Targets (issue 14): dynashard's decode at most 1.10x the bound's, at least 1.6x faster than unsharded
 inductor, at most 0.8x of hf tp's and of dtensor eager's.
+
+The machine's ceiling (after counting; --no-ceiling skips it): unsharded inductor decoding on rank 0
+alone while the other ranks wait (the table's unsharded row runs on every rank at once), and GEMVs
+over the weights' bytes, on rank 0 alone (all the bytes) and on every rank at once (1/N each): their
+ratio is the most N-way TP can speed weight reads up on this machine's shared memory bus.
 """
 
 from __future__ import annotations
@@ -97,7 +110,9 @@ from benchmarks.suite import cold_cache, source_version, warm_up_toolchain
 from benchmarks.train_metrics import _quiet_stderr, tally_collectives
 
 SYSTEMS = ("unsharded eager", "unsharded inductor", "dynashard", "dynashard unchecked", "bound", "dtensor eager",
-           "dtensor compiled", "hf tp")
+           "dtensor compiled", "hf tp", "hf dynashard static", "hf dynashard dynamic")
+# the HF LlamaForCausalLM systems: loaded from a checkpoint of the same weights, decoded by model.generate
+HF_SYSTEMS = ("hf tp", "hf dynashard static", "hf dynashard dynamic")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ("unsharded eager", "dynashard unchecked"))
 # a failure of one of these fails the run (DTensor's and HF's are recorded, the run goes on)
 OURS = ("unsharded eager", "unsharded inductor", "dynashard", "dynashard unchecked", "bound")
@@ -340,13 +355,16 @@ def _hf_processor(prof: Any = None) -> Any:
     return Steps()
 
 
-def hf_generate(model: Any, prompt: torch.Tensor, new_tokens: int, prof: Any = None) -> tuple[Any, float, list[float]]:
+def hf_generate(model: Any, prompt: torch.Tensor, new_tokens: int, prof: Any = None,
+                cache: str | None = "static") -> tuple[Any, float, list[float]]:
+    """Greedy ``model.generate`` with ``cache_implementation=cache`` (None: HF's default DynamicCache);
+    the generation, the seconds to the prefill's logits and every decode step's seconds."""
     from transformers import LogitsProcessorList
 
     steps = _hf_processor(prof)
     start = time.perf_counter()
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False,
-                         cache_implementation="static", logits_processor=LogitsProcessorList([steps]),
+                         cache_implementation=cache, logits_processor=LogitsProcessorList([steps]),
                          return_dict_in_generate=True, pad_token_id=0)
     t = steps.times
     return out, t[0] - start, [b - a for a, b in zip(t, t[1:])]
@@ -365,7 +383,7 @@ class Run:
 @dataclasses.dataclass
 class System:
     run: Callable[[], Run]  # one whole greedy generation
-    step: Callable[[Any], None]  # one decode step under a profiler (``prof``: for hf tp, started and stopped inside)
+    step: Callable[[Any], None]  # one decode step under a profiler (``prof``: hf systems start and stop it inside)
     model: nn.Module
     cache_bytes: Callable[[], int] | None = None  # default: the model's kv_cache buffers
 
@@ -402,25 +420,33 @@ def build(system: str, base: Llama, s: Sizes, prompt: torch.Tensor, args: argpar
           ctx: dict[str, Any]) -> System:
     world, rank, compiler, new = ctx["world"], ctx["rank"], args.compiler, args.new_tokens
     max_len = prompt.shape[1] + new
-    if system == "hf tp":
+    if system in HF_SYSTEMS:
         from transformers import LlamaForCausalLM
         from transformers.distributed import DistributedConfig
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        # (tp_plan="auto" as a from_pretrained argument is deprecated in 5.23, this is its replacement)
-        model = LlamaForCausalLM.from_pretrained(
-            ctx["hf_dir"], dtype=torch.float32, distributed_config=DistributedConfig(tp_size=world, tp_plan="auto")
-        ).eval()
+        cache = None if system == "hf dynashard dynamic" else "static"
+        if system == "hf tp":
+            # (tp_plan="auto" as a from_pretrained argument is deprecated in 5.23, this is its replacement)
+            model = LlamaForCausalLM.from_pretrained(
+                ctx["hf_dir"], dtype=torch.float32, distributed_config=DistributedConfig(tp_size=world, tp_plan="auto")
+            ).eval()
+        else:
+            import dynashard
+
+            model = LlamaForCausalLM.from_pretrained(ctx["hf_dir"], dtype=torch.float32).eval()
+            model.forward = torch.compile(model.forward, backend=dynashard.backend(
+                compiler=compiler, min_shard_numel=args.min_shard_numel))
         last: dict[str, Any] = {}
 
         def run() -> Run:
-            out, prefill, steps = hf_generate(model, prompt, new)
+            out, prefill, steps = hf_generate(model, prompt, new, cache=cache)
             last["cache"] = out.past_key_values
             return Run(out.sequences[:, prompt.shape[1]:], prefill, steps)
 
         def step(prof: Any) -> None:
-            hf_generate(model, prompt, 2, prof)
+            hf_generate(model, prompt, 2, prof, cache=cache)
 
         def cache_bytes() -> int:
             return sum(held(t) for layer in last["cache"].layers for t in (layer.keys, layer.values))
@@ -455,6 +481,64 @@ def build(system: str, base: Llama, s: Sizes, prompt: torch.Tensor, args: argpar
             fn(torch.tensor([[int(prompt[0, -1])]]), torch.tensor([prompt.shape[1]]))[:, -1].argmax(-1)
 
     return System(functools.partial(decode, fn, prompt, new), step, model)
+
+
+def read_s(w: torch.Tensor, x: torch.Tensor, passes: int) -> float:
+    """Seconds for ``passes`` GEMVs ``w @ x``: one read of ``w``'s bytes each, decode's pattern at batch 1."""
+    start = time.perf_counter()
+    for _ in range(passes):
+        torch.mv(w, x)
+    return time.perf_counter() - start
+
+
+def alone_on_rank0(fn: Callable[[], Any], reps: int, rank: int) -> tuple[list[Any], float]:
+    """``reps`` results of ``fn`` on rank 0 while the other ranks wait in a barrier, and the CPU seconds a
+    waiting rank spent meanwhile (about 0 if gloo's barrier sleeps, as the "alone" reading assumes)."""
+    dist.barrier()
+    cpu = time.process_time()
+    out = [fn() for _ in range(reps)] if rank == 0 else []
+    dist.barrier()
+    return out, time.process_time() - cpu
+
+
+def ceiling(weight_bytes: int, s: Sizes, world: int, rank: int, reps: int) -> dict[str, Any]:
+    """What this machine lets any N-way TP reach on decode's weight reads (collectives not counted).
+
+    A float32 [rows, dim] matrix holding 1/N of the weights' bytes per rank, read by GEMVs: rank 0 alone
+    reads it N times (the unsharded model's bytes per token) while the others wait; then every rank at
+    once reads its own once (a TP rank's bytes per token). alone / together is the speedup the shared
+    memory bus allows; 2.0 at world 2 would mean a bus per rank, as on GPUs. Also the bound's
+    collectives of one decode step on their own (2 * layers + 1 all_reduces of [1, 1, dim], one all_gather of the
+    logits' [1, 1, vocab / N]; funcol, each waited as the compiled graphs do), every rank at once."""
+    w, x = torch.randn(weight_bytes // 4 // s.dim // world, s.dim), torch.randn(s.dim)
+    read_s(w, x, 1)  # the pages touched
+    alone, waiter_cpu = alone_on_rank0(lambda: read_s(w, x, world), reps, rank)
+    together = []
+    for _ in range(reps):
+        dist.barrier()
+        together.append(read_s(w, x, 1))
+    group = dist.group.WORLD.group_name
+    hidden, logits = torch.randn(1, 1, s.dim), torch.randn(1, 1, s.vocab // world)
+    steps = []
+    for _ in range(10 * reps):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(2 * s.layers + 1):
+            funcol.wait_tensor(funcol.all_reduce(hidden, "sum", group))
+        funcol.wait_tensor(funcol.all_gather_tensor(logits, 0, group))
+        steps.append(time.perf_counter() - start)
+    mine = gather({"alone": alone, "together": statistics.median(together),
+                   "waiter_cpu_s": waiter_cpu, "collectives": statistics.median(steps)})
+    t_alone = statistics.median(mine[0]["alone"])
+    t_together = max(m["together"] for m in mine)
+    nbytes = w.nbytes * world
+    return {"bytes": nbytes, "alone_s": t_alone, "together_s": t_together,
+            "alone_gbps": nbytes / t_alone / 1e9, "together_gbps": nbytes / t_together / 1e9,
+            "speedup": t_alone / t_together,
+            "waiter_cpu_s": max((m["waiter_cpu_s"] for m in mine[1:]), default=0.0),
+            "alone_wall_s": sum(mine[0]["alone"]), "collectives_ms": 1e3 * max(m["collectives"] for m in mine),
+            "collectives": f"{2 * s.layers + 1} all_reduce of [1, 1, {s.dim}], "
+                           f"1 all_gather of [1, 1, {s.vocab // world}]"}
 
 
 def decode_collectives(sys_: System, hf: bool) -> dict[str, Any]:
@@ -504,7 +588,7 @@ def measure(args: argparse.Namespace, s: Sizes, ctx: dict[str, Any], bar: Progre
     ref = decode(base, prompt, args.new_tokens).tokens
     bar.step()
     info["reference_tokens"] = ref.tolist()
-    if "hf tp" in args.systems:
+    if set(HF_SYSTEMS) & set(args.systems):
         path = tempfile.mkdtemp(prefix="bench_decode_hf_") if rank == 0 else None
         ctx["hf_dir"] = gather(path)[0]
         if rank == 0:
@@ -557,9 +641,22 @@ def measure(args: argparse.Namespace, s: Sizes, ctx: dict[str, Any], bar: Progre
                        decode_mean_s=statistics.mean(t for r in timed for t in r.steps_s),
                        prefill_runs_s=[r.prefill_s for r in timed],
                        tokens_repeated=all(torch.equal(r.tokens, ref) for r in timed))
-        mine[n]["collectives"] = decode_collectives(sys_, n == "hf tp")
+        mine[n]["collectives"] = decode_collectives(sys_, n in HF_SYSTEMS)
     info["graphs_after_first_runs"] = _graphs() - g0  # recompiles while timing or counting: expect 0
+    if args.ceiling and "unsharded inductor" in systems:
+        bar.show("unsharded inductor on rank 0 alone")
+        alone, cpu = alone_on_rank0(systems["unsharded inductor"].run, args.reps, rank)
+        mine_alone = {"waiter_cpu_s": cpu}
+        if alone:  # rank 0
+            mine_alone = {"decode_s": statistics.median(t for r in alone for t in r.steps_s),
+                          "wall_s": sum(r.prefill_s + sum(r.steps_s) for r in alone)}
+        got = gather(mine_alone)
+        info["unsharded_alone"] = {"decode_ms": 1e3 * got[0]["decode_s"], "wall_s": got[0]["wall_s"],
+                                   "waiter_cpu_s": max((g["waiter_cpu_s"] for g in got[1:]), default=0.0)}
     systems.clear()
+    if args.ceiling:
+        bar.show("the machine's ceiling: GEMVs alone and together")
+        info["ceiling"] = ceiling(info["weight_bytes"], s, ctx["world"], rank, max(args.reps, 5))
     results = []
     for n in args.systems:
         if n in failed:
@@ -629,10 +726,31 @@ def table(results: list[dict], info: dict, world: int, args: argparse.Namespace)
     lines.append(f"\nUnsharded: {mib(info['weight_bytes'])} MiB of weights, {mib(info['kv_cache_bytes'])} MiB of "
                  "KV cache per rank. Tokens: every row above was checked equal to unsharded eager's. Graphs "
                  f"compiled after the first runs (while timing and counting): {info['graphs_after_first_runs']}.")
+    lines += ceiling_lines(results, info, world)
     return "\n".join(lines)
 
 
-def verdict(results: list[dict]) -> tuple[str, dict[str, Any]]:
+def ceiling_lines(results: list[dict], info: dict, world: int) -> list[str]:
+    """The machine's ceiling and the unsharded model run alone, beside the decode times."""
+    lines, d = [], _by(results, "dynashard")
+    if "unsharded_alone" in info:
+        a = info["unsharded_alone"]
+        vs = f"; dynashard's decode is {a['decode_ms'] / d['decode_ms']:.2f}x faster than that" if d else ""
+        lines.append(f"\nUnsharded inductor on rank 0 alone (the others waiting, {a['waiter_cpu_s']:.2f} CPU s "
+                     f"in {a['wall_s']:.1f} s): {a['decode_ms']:.2f} ms/token{vs}. (The table's unsharded row "
+                     f"runs on every rank at once, sharing the memory bus as the sharded systems do.)")
+    if "ceiling" in info:
+        c = info["ceiling"]
+        lines.append(f"Machine ceiling (GEMVs over {mib(c['bytes'])} MiB of float32, 1 thread per rank): rank 0 "
+                     f"alone reads {c['alone_gbps']:.1f} GB/s; {world} ranks at once, 1/{world} each, "
+                     f"{c['together_gbps']:.1f} GB/s together: weight reads can get at most {c['speedup']:.2f}x "
+                     f"faster with {world}-way TP on this machine (waiting rank: {c['waiter_cpu_s']:.2f} CPU s in "
+                     f"{c['alone_wall_s']:.1f} s). The bound's collectives of one decode step on their own "
+                     f"({c['collectives']}, every rank at once): {c['collectives_ms']:.2f} ms.")
+    return lines
+
+
+def verdict(results: list[dict], info: dict) -> tuple[str, dict[str, Any]]:
     d = _by(results, "dynashard")
     lines = ["dynashard's decode against the targets:"]
     met: dict[str, Any] = {}
@@ -641,7 +759,10 @@ def verdict(results: list[dict]) -> tuple[str, dict[str, Any]]:
     whole = _by(results, "unsharded inductor")
     if whole:
         x = whole["decode_ms"] / d["decode_ms"]
-        met[f">= {SPEEDUP_TARGET}x faster than unsharded inductor"] = (x, x >= SPEEDUP_TARGET)
+        met[f">= {SPEEDUP_TARGET}x faster than unsharded inductor (on every rank at once)"] = (x, x >= SPEEDUP_TARGET)
+    if "unsharded_alone" in info:  # the baseline a user has: one process with the machine to itself
+        x = info["unsharded_alone"]["decode_ms"] / d["decode_ms"]
+        met[f">= {SPEEDUP_TARGET}x faster than unsharded inductor alone"] = (x, x >= SPEEDUP_TARGET)
     for label, other, limit in TARGETS:
         o = _by(results, other)
         if o:
@@ -672,6 +793,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--min-shard-numel", type=int, default=1 << 16, help="dynashard option (its default: 65536)")
     ap.add_argument("--compiler", choices=("inductor", "aot_eager", "eager"), default=None,
                     help="what the compiled systems use (default: inductor; --smoke: eager, Dynamo alone)")
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                    help="skip the machine's ceiling (GEMVs alone and together) and the unsharded model run alone")
     ap.add_argument("--out", default=None, help=OUT_HELP.replace("<script>", "decode_w<world>"))
     ap.add_argument("--smoke", action="store_true",
                     help="CI sizes: 2 layers, hidden 64, 4 heads / 2 KV heads, ffn 128, vocab 256, prompt 8, "
@@ -713,7 +836,7 @@ def main() -> None:
     finally:
         bar.close()
         shutil.rmtree(cache, ignore_errors=True)
-    text, met = verdict(results)
+    text, met = verdict(results, info)
     if rank == 0:
         print(table(results, info, world, args) + "\n\n" + text, flush=True)
         config = {k: getattr(args, k) for k in ("prompt", "new_tokens", "systems", "reps", "warmup", "smoke",
