@@ -750,19 +750,26 @@ class KVCache(nn.Module):
     """gpt-fast's cache: ``[batch, kv_heads, max_len, head_dim]`` buffers written in place at
     ``input_pos``. ``form``: "index_put" (gpt-fast: ``k_out[:, :, input_pos] = k``), "index_copy"
     (HF StaticCache: ``index_copy_(2, input_pos, k)``), "slice" (Meta's Llama:
-    ``k_out[:, :, start:start + T] = k``, ``start`` a Python int) or "lazy" (HF StaticCache's lazy
-    initialisation: ``torch.zeros`` at the first update, inside the compiled graph, then ``index_copy_``)."""
+    ``k_out[:, :, start:start + T] = k``, ``start`` a Python int), "lazy" (HF StaticCache's lazy
+    initialisation: ``torch.zeros`` at the first update, inside the compiled graph, then ``index_copy_``)
+    or "cat" (HF DynamicCache: plain attributes grown by ``torch.cat`` on the sequence dim from an empty
+    ``torch.tensor([])``, returned from the graph and read back by the next call; ``max_len`` unused)."""
 
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, form: str = "index_put") -> None:
         super().__init__()
         self.form, self.shape = form, (batch, kv_heads, max_len, head_dim)
-        if form == "lazy":  # HF's StaticCache: plain attributes, allocated by the first update (in the graph)
+        if form in ("lazy", "cat"):  # plain attributes, made by the first update (in the graph)
             self.k_cache = self.v_cache = None
             return
         self.register_buffer("k_cache", torch.zeros(batch, kv_heads, max_len, head_dim))
         self.register_buffer("v_cache", torch.zeros(batch, kv_heads, max_len, head_dim))
 
     def update(self, input_pos, k, v):
+        if self.form == "cat":
+            if self.k_cache is None:
+                self.k_cache, self.v_cache = torch.tensor([], dtype=k.dtype), torch.tensor([], dtype=v.dtype)
+            self.k_cache, self.v_cache = torch.cat([self.k_cache, k], dim=-2), torch.cat([self.v_cache, v], dim=-2)
+            return self.k_cache, self.v_cache
         if self.form == "lazy":
             if self.k_cache is None:
                 self.k_cache, self.v_cache = torch.zeros(self.shape), torch.zeros(self.shape)
@@ -813,6 +820,8 @@ class CachedAttention(nn.Module):
         k, v = self.kv_cache.update(input_pos, k, v)
         n_rep = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        if self.kv_cache.form == "cat":  # the cache is as long as what it holds
+            mask = mask[..., :k.shape[2]]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -318,21 +318,26 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
 # FUZZ_EXAMPLES=100 passed when this test was written)
 @settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 12)))
 @given(world=st.integers(2, 4), kv=st.integers(1, 4), rep=st.integers(1, 3), dh=st.sampled_from([2, 4, 8]),
-       form=st.sampled_from(["index_put", "index_copy", "slice", "lazy"]), batch=st.integers(1, 2), t=st.integers(1, 6),
+       form=st.sampled_from(["index_put", "index_copy", "slice", "lazy", "cat"]), batch=st.integers(1, 2),
+       t=st.integers(1, 6),
        data=st.data())
 def test_random_caches(world, kv, rep, dh, form, batch, t, data):
     """gpt-fast-style decoders whose KV caches the graph writes in place (every write form, and caches
-    the graph allocates itself, returned as each rank's shard: "lazy"), with or without a bias on the
-    fused q|k|v (held cut like its output, whole components included), any
-    head counts (dividing the world or not, fewer K/V heads than ranks), a batch of one or two, a
-    prefill or a decode step: every rank's output equal to unsharded, the caches held sharded or
-    whole as the plan decides."""
+    the graph allocates itself, returned as each rank's shard: "lazy"; HF DynamicCache's ``torch.cat``
+    growth, returned whole: "cat", holding ``start`` positions from an eager call), with or without a
+    bias on the fused q|k|v (held cut like its output, whole components included), any head counts
+    (dividing the world or not, fewer K/V heads than ranks), a batch of one or two, a prefill or a
+    decode step: every rank's output (returned caches included) equal to unsharded, the caches held
+    sharded or whole as the plan decides."""
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     heads = kv * rep
     model = models.CachedDecoder(vocab=50, hidden=heads * dh, n_heads=heads, n_kv_heads=kv, n_layer=2, batch=batch,
                                  max_len=16, form=form, bias=data.draw(st.booleans(), label="bias"))
     start = data.draw(st.integers(0, 16 - t), label="start")
     pos = start if form == "slice" else torch.arange(start, start + t)
+    if form == "cat" and start:  # the earlier positions, as a plain call leaves them (the graph's inputs)
+        with torch.no_grad():
+            model(torch.randint(0, 50, (batch, start)), torch.arange(start))
     report = dynashard.explain(model, torch.randint(0, 50, (batch, t)), pos, world_size=world,
                                options={"min_shard_numel": 0}, verify=True)
     assert {"layers.0.wqkv", "layers.1.wqkv"} <= set(report.layers), str(report)

@@ -98,6 +98,31 @@ def test_heads_that_do_not_divide_the_world_stay_correct(world):
     assert any(r.style == "colwise" for r in report.rows if r.fqn.endswith("wqkv")), str(report)
 
 
+@pytest.mark.unit
+def test_a_cache_grown_by_cat_leaves_the_graph_whole():
+    """HF's DynamicCache (``torch.cat`` growth from an empty tensor): the graph returns the grown cache
+    and HF hands it to the caller and back, so it leaves whole on every rank (a shard could come back
+    only as a storage-less facade, which eager code reading ``past_key_values`` could not use). k and v
+    are gathered before the cat, one all_gather each per layer; the attention still reads this rank's
+    heads. Every simulated rank returns the unsharded cache (``verify``), in a prefill from an empty
+    cache and in a decode step on a cache of 5 positions (plain inputs, whole)."""
+    torch.manual_seed(0)
+    model = models.CachedDecoder(form="cat")
+    steps = ((torch.randint(0, 96, (2, 5)), torch.arange(5)), (torch.randint(0, 96, (2, 1)), torch.tensor([5])))
+    for ids, pos in steps:
+        report = dynashard.explain(model, ids, pos, world_size=2, options={"min_shard_numel": 0}, verify=True)
+        assert not [r for g in report.graphs for r in g.caches], str(report)
+        assert [r.fqn for r in report.rows if "all_gather" in r.collectives] == ["layers.0.wqkv", "layers.1.wqkv"]
+        assert [tuple(layer.kv_cache.k_cache.shape) for layer in model.layers] == [(2, 4, pos[-1] + 1, 8)] * 2
+    prefill, decode = _rank_graphs(models.CachedDecoder(form="cat"), form="cat")
+    for gm in (prefill, decode):
+        counts = {kind: sum(1 for n in gm.graph.nodes if n.op == "call_function" and kind in str(n.target))
+                  for kind in ("all_reduce", "all_gather")}
+        assert counts == {"all_reduce": 1 + 2 * 2, "all_gather": 2 * 2}, counts  # the bound's, plus k and v
+    caches = [n for n in decode.graph.nodes if n.op == "placeholder" and tuple(n.meta["val"].shape) == (2, 4, 5, 8)]
+    assert len(caches) == 4  # the decode graph reads the whole caches the prefill returned
+
+
 def _decode_graph(model, world: int = 2, form: str = "index_put") -> torch.fx.GraphModule:
     """Rank 0's rewritten graph of a decode step (one token after a 5-token prefill)."""
     return _rank_graphs(model, world, form)[-1]
