@@ -44,7 +44,7 @@ from dynashard.errors import UsageError
 from dynashard.gradients import average_over_ranks
 from dynashard.options import parse_options
 from dynashard.program import install_optimizer_hooks
-from dynashard.weights import STORE, ShardSpec, _refuse_copy
+from dynashard.weights import STORE, ShardSpec, mark_storage_less
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
 
@@ -270,7 +270,7 @@ class _Loader:
                     facade = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
                                           requires_grad=p.requires_grad)
                     facade.untyped_storage().resize_(0)  # (empty: its pages were never touched)
-                    facade.__deepcopy__ = _refuse_copy  # (copying a storage-less tensor kills the process)
+                    mark_storage_less(facade)
                     self.names[id(facade)] = self.names[id(p)]
                     made[id(p)] = facade
                 module._parameters[attr] = made[id(p)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,7 +154,7 @@ class WeightStore:
         with private.real_tensors():
             facade = torch.empty(shape, dtype=local.dtype, device=local.device)
         facade.untyped_storage().resize_(0)  # (its pages never touched)
-        facade.__deepcopy__ = _refuse_copy
+        mark_storage_less(facade)
         self._shards[facade] = _Entry(spec, local, name)
         self._agreed[facade] = True  # every rank made it by one program
         return facade
@@ -166,7 +167,8 @@ class WeightStore:
                 p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
                 with torch.no_grad():
                     p.copy_(value)
-                p.__dict__.pop("__deepcopy__", None)  # whole again: copies like any tensor
+                p.__dict__.pop("__deepcopy__", None)  # whole again: copies and saves like any tensor
+                p.untyped_storage().__dict__.pop(_FREED, None)
 
     def trust(self, params: list[torch.Tensor]) -> None:
         """Values every rank read from one checkpoint: not compared across ranks again."""
@@ -180,7 +182,7 @@ class WeightStore:
         for p in params:
             storage = p.untyped_storage()
             if storage.nbytes() == 0:
-                p.__deepcopy__ = _refuse_copy  # (a facade made storage-less by parallelize)
+                mark_storage_less(p)  # (a facade made storage-less by parallelize)
                 continue
             if storage.data_ptr() in kept:
                 log.debug("not freeing a sharded weight: its storage is shared with an unsharded tensor")
@@ -193,7 +195,7 @@ class WeightStore:
                     empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
                 empty.untyped_storage().resize_(0)  # (its pages never touched)
                 p.data = empty  # the same Parameter object (Dynamo's guards, the user's references), no storage
-            p.__deepcopy__ = _refuse_copy  # (copying a tensor without storage kills the process: pytorch C++)
+            mark_storage_less(p)
         return freed
 
     def agree(
@@ -254,11 +256,47 @@ def _storage_less(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
+_FREED = "_dynashard_freed"  # set on the (preserved) Python object of a storage dynashard freed
+
+
+def mark_storage_less(t: torch.Tensor) -> None:
+    """Make copying or saving ``t``, a full-shape tensor whose storage dynashard freed (or never
+    filled), raise a UsageError naming the fix: ``copy.deepcopy`` of it kills the process (pytorch's
+    C++ reads the missing bytes), and ``torch.save`` (``model.state_dict()``'s detached views, pickle)
+    would write an empty storage without a word, a file that fails only when loaded. The copy is
+    refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
+    the storage tagger registered below. Eager math on ``t`` cannot be refused this way (README
+    "Memory")."""
+    t.__deepcopy__ = _refuse_copy
+    setattr(t.untyped_storage(), _FREED, True)
+
+
+def _refuse_saving(storage: Any) -> None:
+    """A ``torch.serialization`` location tagger, asked first for every storage ``torch.save`` writes:
+    refuses a storage dynashard freed, passes every other on (None: the next tagger names its device)."""
+    if getattr(storage, _FREED, False) and storage.nbytes() == 0:
+        raise UsageError(
+            "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
+            "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
+            "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
+            "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
+            "dynashard.export_safetensors(model, path), which works after a plain compile too.")
+
+
+def _no_location(storage: Any, location: str) -> None:
+    return None  # (loading: never ours, the next deserializer restores it)
+
+
+torch.serialization.register_package(-100, _refuse_saving, _no_location)
+
+
 def _refuse_copy(memo: dict) -> None:
     raise UsageError(
         "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values (copying "
         "a tensor without storage would kill the process). Expected the copy made before torch.compile or "
         "dynashard.parallelize, e.g. reference = copy.deepcopy(model) first.")
+
+
 
 
 def cut(full: torch.Tensor, dim: int, split: Split, world: int, rank: int) -> torch.Tensor:

@@ -123,6 +123,42 @@ def test_a_cache_grown_by_cat_leaves_the_graph_whole():
     assert len(caches) == 4  # the decode graph reads the whole caches the prefill returned
 
 
+@pytest.mark.unit
+def test_saving_a_freed_weight_or_a_held_cache_raises_naming_the_fix():
+    """After a compile (no parallelize), the module's sharded weights and the caches a graph returned
+    are full-shape tensors with no storage: ``torch.save`` of them (``state_dict()``'s detached views
+    included) once wrote empty storages without a word (the file failed only when loaded: "Trying to
+    resize storage that is not resizable"), and copying them killed the process. Both now raise a
+    UsageError naming what to use instead; pickling goes through the same check."""
+    import copy
+    import io
+    import pickle
+
+    from dynashard.errors import UsageError
+
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        torch.manual_seed(0)
+        model = models.CachedDecoder(form="lazy")
+        fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "eager"})
+        with torch.no_grad():
+            fast(*_prompt("lazy"))
+        weight, cache = model.layers[0].wqkv.weight, model.layers[0].kv_cache.k_cache
+        assert weight.untyped_storage().nbytes() == 0 and STORE.is_sharded(cache)
+        for what in (model.state_dict(), {"k": cache}, model):
+            with pytest.raises(UsageError, match="cannot save this tensor.*export_safetensors"):
+                torch.save(what, io.BytesIO())
+        with pytest.raises(UsageError, match="cannot save this tensor"):
+            pickle.dumps(weight.detach())
+        with pytest.raises(UsageError, match="cannot copy this model"):
+            copy.deepcopy(cache)
+        torch.save(model.norms.state_dict(), io.BytesIO())  # what stays whole saves as before
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def _decode_graph(model, world: int = 2, form: str = "index_put") -> torch.fx.GraphModule:
     """Rank 0's rewritten graph of a decode step (one token after a 5-token prefill)."""
     return _rank_graphs(model, world, form)[-1]
