@@ -409,7 +409,8 @@ def _facade_property(attr: str) -> property:
             return nn.Module.__getattr__(self, attr)
         if not torch.compiler.is_compiling() and _in_module_call():
             # (outside a forward -- get_parameter(), DCP's FQN walk, hasattr -- the facade is returned:
-            # full-shape metadata, no storage; reading its values fails loudly)
+            # full-shape metadata, no storage; saving or copying it raises, but some eager reads of its
+            # values kill the process: torch kernels read the missing bytes, README "Memory")
             raise UsageError(
                 f"dynashard: {type(self).__name__}.{attr} was sharded by dynashard.parallelize; this rank holds "
                 f"only its shard (model.named_parameters() lists it), so the module cannot run outside the "
