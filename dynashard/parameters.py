@@ -110,6 +110,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         STORE.source = None
     _register(model)
     _run_calls_through_dynashard(model, opts)
+    _refuse_save_pretrained(model)
     install_optimizer_hooks()  # an optimizer over the shards: its state checkpointable like them
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
@@ -139,6 +140,24 @@ def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
         return compiled(*args, **kwargs)
 
     model.forward = forward
+
+
+def _refuse_save_pretrained(model: nn.Module) -> None:
+    """HF ``save_pretrained`` of a parallelized model would write this rank's shards under the whole
+    tensors' names (it saves ``state_dict()``, the shards, on the main process only): a checkpoint
+    that is wrong without a word. It raises instead, naming the collective that writes the whole
+    weights as an HF directory. (No collective here: it may be called on rank 0 alone.)"""
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+
+    def save_pretrained(*args: Any, **kwargs: Any) -> None:
+        raise UsageError(
+            "dynashard: save_pretrained would write this rank's shards of the parallelized weights under the "
+            "whole tensors' names. Expected dynashard.export_safetensors(model, save_directory) on every rank "
+            "(an HF directory with config.json, the whole weights streamed by rank 0; max_shard_size= as "
+            "save_pretrained takes it), or dcp.save(model.state_dict(), checkpoint_id=path) for the shards.")
+
+    model.save_pretrained = save_pretrained
 
 
 def _average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:

@@ -282,6 +282,8 @@ def test_decode_with_sharded_caches_matches_the_unsharded_model(world):
             assert r["compiles"][0] <= 3 and sum(r["compiles"]) <= 5 and r["compiles"][3] == 0, (rank, case, r)
             assert r["sampled"] == results[0]["hf"][case]["sampled"], (rank, case, r)
             assert r["held"] < 0.7 * r["full"], (rank, case, r)  # embedding, norms and lm_head: some kept whole
+            if case[2] != "forward":  # (it once wrote rank 0's shards under the whole tensors' names)
+                assert "export_safetensors" in r["save_pretrained"], (rank, case, r)
 
 
 def _hf_model(arch: str, kv_heads: int = 4):
@@ -306,8 +308,11 @@ def _hf_generate(rank: int, world: int, cases: list[tuple[str, str, str]]) -> di
     ``parallelize``: that alone, ``generate`` unchanged.
     Also the compiles per call and this rank's sampled tokens under one seed (``do_sample``)."""
     import copy
+    import tempfile
 
     import transformers as T
+
+    from dynashard.errors import UsageError
 
     out = {}
     opts = {"min_shard_numel": 0, "compiler": "eager"}
@@ -342,4 +347,10 @@ def _hf_generate(rank: int, world: int, cases: list[tuple[str, str, str]]) -> di
         out[(arch, cache, how)] = {"same": same, "compiles": per_call, "sampled": sampled,
                                    "held": dynashard.held_bytes(model),
                                    "full": sum(p.numel() * p.element_size() for p in twin.parameters())}
+        if how != "forward":  # parallelized: save_pretrained would write this rank's shards as the weights
+            try:
+                model.save_pretrained(tempfile.mkdtemp())
+                out[(arch, cache, how)]["save_pretrained"] = "saved"
+            except UsageError as e:
+                out[(arch, cache, how)]["save_pretrained"] = str(e)
     return out
