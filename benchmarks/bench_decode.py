@@ -1,4 +1,4 @@
-"""Greedy decoding of a Llama-style model with static KV caches: prefill and decode, side by side.
+"""Greedy decoding of a Llama-style model with its KV caches held sharded: prefill and decode, side by side.
 
 Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_decode [--layers 8 --dim 2048 --heads 16
         --kv-heads 8 --ffn 5632 --vocab 32000] [--prompt 128 --new-tokens 64] [--systems "dynashard,bound"]
@@ -14,7 +14,7 @@ all but the embedding per token: memory-bound). Weights from one seed on every r
 random prompt of 128 tokens, 64 new tokens (the prefill's token, then 63 decode steps), greedy.
 
 Systems (all hold the same weights; ``--systems`` picks; default: all but "unsharded eager" and
-"dynashard unchecked"):
+"dynashard unchecked"; --smoke: also not "dtensor compiled" and "hf dynashard static"):
   unsharded eager     the model, every rank decoding all of it (also the token reference, always run)
   unsharded inductor  torch.compile(model): the single-process baseline each rank runs alone
   dynashard           torch.compile(copy, backend=dynashard.backend(compiler=...)), plan "auto", no
@@ -114,6 +114,9 @@ SYSTEMS = ("unsharded eager", "unsharded inductor", "dynashard", "dynashard unch
 # the HF LlamaForCausalLM systems: loaded from a checkpoint of the same weights, decoded by model.generate
 HF_SYSTEMS = ("hf tp", "hf dynashard static", "hf dynashard dynamic")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in ("unsharded eager", "dynashard unchecked"))
+# --smoke's default: each build path once (dtensor compiled is dtensor eager's module compiled; hf dynashard
+# static is the dynamic row's build with hf tp's cache)
+SMOKE_SYSTEMS = tuple(s for s in DEFAULT_SYSTEMS if s not in ("dtensor compiled", "hf dynashard static"))
 # a failure of one of these fails the run (DTensor's and HF's are recorded, the run goes on)
 OURS = ("unsharded eager", "unsharded inductor", "dynashard", "dynashard unchecked", "bound")
 # (target name, system compared with, limit): dynashard's decode / that system's decode
@@ -785,8 +788,9 @@ def parse() -> argparse.Namespace:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated (the prefill's, then decode steps)")
-    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                    help="comma-separated subset of: " + ", ".join(SYSTEMS))
+    ap.add_argument("--systems", default=None,
+                    help="comma-separated subset of: " + ", ".join(SYSTEMS) + " (default: all but unsharded eager "
+                         "and dynashard unchecked; --smoke: also not dtensor compiled and hf dynashard static)")
     ap.add_argument("--reps", type=int, default=3, help="timed rounds (one generation of every system each)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first (checked) run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -798,10 +802,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--out", default=None, help=OUT_HELP.replace("<script>", "decode_w<world>"))
     ap.add_argument("--smoke", action="store_true",
                     help="CI sizes: 2 layers, hidden 64, 4 heads / 2 KV heads, ffn 128, vocab 256, prompt 8, "
-                         "4 new tokens, 1 timed round, compiler eager, min_shard_numel 0")
+                         "4 new tokens, 1 timed round, compiler eager, min_shard_numel 0, fewer systems")
     args = ap.parse_args()
     args.compiler = args.compiler or ("eager" if args.smoke else "inductor")
-    args.systems = [x.strip() for x in args.systems.split(",")]
+    args.systems = [x.strip() for x in args.systems.split(",")] if args.systems else list(
+        SMOKE_SYSTEMS if args.smoke else DEFAULT_SYSTEMS)
     if set(args.systems) - set(SYSTEMS):
         ap.error(f"unknown systems {sorted(set(args.systems) - set(SYSTEMS))}; expected some of {list(SYSTEMS)}")
     if args.smoke:
