@@ -232,3 +232,28 @@ def active_ddp(splits_graphs: bool = False) -> Any:
     if splits_graphs and get_optimize_ddp_mode() != "ddp_optimizer":
         return None
     return ddp
+
+
+def is_op_overload(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+@contextlib.contextmanager
+def recording_dispatch():
+    """``with recording_dispatch() as calls:`` every aten op dispatched inside, as ``(op, args,
+    kwargs)``, with the arguments the caller passed (a lowering's emitted ops, lowering.check).
+
+    NOTE: a ``TorchDispatchMode`` (``torch.utils._python_dispatch``) pushed inside make_fx's proxy
+    and fake modes sees each op first and re-dispatches it to them, so the trace is unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple[Any, tuple, dict]] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            calls.append((func, args, kwargs))
+            return func(*args, **kwargs)
+
+    with Recorder():
+        yield calls

@@ -25,6 +25,7 @@ from dynashard import _torch_private as private
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import COMPILE, exchange_status, group_name, reduce_scatter_is_slow, resolve_group
 from dynashard.errors import NotSupportedError, UsageError, wrap
+from dynashard.match import embedding_options
 from dynashard.options import Options, parse_options
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.report import GraphReport, format_table
@@ -73,7 +74,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     sharded_gm = compiled = None
     try:
         if train:
-            check_trainable(analysis, example_inputs)
+            check_trainable(analysis, example_inputs, opts.compiler)
         new_fakes = shard_fakes(analysis, fake_args)
         sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group),
                              train=train)
@@ -140,11 +141,20 @@ def check_data_parallel() -> None:
         )
 
 
-def check_trainable(analysis: Analysis, example_inputs: list[Any]) -> None:
+def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str = "eager") -> None:
     """With gradients, only layouts whose backward dynashard gets right; anything else is refused here,
     at compile time, never a wrong gradient."""
     lm = analysis.plan.layouts
     why = None
+    sparse = [m.fqn for m in analysis.plan.sharded() if m.kind == "embedding" and embedding_options(m.node)[2]]
+    if sparse and compiler != "eager":
+        # NOTE: AOTAutograd traces the sparse backward of aten.embedding, whose nonzero has a data-dependent
+        # size (DynamicOutputShapeException, torch 2.13); an unsharded torch.compile then falls back to eager
+        # through a graph break
+        raise NotSupportedError(
+            f"dynashard: training a sharded embedding with sparse=True ({sparse[0]!r}) under compiler={compiler!r}: "
+            "AOTAutograd cannot trace its sparse backward (a data-dependent size). Expected options={'compiler': "
+            "'eager'} (the sharded graph run eagerly: sparse gradients, this rank's rows), or sparse=False.")
     if lm.per_rank and not lm.stacked:
         plain = [fqn for i, (fqn, _) in analysis.params.items()
                  if example_inputs[i].requires_grad and not getattr(example_inputs[i], "_dynashard_averaged", False)]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
+from dynashard.errors import NotSupportedError
 
 
 class ShardGrad(torch.Tensor):
@@ -68,7 +69,9 @@ def mark(param: torch.Tensor, group: dist.ProcessGroup) -> None:
         return
 
     def as_shard_grad(p: torch.Tensor) -> None:
-        if p.grad is not None and not isinstance(p.grad, ShardGrad):
+        # (a sparse gradient, of an embedding with sparse=True, stays as it is: torch's norms refuse
+        # sparse tensors, unsharded too, and a subclass of one cannot be made)
+        if p.grad is not None and not isinstance(p.grad, ShardGrad) and not p.grad.is_sparse:
             g = p.grad.as_subclass(ShardGrad)
             g._dynashard_group = group
             p.grad = g
@@ -94,6 +97,11 @@ def average_over_ranks(param: torch.Tensor, group: dist.ProcessGroup, sharded: b
     def average(grad: torch.Tensor) -> torch.Tensor:
         if sharded:
             return grad / world
+        if grad.is_sparse:
+            raise NotSupportedError(
+                "dynashard: inputs='per_rank' sums a replicated parameter's gradient over the ranks, and this one "
+                "is sparse (an embedding with sparse=True kept whole): expected sparse=False for it, or a plan "
+                "that shards it ('rowwise': vocab-parallel).")
         total = grad.contiguous().clone()
         dist.all_reduce(total, group=group)
         return total / world

@@ -9,9 +9,11 @@ Before (what AOT-level tracing makes of ``nn.Linear``, ``F.linear``, ``x @ W.t()
 After: one :class:`LinearMatch` per mm/addmm whose second operand is a weight parameter, used
 directly ("in_out", W stored [in, out]) or through one transpose ("out_in", W stored [out, in]).
 
-Embeddings (``aten.embedding(W, ids)``) are matched too, as a linear on one-hot ids: the
-vocabulary is the input dim, so "rowwise" is Megatron's vocab-parallel embedding and a weight
-tied to a colwise LM head is split on the same dim by both.
+Embeddings (``aten.embedding(W, ids, padding_idx, scale_grad_by_freq, sparse)``) are matched
+too, as a linear on one-hot ids: the vocabulary is the input dim, so "rowwise" is Megatron's
+vocab-parallel embedding and a weight tied to a colwise LM head is split on the same dim by both.
+``F.embedding(..., max_norm=m)`` first renormalises the rows it looks up in place
+(``embedding_renorm_(detach(W), ids, m, p)``); that renorm belongs to the match.
 
 Experts (mixture-of-experts weights stacked in one 3-D parameter ``W[E, out, in]``, as HF's
 ``@use_experts_implementation`` classes hold them) are matched too, in the forms transformers
@@ -66,6 +68,8 @@ class LinearMatch:
     experts: int = 0
     input_dim: int = -1
     output_dim: int = -1
+    # embedding with max_norm: the in-place ``embedding_renorm_`` of the looked-up rows, on ``detach(W)``
+    renorm: torch.fx.Node | None = None
 
     @property
     def out_dim(self) -> int:
@@ -153,9 +157,30 @@ def _embeddings(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -
         found.append(
             LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form="in_out",
                         transpose=None, input=ids, bias=None, in_features=int(vocab), out_features=int(dim),
-                        kind="embedding")
+                        kind="embedding", renorm=_renorm_before(weight, ids))
         )
     return found
+
+
+def _renorm_before(weight: torch.fx.Node, ids: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``embedding_renorm_(detach(W), ids, max_norm, norm_type)`` that ``F.embedding`` with
+    ``max_norm`` runs just before this lookup, on the same ids (None if there is none)."""
+    for user in weight.users:
+        if user.op != "call_function" or user.target is not aten.detach.default:
+            continue
+        for renorm in user.users:
+            if renorm.target is aten.embedding_renorm_.default and renorm.args[0] is user and renorm.args[1] is ids:
+                return renorm
+    return None
+
+
+def embedding_options(node: torch.fx.Node) -> tuple[int, bool, bool]:
+    """``(padding_idx, scale_grad_by_freq, sparse)`` of an ``aten.embedding`` node (-1: no padding;
+    ``F.embedding`` already turned a negative padding index into its row)."""
+    names, defaults = ("padding_idx", "scale_grad_by_freq", "sparse"), (-1, False, False)
+    given = node.args[2:5]
+    out = [given[i] if i < len(given) else node.kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
+    return int(out[0]), bool(out[1]), bool(out[2])
 
 
 def _is_grouped_mm(node: torch.fx.Node) -> bool:
@@ -248,12 +273,15 @@ def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:
     allowed: dict[torch.fx.Node, set[torch.fx.Node]] = {}
     for m in matches:
         path = [m.weight, *([m.transpose] if m.transpose is not None else []), *m.chain, m.node]
-        for here, nxt in zip(path, path[1:]):
-            allowed.setdefault(here, set()).add(nxt)
+        paths = [path] + ([[m.weight, m.renorm.args[0], m.renorm]] if m.renorm is not None else [])
+        for p in paths:
+            for here, nxt in zip(p, p[1:]):
+                allowed.setdefault(here, set()).add(nxt)
     other: dict[torch.fx.Node, list[str]] = {}
     for m in matches:
         found = []
-        for here in [m.weight, *([m.transpose] if m.transpose is not None else []), *m.chain]:
+        renorm_path = [m.renorm.args[0]] if m.renorm is not None else []
+        for here in [m.weight, *([m.transpose] if m.transpose is not None else []), *m.chain, *renorm_path]:
             found += [str(u.target) for u in here.users if u not in allowed[here]]
         other[m.weight] = sorted(set(found))
     return other

@@ -32,8 +32,9 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import collectives
+from dynashard import collectives, vocab
 from dynashard.errors import InternalError, UsageError
+from dynashard.lowering import check as lowering_check
 from dynashard.plan import Plan
 from dynashard.rules.inplace import alias_roots, aliases_input, mutated_roots
 from dynashard.shard import LayoutMap, Read, Shard
@@ -57,11 +58,13 @@ class _Sharder(torch.fx.Interpreter):
         # "the sum of every rank's loss" -- are the right ones: plain collectives, no f or g. The
         # parameters' gradients are then averaged over the ranks by parallelize's hooks (gradients.py).
         self.megatron = train and not self.lm.per_rank
+        self.train = train
         self.group_name = group_name
         self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
         self.weights = {n for m in self.by_node.values() for n in (m.weight, m.transpose) if n is not None}
         # weights="per_rank": a stacked weight's own transpose is never evaluated (bmm reads it).
         self.skipped = {m.transpose for m in self.by_node.values() if self.lm.stacked and m.transpose is not None}
+        self.renorms = {m.renorm: m for m in self.by_node.values() if m.renorm is not None}  # embeddings' max_norm
         self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
         self.roots, self.written = alias_roots(gm.graph), mutated_roots(gm.graph)
 
@@ -135,18 +138,41 @@ class _Sharder(torch.fx.Interpreter):
     def run_node(self, node: torch.fx.Node) -> Any:
         if node.op in ("placeholder", "get_attr"):
             return super().run_node(node)
+        lowering = self._lowering(node)
+        if lowering is None and node not in self.lm.view_sizes:
+            return self._as_traced_op(node)  # the op itself on converted arguments: every argument carried
+        with private.recording_dispatch() as emitted:
+            out = (lowering or self._as_traced_op)(node)
+        lowering_check(node, emitted, lambda n: self.env[n])
+        return out
+
+    def _lowering(self, node: torch.fx.Node) -> Any:
+        """The method that emits ``node`` other than as its own op on converted arguments, if any."""
+        m = self.by_node.get(node)
         if node in self.skipped:
-            return self.env[node.args[0]]  # stands for the stacked weight (the bmm transposes it)
-        if node in self.by_node and self.by_node[node].kind == "experts":
-            if self.lm.styles[node] == "rowwise":
-                return self._experts_rowwise(node)
-        elif node in self.by_node and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
-            return self._linear(node)
+            return self._stacked_transpose
+        if m is not None and m.kind == "experts":
+            return self._experts_rowwise if self.lm.styles[node] == "rowwise" else None
+        if m is not None and (self.lm.stacked or self.lm.styles[node] == "rowwise"):
+            return self._linear
+        if node in self.renorms:
+            return self._renorm
         if node in self.lm.loss_parallel:
-            return self._log_sum_exp(node)
-        if node.op == "call_function" and node.target is aten.nll_loss_forward.default and (
-                node.args[0] in self.lm.loss_parallel):
-            return self._nll_loss(node)
+            return self._log_sum_exp
+        if node.op != "call_function":
+            return None
+        if node.target is aten.nll_loss_forward.default and node.args[0] in self.lm.loss_parallel:
+            return self._nll_loss
+        if node in self.lm.states:
+            return self._allocate_local
+        if node.target in (aten.view.default, aten._unsafe_view.default):
+            return self._view
+        if node in self.lm.part_sizes:
+            return self._parts
+        return None
+
+    def _args(self, node: torch.fx.Node) -> tuple[Any, Any]:
+        """``node``'s arguments as this rank reads them, a size argument at this rank's size."""
         out = self.lm.layouts.get(node) or (self.lm.outputs.get(node) or [None])[0]
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda p: self._read(node, p, out))
         if node in self.lm.view_sizes:
@@ -159,21 +185,32 @@ class _Sharder(torch.fx.Interpreter):
             if node in self.lm.view_rows_scaled and shape[0] != -1:
                 shape[0] = shape[0] * self.lm.world
             args = (args[0], shape, *args[2:])
-        if node.op == "call_function" and node in self.lm.states:  # a cache allocated here: at this rank's size
-            shard, size = self.lm.states[node], list(args[0])
-            size[len(size) + shard.dim] = shard.length
-            return node.target(size, *args[1:], **kwargs)
-        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
-            return self._view(node, args[0], args[1])
-        if node in self.lm.part_sizes:  # a split or slice of the cut dim: this rank's parts
-            sizes = self.lm.part_sizes[node]
-            dim = self.lm.layouts[node.args[0]].dim
-            if node.target in (aten.slice.Tensor, aten.index.Tensor):  # (an index of consecutive positions)
-                return aten.narrow(args[0], dim, *sizes)
-            return aten.split_with_sizes(args[0], list(sizes), dim)
+        return args, kwargs
+
+    def _as_traced_op(self, node: torch.fx.Node) -> Any:
+        args, kwargs = self._args(node)
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
             args, kwargs = _as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
+
+    def _stacked_transpose(self, node: torch.fx.Node) -> Any:
+        return self.env[node.args[0]]  # stands for the stacked weight (the bmm transposes it)
+
+    def _allocate_local(self, node: torch.fx.Node) -> Any:
+        """A cache allocated by the graph: at this rank's size."""
+        args, kwargs = self._args(node)
+        shard, size = self.lm.states[node], list(args[0])
+        size[len(size) + shard.dim] = shard.length
+        return node.target(size, *args[1:], **kwargs)
+
+    def _parts(self, node: torch.fx.Node) -> Any:
+        """A split or slice of the cut dim: this rank's parts (an index of consecutive positions: a slice)."""
+        args, _ = self._args(node)
+        sizes = self.lm.part_sizes[node]
+        dim = self.lm.layouts[node.args[0]].dim
+        if node.target in (aten.slice.Tensor, aten.index.Tensor):
+            return aten.narrow(args[0], dim, *sizes)
+        return aten.split_with_sizes(args[0], list(sizes), dim)
 
     def _log_sum_exp(self, node: torch.fx.Node) -> None:
         """Loss parallel (rules/loss.py): a log_softmax along the cut vocab dim is only read by
@@ -223,11 +260,12 @@ class _Sharder(torch.fx.Interpreter):
             return collectives.reduce_from_shards(value, self.group_name)  # g: identity backward
         return self.comm.all_reduce_sum(value, self.group_name)
 
-    def _view(self, node: torch.fx.Node, value: Any, shape: list) -> Any:
+    def _view(self, node: torch.fx.Node) -> Any:
         """A view that may need a copy here: a gathered or head-sharded value can be laid out
         differently in memory than in the model, so ``reshape`` keeps it valid. A copy is only
         wrong if something writes through it, which is refused loudly."""
-        out = aten.reshape(value, shape)
+        args, _ = self._args(node)
+        out = aten.reshape(args[0], args[1])
         if not private.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
             raise UsageError(
                 f"dynashard: {node.name} must copy on this rank (its input is laid out differently once "
@@ -245,15 +283,16 @@ class _Sharder(torch.fx.Interpreter):
         y = aten.bmm(x.view(self.lm.world, rows // self.lm.world, x.shape[-1]), w)
         return y, y.reshape(rows, y.shape[-1])
 
-    @staticmethod
-    def _vocab_lookup(weight: Any, ids: Any, shard: Shard) -> Any:
-        """This rank's part of ``embedding(W, ids)``: ids outside its vocabulary slice give zeros."""
-        if shard.length == 0:
-            return torch.zeros(*ids.shape, weight.shape[-1], dtype=weight.dtype, device=weight.device)
-        local = ids - shard.start
-        inside = (local >= 0) & (local < shard.length)
-        rows = aten.embedding(weight, local.clamp(0, shard.length - 1))
-        return torch.where(inside.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    def _renorm(self, node: torch.fx.Node) -> Any:
+        """``embedding_renorm_`` (``F.embedding`` with ``max_norm``) on this rank's cut (vocab.py)."""
+        m = self.renorms[node]
+        ids = self._read(m.node, m.input, None)  # as the lookup reads them
+        if self.lm.styles[m.node] == "rowwise":
+            shard = self.lm.shard(self.lm.weight_splits[m.node], frozenset(), -1)
+            return vocab.renorm_rows(node, self.env[node.args[0]], ids, shard)
+        world, rank = self.lm.world, self.lm.rank
+        return vocab.renorm_rows(node, self.env[node.args[0]], ids, None, lambda part: self.comm.all_gather_last_dim(
+            part, [[1] * world], rank, self.group_name))
 
     def _rowwise_input(self, node: torch.fx.Node, m) -> Any:
         """A rowwise layer's input: this rank's features (local, narrowed, or gathered then narrowed)."""
@@ -286,7 +325,7 @@ class _Sharder(torch.fx.Interpreter):
             return y
         x, in_shard = self._rowwise_input(node, m)
         if m.kind == "embedding":
-            y = self._vocab_lookup(self.env[m.weight], x, in_shard)
+            y = vocab.lookup(node, self.env[m.weight], x, in_shard, self.train, lm.world if lm.per_rank else 1)
         else:
             y = self._matmul(m, x)
             y = y[1] if lm.stacked else y

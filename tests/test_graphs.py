@@ -209,6 +209,17 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1):
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
     return (wait_tensor,)""")
 
+    def test_vocab_parallel_embedding_carries_its_options(self):
+        # padding_idx=15 on 4 ranks of 13/13/12/12 ids: rank 1 holds ids [13, 26), so its lookup pads its
+        # row 2; rank 0 holds no padding row (-1, the default: absent from the printed args). sparse is passed on.
+        def lookups(rank):
+            embed = torch.nn.Embedding(50, 8, padding_idx=15, sparse=True)
+            gm = rewritten(models._Embed(embed), torch.randint(0, 50, (2, 5)), world=4, rank=rank)
+            return [n.args[2:] for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default]
+
+        self.assertEqual(lookups(1), [(2, False, True)])
+        self.assertEqual(lookups(0), [(-1, False, True)])
+
     def test_nanogpt_attention_fused_qkv_uneven_heads(self):
         # nanoGPT's c_attn [q | k | v] with n_head=6 hard-coded, 4 ranks: rank 3 holds head 5 of
         # each of q, k and v (2/2/1/1 heads), the split sizes and head counts are rewritten

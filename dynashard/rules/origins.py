@@ -22,7 +22,19 @@ import math
 
 from dynashard.errors import UsageError
 from dynashard.match import LinearMatch
-from dynashard.shard import LayoutMap, Read, Shard, Split, WishKind, all_args, even, size_at, val
+from dynashard.shard import (
+    Collective,
+    CollectiveKind,
+    LayoutMap,
+    Read,
+    Shard,
+    Split,
+    WishKind,
+    all_args,
+    even,
+    size_at,
+    val,
+)
 
 
 def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
@@ -62,6 +74,9 @@ def _colwise(lm: LayoutMap, match: LinearMatch) -> None:
     out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]))
     lm.weight_splits[node] = out.split
     lm.layouts[node] = out
+    if match.renorm is not None:  # max_norm: each looked-up row's norm from every rank's part of it (vocab.py):
+        # an fp32 per id and rank, charged as the int64 ids (the same bytes at world 2)
+        lm.collectives.append(Collective(CollectiveKind.ALL_GATHER, match.input, frozenset([node]), "max_norm"))
     if match.bias is None:
         return
     bias = val(match.bias)
