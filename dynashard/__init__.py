@@ -5,8 +5,8 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safetensors", "held_bytes", "parallelize",
-           "__version__"]
+__all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safetensors", "full_tensor", "held_bytes",
+           "parallelize", "__version__"]
 
 
 def backend(**options):
@@ -29,6 +29,15 @@ def held_bytes(model) -> int:
     from dynashard.weights import held_bytes as _held_bytes
 
     return _held_bytes(model)
+
+
+def full_tensor(t):
+    """The whole value of a tensor dynashard sharded (a weight left on a compiled module, a shard
+    ``parallelize`` registered, a cache a compiled graph returned), gathered from every rank: a
+    collective, every rank calls it. Any other tensor is returned as it is."""
+    from dynashard.facades import full_tensor as _full_tensor
+
+    return _full_tensor(t)
 
 
 def parallelize(model, *args, options=None, checkpoint=None, **kwargs):

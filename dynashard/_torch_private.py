@@ -257,3 +257,10 @@ def recording_dispatch():
 
     with Recorder():
         yield calls
+
+
+def group_by_name(name: str) -> Any:
+    """The process group registered under ``name`` (``ProcessGroup.group_name``, what funcol takes)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)

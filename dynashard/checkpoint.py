@@ -83,7 +83,7 @@ class Checkpoint:
             empty = list(shape)
             empty[dim] = 0
             return torch.empty(empty, dtype=dtype)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        return owning(parts[0]) if len(parts) == 1 else torch.cat(parts, dim)
 
     def _check_key(self, fqn: str) -> None:
         if fqn not in self.keys():
@@ -91,6 +91,15 @@ class Checkpoint:
             raise UsageError(
                 f"dynashard: {fqn!r} is not in the checkpoint {self.path}" + (f"; closest: {close}" if close else "")
                 + ". Expected a checkpoint saved from this model (its state_dict() names).")
+
+
+def owning(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a storage of exactly its own bytes: a slice safetensors reads along dim 0 is a view of
+    the whole tensor's (memory-mapped) storage, which ``untyped_storage()`` and ``torch.save`` would
+    count and write whole, and which a copy to a device would allocate whole."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class SafetensorsCheckpoint(Checkpoint):

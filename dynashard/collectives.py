@@ -481,6 +481,26 @@ def gather_to_first(local: torch.Tensor, full_shape: list[int], dim: int, pieces
     return full
 
 
+def gather_pieces(local: torch.Tensor, full_shape: list[int], spec: Any, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor on every rank from every rank's ``local`` (its pieces under ``spec``, side by
+    side along ``spec.dim``): one all_gather of the blocks, each padded to the longest rank's."""
+    world, dim = spec.world, spec.dim % len(full_shape)
+    lengths = [spec.split.local(world, r) for r in range(world)]
+    longest = max(lengths)
+    moved = local.movedim(dim, 0).contiguous()
+    block = torch.zeros((longest, *moved.shape[1:]), dtype=local.dtype, device=local.device)
+    block[: moved.shape[0]] = moved
+    blocks = [torch.empty_like(block) for _ in range(world)]
+    dist.all_gather(blocks, block, group=group)
+    full = torch.empty([full_shape[dim], *moved.shape[1:]], dtype=local.dtype, device=local.device)
+    for r in range(world):
+        at = 0
+        for start, length in spec.split.pieces(world, r):
+            full[start:start + length] = blocks[r][at:at + length]
+            at += length
+    return full.movedim(0, dim)
+
+
 def first_rank_status(error: BaseException | None, group: dist.ProcessGroup, what: str) -> None:
     """Group rank 0's ``error`` (None: it went well) raised on every rank, at the same point."""
     status = torch.tensor([0 if error is None else 1], dtype=torch.int64)

@@ -19,8 +19,8 @@ plan is the one a later ``torch.compile(model, backend="dynashard", options=...)
 shards the store holds for the model's parameters are registered. A later compile whose plan
 differs raises, naming the layer (the store refuses a second, different cut of a freed weight).
 
-Calling the model outside ``torch.compile`` reads a facade eagerly, which raises a clear error
-naming the fix (its storage is gone; before, torch's "setStorage ... size 0").
+A submodule called on its own reads a facade eagerly, which answers with a clear error naming the
+fix (facades.py); a plain call of the parallelized model runs through dynashard.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import types
 import warnings
 from typing import Any
@@ -38,13 +37,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dynashard import _torch_private as private
+from dynashard.checkpoint import owning
 from dynashard.collectives import deal_from_first, exchange_status, resolve_group
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
+from dynashard.facades import storage_less
 from dynashard.gradients import average_over_ranks
 from dynashard.options import parse_options
 from dynashard.program import install_optimizer_hooks
-from dynashard.weights import STORE, ShardSpec, mark_storage_less
+from dynashard.weights import STORE, ShardSpec, cut, mark_storage_less
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
 
@@ -329,7 +330,7 @@ class _Loader:
             else:
                 value = deal_from_first(read, shape, t.dtype, self.group, f"reading {name!r} from {self.where}",
                                         whole=spec is None)
-            return value.to(t.device).contiguous()
+            return owning(value.to(t.device))  # (exactly its bytes, whatever the reader returned)
 
 
 @contextlib.contextmanager
@@ -384,9 +385,10 @@ def _register(model: nn.Module) -> None:
             module.__dict__[FACADES][attr] = facade
             cls = type(module)
             if cls not in swapped.values():
-                body = {"__module__": cls.__module__, "register_parameter": _register_parameter}
-                new = swapped.setdefault(cls, type(cls.__name__, (cls,), body))
-                module.__class__ = new
+                if cls not in swapped:
+                    swapped[cls] = _swapped_class(cls)
+                module.__class__ = swapped[cls]
+                module.register_load_state_dict_pre_hook(_full_size_into_shards)
             setattr(type(module), attr, _facade_property(attr))
 
 
@@ -408,33 +410,49 @@ def _register_parameter(self, name: str, param) -> None:
     nn.Module.register_parameter(self, name, param)
 
 
-def _in_module_call() -> bool:
-    """Whether a module's ``__call__`` is on the stack: a forward running eagerly."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_CALL_IMPL = nn.Module._call_impl.__code__
-
-
 def _facade_property(attr: str) -> property:
     def get(self):
         facades = self.__dict__.get(FACADES, {})
         if attr not in facades:  # another instance of the class, whose parameter was not sharded
             return nn.Module.__getattr__(self, attr)
-        if not torch.compiler.is_compiling() and _in_module_call():
-            # (outside a forward -- get_parameter(), DCP's FQN walk, hasattr -- the facade is returned:
-            # full-shape metadata, no storage; saving or copying it raises, but some eager reads of its
-            # values kill the process: torch kernels read the missing bytes, README "Memory")
-            raise UsageError(
-                f"dynashard: {type(self).__name__}.{attr} was sharded by dynashard.parallelize; this rank holds "
-                f"only its shard (model.named_parameters() lists it), so the module cannot run outside the "
-                "compiled model. Expected calls through torch.compile(model, backend='dynashard') with the "
-                "options parallelize was given.")
-        return facades[attr]
+        return facades[attr]  # (eager use of it is answered by the facade itself: facades.py)
 
     return property(get, doc=f"the full-shape facade of the sharded parameter {attr!r} (Dynamo reads it)")
+
+
+def _swapped_class(cls: type) -> type:
+    """``cls`` with what a module holding shards needs: a sharded parameter cannot be replaced, its
+    facade follows the shard through ``model.to(...)``, and pickling the module is refused."""
+
+    def _apply(self, fn, recurse=True):
+        out = cls._apply(self, fn, recurse)
+        for attr, facade in self.__dict__.get(FACADES, {}).items():  # the shard converted: its facade follows
+            shard = self._parameters[attr]
+            if (facade.dtype, facade.device) != (shard.dtype, shard.device):
+                with private.plain_torch_functions():
+                    facade.data = storage_less(facade.shape, shard.dtype, shard.device)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise UsageError(
+            f"dynashard: cannot copy this model or pickle it (copy.deepcopy, torch.save(model); a {cls.__name__} of it "
+            "holds shards): dynashard.parallelize registered this rank's shards as its parameters. Expected a copy "
+            "made before "
+            "parallelize; to save, dcp.save(model.state_dict(), checkpoint_id=path) for the shards (loadable at any "
+            "world size), or dynashard.export_safetensors(model, path) for the whole weights.")
+
+    body = {"__module__": cls.__module__, "register_parameter": _register_parameter, "_apply": _apply,
+            "__reduce_ex__": __reduce_ex__}
+    return type(cls.__name__, (cls,), body)
+
+
+def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` of full-size tensors (the unsharded model's, an RL trainer's, an EMA's) into a
+    parallelized module: each sharded one becomes this rank's pieces, which the load copies into the shard."""
+    for attr, facade in module.__dict__.get(FACADES, {}).items():
+        key = prefix + attr
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and list(value.shape) == list(facade.shape) and \
+                value.shape != module._parameters[attr].shape:
+            spec = STORE.spec_of(facade)
+            state_dict[key] = cut(value, spec.dim, spec.split, spec.world, spec.rank)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dynashard import _torch_private as private
 from dynashard.collectives import broadcast_from_first, exchange_blocks, exchange_status
 from dynashard.errors import PeerError, UsageError
+from dynashard.facades import become, is_facade, unbecome
 from dynashard.shard import Split
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class _Entry:
     spec: ShardSpec
     shard: torch.Tensor
     fqn: str
+    held: bool = False  # a shard a compiled program made (a cache it allocated), or one derived from such
 
 
 class WeightStore:
@@ -64,6 +66,84 @@ class WeightStore:
     def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._shards.get(param)
         return None if entry is None else entry.shard
+
+    def entry(self, t: torch.Tensor) -> _Entry | None:
+        return self._shards.get(t)
+
+    def spec_of_any(self, t: torch.Tensor) -> ShardSpec | None:
+        entry = self._shards.get(t)
+        return None if entry is None else entry.spec
+
+    # What a facade does eagerly (facades.py): on its shard, never a collective.
+
+    def local_of(self, facade: torch.Tensor) -> torch.Tensor:
+        entry = self._shards.get(facade)
+        if entry is None:
+            raise UsageError("dynashard: this tensor's storage was freed by dynashard, and its shard is gone (the "
+                             "model that held it was deleted). Expected a tensor of a live compiled model.")
+        return entry.shard
+
+    def alias(self, new: torch.Tensor, facade: torch.Tensor) -> None:
+        """``new`` (``facade.detach()``, ``facade.data``) stands for the same shard."""
+        self._shards[new] = self._entry_of(facade)
+
+    def derived(self, facade: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor], what: str) -> torch.Tensor:
+        """A facade of ``make(shard)``, a tensor cut like ``facade`` (a clone, a selection along an uncut dim)."""
+        from dynashard.facades import storage_less
+
+        entry = self._entry_of(facade)
+        with torch.no_grad():
+            local = make(entry.shard)
+        shape = list(local.shape)
+        shape[entry.spec.dim] = facade.shape[entry.spec.dim]
+        out = storage_less(shape, local.dtype, local.device)
+        self._shards[out] = _Entry(entry.spec, local, f"{what} of {entry.fqn}", held=True)
+        return out
+
+    def converted(self, facade: torch.Tensor, device: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A facade of the shard on ``device`` in ``dtype`` (``facade.to(...)``)."""
+        return self.derived(facade, lambda shard: shard.to(device=device, dtype=dtype), "a conversion")
+
+    def rebind(self, facade: torch.Tensor, value: torch.Tensor) -> None:
+        """``facade.data = value``: the shard takes the value's shard (a facade, ``model.to(...)``), or this
+        rank's pieces of a full-size tensor. The shard object stays (an optimizer, parallelize hold it)."""
+        entry = self._entry_of(facade)
+        if value in self._shards:
+            local = self._shards[value].shard
+        elif list(value.shape) == list(facade.shape):
+            local = self._cut_of(entry, value).clone(memory_format=torch.contiguous_format)
+        else:
+            raise UsageError(
+                f"dynashard: {entry.fqn!r}.data = a tensor of shape {list(value.shape)}; expected the full shape "
+                f"{list(facade.shape)} (this rank keeps its pieces) or a tensor dynashard cut alike.")
+        entry.shard.data = local.detach()
+
+    def copy_into(self, facade: torch.Tensor, src: Any, non_blocking: bool = False) -> None:
+        """``facade.copy_(src)``: this rank's pieces of a full-size ``src`` (or a facade cut alike) into the shard."""
+        entry = self._entry_of(facade)
+        other = self._shards.get(src) if isinstance(src, torch.Tensor) else None
+        if other is not None and other.spec.same_cut(entry.spec):
+            piece = other.shard
+        elif isinstance(src, torch.Tensor) and list(src.shape) == list(facade.shape) and other is None:
+            piece = self._cut_of(entry, src)
+        else:
+            shape = list(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+            raise UsageError(
+                f"dynashard: copy_ into {entry.fqn!r}, which dynashard sharded: expected a tensor of its full shape "
+                f"{list(facade.shape)} (this rank copies its pieces) or one dynashard cut alike; found {shape}.")
+        with torch.no_grad():
+            entry.shard.copy_(piece, non_blocking=non_blocking)
+
+    def _cut_of(self, entry: _Entry, full: torch.Tensor) -> torch.Tensor:
+        spec = entry.spec
+        if spec.stacked:
+            raise UsageError(f"dynashard: {entry.fqn!r} holds a block of every rank's own weight "
+                             "(weights='per_rank'); a full-size tensor has no single piece for it.")
+        return cut(full.detach(), spec.dim, spec.split, spec.world, spec.rank)
+
+    def _entry_of(self, facade: torch.Tensor) -> _Entry:
+        self.local_of(facade)  # (a clear error for an orphan)
+        return self._shards[facade]
 
     def shard_for(self, param: torch.Tensor, spec: ShardSpec, fqn: str) -> torch.Tensor | None:
         """``param``'s shard if it was cut as ``spec``; None if it was never cut; an error if it was
@@ -151,11 +231,11 @@ class WeightStore:
     def hold(self, local: torch.Tensor, shape: torch.Size, spec: ShardSpec, name: str) -> torch.Tensor:
         """A shard a compiled program made (a cache it allocated at this rank's size): a storage-less
         full-shape facade, by which later graphs find the shard as they find a cut weight's."""
-        with private.real_tensors():
-            facade = torch.empty(shape, dtype=local.dtype, device=local.device)
-        facade.untyped_storage().resize_(0)  # (its pages never touched)
+        from dynashard.facades import storage_less
+
+        facade = storage_less(shape, local.dtype, local.device)
         mark_storage_less(facade)
-        self._shards[facade] = _Entry(spec, local, name)
+        self._shards[facade] = _Entry(spec, local, name, held=True)
         self._agreed[facade] = True  # every rank made it by one program
         return facade
 
@@ -169,6 +249,7 @@ class WeightStore:
                     p.copy_(value)
                 p.__dict__.pop("__deepcopy__", None)  # whole again: copies and saves like any tensor
                 p.untyped_storage().__dict__.pop(_FREED, None)
+                unbecome(p)
 
     def trust(self, params: list[torch.Tensor]) -> None:
         """Values every rank read from one checkpoint: not compared across ranks again."""
@@ -267,20 +348,25 @@ def mark_storage_less(t: torch.Tensor) -> None:
     refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
     the storage tagger registered below. Eager math on ``t`` cannot be refused this way (README
     "Memory")."""
-    t.__deepcopy__ = _refuse_copy
+    become(t)  # a Facade: eager use answered (facades.py)
+    if not is_facade(t):  # (a subclass of the model's own keeps its class: copies and saves refused at least)
+        t.__deepcopy__ = _refuse_copy
     setattr(t.untyped_storage(), _FREED, True)
+
+
+SAVE_REFUSED = (
+    "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
+    "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
+    "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
+    "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
+    "dynashard.export_safetensors(model, path), which works after a plain compile too.")
 
 
 def _refuse_saving(storage: Any) -> None:
     """A ``torch.serialization`` location tagger, asked first for every storage ``torch.save`` writes:
     refuses a storage dynashard freed, passes every other on (None: the next tagger names its device)."""
     if getattr(storage, _FREED, False) and storage.nbytes() == 0:
-        raise UsageError(
-            "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
-            "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
-            "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
-            "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
-            "dynashard.export_safetensors(model, path), which works after a plain compile too.")
+        raise UsageError(SAVE_REFUSED)
 
 
 def _no_location(storage: Any, location: str) -> None:

@@ -177,7 +177,7 @@ def test_parallelize_registers_shards_that_compile_save_and_run_plain_calls_shar
             assert r["max_err"] < 1e-5, (rank, name, r)
             assert r["compiles"] <= 2, (rank, name, r)  # the first shape, then Dynamo's dynamic recompile
             assert r["plain_call_err"] < 1e-5 and r["plain_call_kept_shards"], (rank, name, r)
-            assert "sharded by dynashard.parallelize" in r["eager"] and "torch.compile" in r["eager"], r["eager"]
+            assert "dynashard.parallelize registered" in r["eager"] and "torch.compile" in r["eager"], r["eager"]
             assert "already parallelized" in r["twice"], r["twice"]
             assert "cannot copy this model" in r["copy"], r["copy"]  # (copying a freed tensor killed the process)
             assert "cannot be replaced" in r["assign"], r["assign"]  # (a new object would be ignored silently)
