@@ -60,6 +60,9 @@ class _Answers:
         if torch.compiler.is_compiling():  # Dynamo's trace, the backend's analysis and rewrite: plain tensors
             return _plain(func, args, kwargs)
         kind, name = _name_of(func)
+        if (kind, name) == ("get", "requires_grad"):  # the shard's: the one gradients follow (it may be frozen)
+            shard = _store().shard_of(args[0])
+            return shard.requires_grad if isinstance(shard, nn.Parameter) else _plain(func, args, kwargs)
         if kind == "get" and name in _GETTERS or kind == "call" and name in _METHODS:
             return _plain(func, args, kwargs)
         if kind == "set" and name in _SETTERS:
@@ -167,7 +170,7 @@ def _requires_grad(func, args, kwargs) -> Any:
     flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
     _plain(func, args, kwargs)
     shard = _store().shard_of(t)
-    if shard is not None and shard.is_leaf:
+    if isinstance(shard, nn.Parameter):  # (the leaf gradients land in; a plain shard takes the facade's when made one)
         shard.requires_grad_(bool(flag))
     return t if func.__name__ == "requires_grad_" else None
 
@@ -287,7 +290,7 @@ def _refuse_save(func, args, kwargs):
 
 
 _EAGER = {
-    ("call", "__repr__"): _repr, ("call", "__format__"): lambda f, a, k: _repr(f, a, k),
+    ("call", "__repr__"): _repr, ("call", "__format__"): lambda f, a, k: repr(a[0]),
     ("call", "requires_grad_"): _requires_grad, ("set", "requires_grad"): _requires_grad,
     ("call", "register_hook"): _hook, ("call", "register_post_accumulate_grad_hook"): _hook,
     ("call", "detach"): _alias, ("get", "data"): _alias, ("set", "data"): _set_data,
