@@ -178,6 +178,9 @@ class DCPCheckpoint(Checkpoint):
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"dynashard: cannot read the DCP metadata of {path}: {e}. Expected a directory "
                              "written by torch.distributed.checkpoint.save.") from e
+        from dynashard.integrity import check_dcp
+
+        check_dcp(path, metadata)  # (files another save left, or a save that did not finish: refused)
         self._metadata = metadata
         self._tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -353,10 +356,16 @@ class _GlobalSized:
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at ``path``: a ``.safetensors`` file, a directory holding safetensors files
     (with or without ``model.safetensors.index.json``), or a DCP directory (``.metadata``)."""
+    from dynashard.integrity import leftovers
+
     path = os.fspath(path)
     if not os.path.exists(path):
+        left = leftovers(path)
+        hint = (f" An export into it was interrupted while swapping directories: {left} hold the previous "
+                "export and the new one (the newer is the one named .dynashard-writing-); rename the one you want "
+                "to it." if left else "")
         raise UsageError(f"dynashard: checkpoint {path!r} does not exist; expected a .safetensors file, a directory "
-                         "of them (an HF checkpoint) or a torch.distributed.checkpoint directory.")
+                         f"of them (an HF checkpoint) or a torch.distributed.checkpoint directory.{hint}")
     if os.path.isfile(path):
         return SafetensorsCheckpoint(path, _keys_of([path]))
     if os.path.exists(os.path.join(path, _DCP_METADATA)):

@@ -17,11 +17,13 @@ import ctypes
 import json
 import math
 import os
+import shutil
 import struct
 from typing import Any
 
 import torch
 
+from dynashard import integrity
 from dynashard.checkpoint import _INDEX, _SAFETENSORS_DTYPES
 from dynashard.errors import UsageError
 
@@ -33,7 +35,9 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     path is an HF directory (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at
     most ``max_shard_size`` bytes ("5GB", as ``save_pretrained`` takes it) and
     ``model.safetensors.index.json``, plus an HF model's ``config.json`` and generation config) that
-    ``from_pretrained`` and ``parallelize(checkpoint=...)`` read.
+    ``from_pretrained`` and ``parallelize(checkpoint=...)`` read. A directory is written into a sibling
+    temporary directory and swapped in when complete (integrity.replace_directory): an earlier export's
+    files never stay beside the new ones, and files no export writes (a tokenizer) are kept.
 
     Every rank of the group calls it. Group rank 0 gathers one tensor at a time (every rank sends
     its pieces) and streams it into the file, so no rank ever holds the whole model. A tied weight
@@ -51,14 +55,15 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     path = os.fspath(path)
     entries = _export_entries(model, STORE)  # [(name, value, facade or None)], the same on every rank
     sizes = [(name, math.prod(full.shape) * full.element_size()) for name, _, full in entries]
-    files = _file_plan(path, sizes, _parse_size(max_shard_size))
-    error, writers = None, []
+    directory = not path.endswith(".safetensors")
+    error, writers, into = None, [], path
     try:
-        if rank == 0 and not path.endswith(".safetensors"):
-            os.makedirs(path, exist_ok=True)
+        if rank == 0 and directory:
+            into = integrity.start_directory(path)
             for config in (getattr(model, "config", None), getattr(model, "generation_config", None)):
                 if hasattr(config, "save_pretrained"):  # an HF model: from_pretrained needs its config
-                    config.save_pretrained(path)
+                    config.save_pretrained(into)
+        files = _file_plan(into, sizes, _parse_size(max_shard_size))
         for file, names in files if rank == 0 else []:
             writers.append(_Writer(file, [(n, full) for n, _, full in entries if n in names]))
     except Exception as e:  # noqa: BLE001 - raised on every rank below
@@ -89,14 +94,18 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
                 if len(files) > 1:
                     total = sum(size for _, size in sizes)
                     weight_map = {n: os.path.basename(file) for file, names in files for n in names}
-                    with open(os.path.join(path, _INDEX), "w") as f:
+                    with open(os.path.join(into, _INDEX), "w") as f:
                         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                if directory:
+                    integrity.replace_directory(into, path)
             except Exception as e:  # noqa: BLE001
                 error = e
         first_rank_status(error, group, f"finishing {path}")
     finally:
         for w in writers:
             w.close()
+        if rank == 0 and directory and into != path and os.path.isdir(into):  # failed before the swap
+            shutil.rmtree(into, ignore_errors=True)
 
 
 def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -43,6 +43,7 @@ from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.facades import storage_less
 from dynashard.gradients import average_over_ranks
+from dynashard.integrity import digest, disagreement, fingerprint
 from dynashard.options import parse_options
 from dynashard.program import install_optimizer_hooks
 from dynashard.weights import STORE, ShardSpec, cut, mark_storage_less
@@ -91,6 +92,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
         STORE.materialize([p for p in model.parameters()])  # read by no graph (eager code): whole
+        if source is not None:
+            source.agree_on_what_was_read_whole()
     except Exception as e:
         ours = private.backend_error(e) or e
         if source is not None:  # a load: the model goes back to what it was (its shards are dropped)
@@ -217,20 +220,28 @@ class _Loader:
         self.model, self.device, self.group, self.from_first = model, device, group, from_first
         self.rank = dist.get_rank(group)
         reads = not from_first or self.rank == 0
-        self.ck, table, error = None, None, None
+        self.ck, table, identity, error = None, None, "", None
+        self.whole: dict[str, str] = {}  # name -> digest of each tensor this rank read whole (every rank reads it)
         try:
             if reads and path is not None:
                 self.ck = open_checkpoint(path)
+                identity = fingerprint(self.ck)
             elif reads:  # weights="rank0", rank 0 holding the model: its own tensors are the source
                 named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
                 self.ck = TensorsCheckpoint(dict(named), "rank 0's model")
             if self.ck is not None:
                 table = {k: (tuple(self.ck.shape(k)), self.ck.dtype(k)) for k in self.ck.keys()}
-        except UsageError as e:
-            error = e
-        tables = exchange_status(table, error, group, "opening the checkpoint")
-        table = tables[0] if from_first else table
+        except (UsageError, OSError) as e:
+            error = e if isinstance(e, UsageError) else UsageError(f"dynashard.parallelize: reading {path}: {e}")
+        everyone = exchange_status((table, identity), error, group, "opening the checkpoint")
+        table = everyone[0][0] if from_first else table
         self.where = self.ck.path if self.ck is not None else "rank 0's checkpoint"
+        differ = None if from_first else disagreement([i for _, i in everyone], "read a checkpoint")
+        if differ:  # (the same on every rank: every rank raises)
+            raise UsageError(
+                f"dynashard.parallelize: {differ} (their files' sizes, headers or data differ; digests per rank: "
+                f"{[i for _, i in everyone]}), from {self.where} on this rank. Expected the same checkpoint on "
+                "every rank (a stale copy on one node?). Nothing was changed.")
         self.names: dict[int, str] = {}  # parameter or buffer id -> its name in the checkpoint
         error = None
         try:
@@ -300,6 +311,19 @@ class _Loader:
                     module._buffers[attr] = self(b, None)
         STORE.trust(list(made.values()))  # every rank has the same values (one file, or rank 0's)
 
+    def agree_on_what_was_read_whole(self) -> None:
+        """Every rank read the tensors it holds whole (norms, biases, whatever stays replicated) with the
+        same bytes; raised on every rank otherwise (the checkpoint changed under one of them)."""
+        if self.from_first:
+            return
+        everyone = exchange_status(sorted(self.whole.items()), None, self.group, "comparing what was read")
+        differ = disagreement(everyone, "read tensors")
+        if differ:
+            first = dict(everyone[0])
+            names = sorted({n for per in everyone[1:] for n, d in per if first.get(n) != d})
+            raise UsageError(f"dynashard.parallelize: {differ} from {self.where} ({names[:5]}): the checkpoint differs "
+                             "across ranks. Expected the same checkpoint on every rank. The model was put back.")
+
     def restore(self) -> None:
         """The tensors the model held back in place, after a failed run (its shards are dropped)."""
         for where, attr, meta in reversed(getattr(self, "replaced", [])):
@@ -327,6 +351,8 @@ class _Loader:
         with private.real_tensors():  # (called inside the backend, where Dynamo's fake mode is on)
             if not self.from_first:
                 value = read(None if spec is None else spec.rank)
+                if spec is None:
+                    self.whole[name] = digest(value)
             else:
                 value = deal_from_first(read, shape, t.dtype, self.group, f"reading {name!r} from {self.where}",
                                         whole=spec is None)

@@ -232,6 +232,9 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
             out[f"{name}.{fmt}"] = (float((got - reference(x)).abs().max()),
                                     sorted(n for n, p in model.named_parameters()
                                            if p.shape != reference.get_parameter(n).shape))
+            # each shard in a storage of its own bytes (a safetensors slice was a view of the whole tensor's)
+            out[f"{name}.{fmt}.owned"] = [n for n, p in model.named_parameters()
+                                          if p.untyped_storage().nbytes() != p.nbytes]
     # a bfloat16 checkpoint into a float32 model: read in the model's dtype (the values bf16 holds)
     torch.manual_seed(0)
     reference = models.build("mlp", 64, 96).eval()
@@ -267,6 +270,7 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
     with torch.no_grad():
         got = torch.compile(model, backend=dynashard.backend(**options))(ids, use_cache=False).logits
     out["hf_gpt2"] = float((got - reference(ids, use_cache=False).logits).abs().max())
+    out["hf_gpt2_owned"] = [n for n, p in model.named_parameters() if p.untyped_storage().nbytes() != p.nbytes]
     # today's path on an HF checkpoint: from_pretrained on every rank maps the safetensors files (storage
     # that cannot be resized), then the first compiled call cuts and lets go of the full weights
     torch._dynamo.reset()
@@ -283,6 +287,32 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
         out["hf_gpt2_export"] = (float((again(ids, use_cache=False).logits
                                         - reference(ids, use_cache=False).logits).abs().max()),
                                  len([f for f in os.listdir(f"{path}/gpt2_export") if f.endswith(".safetensors")]))
+    # exported again into that directory, now as one file, beside a tokenizer file: the earlier export's
+    # files and index are gone (from_pretrained and parallelize would read different exports), the tokenizer kept
+    if rank == 0:
+        with open(f"{path}/gpt2_export/tokenizer.json", "w") as f:
+            f.write("{}")
+    dist.barrier()
+    dynashard.export_safetensors(model, f"{path}/gpt2_export")
+    if rank == 0:
+        again = T.AutoModelForCausalLM.from_pretrained(f"{path}/gpt2_export").eval()
+        out["hf_gpt2_export_again"] = (float((again(ids, use_cache=False).logits
+                                              - reference(ids, use_cache=False).logits).abs().max()),
+                                       sorted(os.listdir(f"{path}/gpt2_export")))
+    # a stale copy on one rank: the same shapes, other values (rank 1's file); every rank refuses, nothing changes
+    if rank == 1:
+        torch.manual_seed(5)
+        save_model(models.build("mlp", 64, 96), f"{path}/mlp_stale.safetensors")
+    dist.barrier()
+    with dynashard.empty_weights():
+        model = models.build("mlp", 64, 96)
+    try:
+        ckpt = f"{path}/mlp.safetensors" if rank == 0 else f"{path}/mlp_stale.safetensors"
+        dynashard.parallelize(model, torch.randn(2, 64), options=options, checkpoint=ckpt)
+        out["stale_copy"] = "ran"
+    except UsageError as e:
+        out["stale_copy"] = str(e)
+    out["stale_copy_unchanged"] = all(p.is_meta for p in model.parameters())
     # Errors, before anything changes
     for label, build, ckpt, width in (
             ("no_checkpoint", lambda: models.build("mlp", 64, 96), None, 64),
@@ -328,7 +358,12 @@ def test_models_built_on_meta_load_their_slices_from_checkpoints(loaded):
                 err, sharded = out[f"{name}.{fmt}"]
                 assert err < 1e-5 and set(sharded) == SHARDED[name], (rank, name, fmt, err, sharded)
                 assert "cannot copy this model" in out[f"{name}.{fmt}.copy"], out[f"{name}.{fmt}.copy"]
-        assert out["hf_gpt2"] < 1e-5, out
+                assert out[f"{name}.{fmt}.owned"] == [], (rank, name, fmt, out[f"{name}.{fmt}.owned"])
+        assert out["hf_gpt2"] < 1e-5 and out["hf_gpt2_owned"] == [], out
+        assert rank != 0 or out["hf_gpt2_export_again"] == (
+            0.0, ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]), out
+        assert "ranks [1] read a checkpoint other than rank 0's" in out["stale_copy"], out["stale_copy"]
+        assert out["stale_copy_unchanged"], out
         assert out["bf16_into_fp32"][0] < 1e-5 and out["bf16_into_fp32"][1] == ["torch.float32"], out
         assert out["hf_gpt2_mapped"] < 1e-5 and out["hf_gpt2_mapped_held"] < 0.75, out
         # the same weights bit for bit, so the same logits exactly; in 2+ files (100 KB each at most)
