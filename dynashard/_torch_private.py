@@ -71,17 +71,69 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.Gra
         fake_mode.allow_scalar_outputs = allowed
 
 
-def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths."""
+def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                  on_backward_error: Callable[[BaseException], None] | None = None) -> Callable[..., Any]:
+    """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths.
+
+    ``on_backward_error(e)``: called with an error the compiled backward raises (it may raise another
+    in its place: a dead peer named), before it propagates out of ``loss.backward()``.
+
+    NOTE: the backward AOTAutograd compiles is reached through its ``bw_compiler`` (aot_eager) and
+    Inductor's ``inner_compile`` (called with ``is_backward=True`` for it, torch 2.13
+    ``compile_fx_backward``); each compiled backward is called boxed (``_boxed_call``, a list of
+    arguments), which the wrapper keeps. A wrapped backward is not an ``OutputCode``, so AOTAutograd's
+    cache skips that graph."""
     if compiler == "eager":
         return gm.forward
     if compiler == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
 
-        return aot_eager(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+        def bw(graph, inputs):
+            return _guarded(boxed_nop(graph, inputs), on_backward_error)
 
-    return compile_fx(gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=bw if on_backward_error else boxed_nop)(
+            gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    if on_backward_error is None:
+        return compile_fx(gm, example_inputs)
+
+    def inner(graph, inputs, **kwargs):
+        compiled = compile_fx_inner(graph, inputs, **kwargs)
+        return _guarded(compiled, on_backward_error) if kwargs.get("is_backward") else compiled
+
+    return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+class _GuardedBackward:
+    """A compiled backward whose errors pass through a handler first (compile_graph)."""
+
+    def __init__(self, inner: Any, handler: Callable[[BaseException], None]) -> None:
+        self._inner, self._handler = inner, handler
+        # (an instance attribute: AOTAutograd wraps the backward in torch._dynamo.disable, whose
+        # functools.wraps copies the instance's __dict__, not its class's attributes)
+        self._boxed_call = True
+
+    def __call__(self, args: list[Any]) -> Any:
+        try:
+            return self._inner(args)
+        except Exception as e:  # noqa: BLE001 - the handler raises its own, or lets this one go on
+            self._handler(e)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _guarded(compiled: Any, handler: Callable[[BaseException], None] | None) -> Any:
+    if handler is None:
+        return compiled
+    if not getattr(compiled, "_boxed_call", False):
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        compiled = make_boxed_func(compiled)
+    return _GuardedBackward(compiled, handler)
 
 
 def weak_id_dict() -> Any:

@@ -8,6 +8,7 @@ directly: they run once, outside any trace.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 import zlib
@@ -178,7 +179,8 @@ class _CopyToShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # (waited: run eagerly, funcol returns an AsyncCollectiveTensor, which would land in a .grad)
-        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
+        with peer_guard(_group_named(ctx.group_name), BACKWARD):
+            return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
 
 
 class _ReduceFromShards(torch.autograd.Function):
@@ -205,6 +207,15 @@ class _GatherFromShards(torch.autograd.Function):
             pieces.append(grad.narrow(-1, offset + sum(ls[: ctx.rank]), ls[ctx.rank]))
             offset += sum(ls)
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)), None, None, None
+
+
+BACKWARD = "the backward of the sharded program"
+
+
+def _group_named(name: str) -> dist.ProcessGroup:
+    from dynashard import _torch_private as private
+
+    return private.group_by_name(name)
 
 
 def copy_to_shards(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -295,9 +306,10 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
         )
     raise UsageError(
         "dynashard: inputs='replicated' needs every rank to call with the same inputs; their shapes agree "
-        f"({per_rank_shapes}) but their values differ (options={{'check_inputs': 'values'}} compared checksums). "
-        "Pass the same batch on every rank (same seed, or broadcast it from rank 0), or "
-        "options={'inputs': 'per_rank'} if each rank has its own batch."
+        f"({per_rank_shapes}) but their values differ (check_inputs compared checksums: of integer inputs such "
+        "as token ids on every call, by default). Pass the same batch on every rank (a DataLoader with the same "
+        "seed, or broadcast it from rank 0; when sampling, seed every rank alike, e.g. torch.manual_seed(0) "
+        "before generate), or options={'inputs': 'per_rank'} if each rank has its own batch."
     )
 
 
@@ -377,6 +389,34 @@ def describe_missing(missing: list[int] | None) -> str:
     return f"ranks {missing} did not get there (died, hang, or run different code)"
 
 
+def peer_failure(group: dist.ProcessGroup, stage: str, error: BaseException, wait_s: float = 5.0) -> PeerError | None:
+    """After ``error`` at ``stage`` on this rank: a :class:`PeerError` naming the ranks that did not fail
+    there too (died, hang or run other code: a roll call through the store), or None when every rank
+    failed at ``stage`` alike (an error of its own: the model's, raised as it is)."""
+    from dynashard import _torch_private as private
+
+    if isinstance(error, PeerError) or private.is_fake_group(group):
+        return None
+    missing = RollCall(group, f"failed: {stage}").missing(wait_s=wait_s)
+    if missing == []:
+        return None
+    return PeerError(f"dynashard: {stage} failed on rank {dist.get_rank(group)}: {describe_missing(missing)}. The "
+                     f"process group said: {type(error).__name__}: {error}")
+
+
+@contextlib.contextmanager
+def peer_guard(group: dist.ProcessGroup, stage: str):
+    """``with peer_guard(group, "stage"):`` around collectives every rank makes: a dead or hung peer is a
+    :class:`PeerError` naming it and the stage, not the process group's own error."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised, named, below
+        named = peer_failure(group, stage, e)
+        if named is None:
+            raise
+        raise named from e
+
+
 def exchange_status(payload: Any, error: BaseException | None, group: dist.ProcessGroup, stage: str) -> list[Any]:
     """Every rank's ``payload``, or the same error on every rank if any rank failed at ``stage``.
 
@@ -426,6 +466,12 @@ def deal_from_first(make: Any, shape: list[int], dtype: torch.dtype, group: dist
     ``make`` (a bad checkpoint) is raised on every rank at the same point, with rank 0's message,
     and no rank waits for a tensor that never comes.
     """
+    with peer_guard(group, f"rank 0's deal ({what})"):
+        return _deal(make, shape, dtype, group, what, whole)
+
+
+def _deal(make: Any, shape: list[int], dtype: torch.dtype, group: dist.ProcessGroup, what: str, whole: bool
+          ) -> torch.Tensor:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first = dist.get_global_rank(group, 0)
     whole = whole or world == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,7 +24,15 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.analysis import Analysis, analyse, shard_fakes
-from dynashard.collectives import COMPILE, exchange_status, group_name, reduce_scatter_is_slow, resolve_group
+from dynashard.collectives import (
+    BACKWARD,
+    COMPILE,
+    exchange_status,
+    group_name,
+    peer_failure,
+    reduce_scatter_is_slow,
+    resolve_group,
+)
 from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.match import embedding_options
 from dynashard.options import Options, parse_options
@@ -62,8 +71,12 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
     elif error is not None:
         raise error
-    if analysis is not None and STORE.source is not None:  # dynashard.parallelize(checkpoint=...)
-        STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded])
+    if analysis is not None and STORE.source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
+        try:
+            STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded])
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the agreement below
+            error = wrap(e, "reading the weights left whole from the checkpoint")
+        exchange_status(None, error, group, "reading the weights left whole from the checkpoint")
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
@@ -81,7 +94,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         with grad_guard:
-            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes)
+            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes,
+                                             on_backward_error=_name_dead_peers(group) if train and agree else None)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
         error = wrap(e, "rewriting and compiling")
     if agree:
@@ -100,13 +114,26 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
             error = wrap(e, "loading the shards")
         if agree:
-            exchange_status(None, error, group, "loading")
+            exchange_status(None, error, group, "loading the shards (checkpoint reads, or rank 0's deal)")
         elif error is not None:
             raise error
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held)
+
+
+def _name_dead_peers(group: dist.ProcessGroup) -> Callable[[BaseException], None]:
+    """What the compiled backward does with an error: a dead or hung peer named (PeerError), else as it is."""
+
+    ref = weakref.ref(group)  # (a compiled program must not keep the group alive: program._WeakGroup)
+
+    def handler(error: BaseException) -> None:
+        named = peer_failure(ref(), BACKWARD, error) if ref() is not None else None
+        if named is not None:
+            raise named from error
+
+    return handler
 
 
 def check_data_parallel() -> None:

@@ -47,7 +47,7 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     """
     import torch.distributed as dist
 
-    from dynashard.collectives import first_rank_status, gather_to_first, resolve_group
+    from dynashard.collectives import peer_guard, resolve_group
     from dynashard.weights import STORE
 
     group = resolve_group(group)
@@ -56,7 +56,7 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     entries = _export_entries(model, STORE)  # [(name, value, facade or None)], the same on every rank
     sizes = [(name, math.prod(full.shape) * full.element_size()) for name, _, full in entries]
     directory = not path.endswith(".safetensors")
-    error, writers, into = None, [], path
+    error, writers, into, files = None, [], path, []
     try:
         if rank == 0 and directory:
             into = integrity.start_directory(path)
@@ -68,44 +68,60 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
             writers.append(_Writer(file, [(n, full) for n, _, full in entries if n in names]))
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         error = e
-    by_name = {n: w for w in writers for n in w.names}
     try:
-        first_rank_status(error, group, f"opening {path} to export into")
-        for name, value, full in entries:
-            error = None
-            spec = STORE.spec_of(full) if full is not value else None
-            if spec is not None:
-                whole = gather_to_first(value, list(full.shape), spec.dim,
-                                        lambda r, s=spec: s.split.pieces(s.world, r), group)
-            else:
-                whole = value.detach() if rank == 0 else None
-            if rank == 0:
-                try:
-                    by_name[name].write(name, whole)
-                except Exception as e:  # noqa: BLE001 - raised on every rank below
-                    error = e
-            del whole
-            first_rank_status(error, group, f"writing {name!r} to {path}")
-        error = None
-        if rank == 0:
-            try:
-                for w in writers:
-                    w.finish()
-                if len(files) > 1:
-                    total = sum(size for _, size in sizes)
-                    weight_map = {n: os.path.basename(file) for file, names in files for n in names}
-                    with open(os.path.join(into, _INDEX), "w") as f:
-                        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-                if directory:
-                    integrity.replace_directory(into, path)
-            except Exception as e:  # noqa: BLE001
-                error = e
-        first_rank_status(error, group, f"finishing {path}")
+        with peer_guard(group, f"export_safetensors into {path}"):
+            _write_all(entries, files, sizes, writers, error, group, path, into)
     finally:
         for w in writers:
             w.close()
         if rank == 0 and directory and into != path and os.path.isdir(into):  # failed before the swap
             shutil.rmtree(into, ignore_errors=True)
+
+
+def _write_all(entries: list, files: list, sizes: list, writers: list, error: Exception | None, group: Any,
+               path: str, into: str) -> None:
+    """Rank 0 writes, every rank sends its pieces: each tensor gathered and streamed into its file
+    (``into``: a directory export's temporary sibling, swapped in for ``path`` when complete)."""
+    import torch.distributed as dist
+
+    from dynashard.collectives import first_rank_status, gather_to_first
+    from dynashard.weights import STORE
+
+    rank = dist.get_rank(group)
+    by_name = {n: w for w in writers for n in w.names}
+    first_rank_status(error, group, f"opening {path} to export into")
+    for name, value, full in entries:
+        error = None
+        spec = STORE.spec_of(full) if full is not value else None
+        if spec is not None:
+            whole = gather_to_first(value, list(full.shape), spec.dim,
+                                    lambda r, s=spec: s.split.pieces(s.world, r), group)
+        else:
+            whole = value.detach() if rank == 0 else None
+        if rank == 0:
+            try:
+                by_name[name].write(name, whole)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error = e
+        del whole
+        first_rank_status(error, group, f"writing {name!r} to {path}")
+    error = None
+    if rank == 0:
+        try:
+            for w in writers:
+                w.finish()
+            if len(files) > 1:
+                total = sum(size for _, size in sizes)
+                weight_map = {n: os.path.basename(file) for file, names in files for n in names}
+                with open(os.path.join(into, _INDEX), "w") as f:
+                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            if into != path:
+                integrity.replace_directory(into, path)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    first_rank_status(error, group, f"finishing {path}")
+
+
 
 
 def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
+from dynashard.collectives import peer_guard
 from dynashard.errors import NotSupportedError
 
 
@@ -48,15 +49,16 @@ def _global_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     ord_ = float(ord_)
     local = torch.linalg.vector_norm(grad.detach(), ord_, dtype=torch.float64 if grad.dtype == torch.float64
                                      else torch.float32)
-    if ord_ == float("inf"):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
-    elif ord_ == float("-inf") or ord_ == 0:
+    if ord_ == float("-inf") or ord_ == 0:
         return func(*args, **kwargs)  # (not used for clipping; no cross-rank meaning here)
-    else:
-        power = local.pow(ord_)
-        dist.all_reduce(power, group=group)
-        total = power.pow(1.0 / ord_)
+    with peer_guard(group or dist.group.WORLD, "the whole gradient's norm (clip_grad_norm_)"):
+        if ord_ == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            total = local
+        else:
+            power = local.pow(ord_)
+            dist.all_reduce(power, group=group)
+            total = power.pow(1.0 / ord_)
     return total.to(grad.dtype)
 
 
@@ -103,7 +105,8 @@ def average_over_ranks(param: torch.Tensor, group: dist.ProcessGroup, sharded: b
                 "is sparse (an embedding with sparse=True kept whole): expected sparse=False for it, or a plan "
                 "that shards it ('rowwise': vocab-parallel).")
         total = grad.contiguous().clone()
-        dist.all_reduce(total, group=group)
+        with peer_guard(group, "averaging a replicated gradient over the ranks (inputs='per_rank')"):
+            dist.all_reduce(total, group=group)
         return total / world
 
     param.register_hook(average)

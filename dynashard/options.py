@@ -17,7 +17,7 @@ STYLES = ("colwise", "rowwise", "replicate")
 COMPILERS = ("inductor", "aot_eager", "eager")
 WEIGHTS = ("replicated", "rank0", "per_rank")
 INPUTS = ("replicated", "per_rank")
-CHECKS = ("shapes", "values", "off")
+CHECKS = ("ids", "shapes", "values", "off")
 
 # Hugging Face transformers 5.x plan styles (``base_model_tp_plan``; transformers/distributed/
 # tensor_parallel.py), as dynashard reads them. Where HF gathers an output or splits an input
@@ -61,8 +61,9 @@ class Options:
     # 64K elements the collective it needs (tens of microseconds on gloo) costs about what
     # the halved matmul saves.
     min_shard_numel: int = 1 << 16
-    # What every call compares across ranks before any collective (README, "Errors, agreement").
-    check_inputs: str = "shapes"
+    # What every call compares across ranks before any collective (README, "Errors, agreement"): by
+    # default shapes, and values where that is cheap (integer inputs every call, all inputs at compile).
+    check_inputs: str = "ids"
 
     @property
     def plan_dict(self) -> dict[str, str] | None:

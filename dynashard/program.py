@@ -24,8 +24,8 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import gradients
-from dynashard.collectives import CALL, RollCall, content_digest, describe_missing, handshake
-from dynashard.errors import PeerError, SetupError, UsageError
+from dynashard.collectives import CALL, COMPILE, content_digest, handshake, peer_failure
+from dynashard.errors import SetupError, UsageError
 from dynashard.options import Options
 from dynashard.weights import STORE, ShardSpec
 
@@ -35,16 +35,23 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class CallCheck:
     """What a rank tells the others before every call and every compile of a graph: its input
-    shapes (and, with ``check_inputs``, a checksum of their values), in one small all_reduce.
+    shapes (and a checksum of values, see ``check_inputs``), in one small all_reduce.
 
     Ranks that differ meet there and all raise, naming each rank's shapes, before any collective
     of the graph (gloo aborts the process on collectives of different sizes) and before a rank
     whose guards failed enters the compile agreement while the others run the graph.
+
+    ``check_inputs="ids"`` (the default) also compares the values of integer inputs on every call
+    (token ids and positions: a few KiB, one pass) and of every input when a graph is compiled: a
+    per-rank DataLoader of token batches, or sampling with ranks seeded differently (HF
+    ``do_sample=True``: the next step's ids differ), is an error at the first call it happens,
+    instead of every rank computing on a mix of batches. Float inputs differing only later (a per-rank
+    DataLoader of images) are caught by ``"values"``, which checksums every input every call.
     """
 
     module_state: frozenset[int]  # parameter and buffer slots: checked once, at compile time
     per_rank: bool
-    values: bool
+    mode: str  # options.check_inputs
 
     @classmethod
     def for_graph(cls, gm: torch.fx.GraphModule, options: Options) -> CallCheck | None:
@@ -53,12 +60,21 @@ class CallCheck:
             return None
         slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
         state = frozenset(i for i, n in enumerate(slots) if private.placeholder_source_fqn(n) is not None)
-        return cls(state, options.inputs == "per_rank", options.check_inputs == "values")
+        return cls(state, options.inputs == "per_rank", options.check_inputs)
+
+    def _checked(self, phase: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The inputs whose values this call compares (none under inputs="per_rank": they differ by design)."""
+        if self.per_rank or self.mode == "shapes":
+            return []
+        if self.mode == "values" or phase == COMPILE:
+            return tensors
+        return [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
 
     def __call__(self, phase: int, args: Any, group: dist.ProcessGroup) -> None:
         inputs = [a for i, a in enumerate(args) if i not in self.module_state]
         tensors = [a for a in inputs if torch.is_tensor(a)]  # (symbolic sizes arrive as ints: in these shapes)
-        values = content_digest(tensors) if self.values else 0
+        checked = self._checked(phase, tensors)
+        values = content_digest(checked) if checked else 0
         described = [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors]
         handshake(phase, described, group, self.per_rank, values)
 
@@ -155,17 +171,12 @@ class ShardedProgram:
     def _diagnose(self, error: RuntimeError) -> None:
         """After a failed call, name the ranks that did not fail with us (dead or hung ones)."""
         group = self._group.get()
-        if group is None or private.is_fake_group(group):
+        if group is None:
             return
         self.failures += 1
-        roll = RollCall(group, f"failed-call-{self.failures}")
-        missing = roll.missing(wait_s=5.0)
-        if missing == []:
-            return  # every rank failed in this call alike: the model's own error, raised as it is
-        raise PeerError(
-            f"dynashard: the sharded program failed on rank {dist.get_rank(group)}: "
-            f"{describe_missing(missing)}. The process group said: {error}"
-        ) from error
+        named = peer_failure(group, f"the sharded program's call (failed call {self.failures})", error)
+        if named is not None:
+            raise named from error
 
 
 class CheckFirst:

@@ -299,6 +299,10 @@ def scenarios(rank: int, world: int) -> dict:
     # naming every rank's shapes, on the first call, on a dynamic graph, and when only some ranks'
     # guards fail (they recompile while the others call); never a gloo abort or a hang.
     replicated = {"compiler": "eager", "min_shard_numel": 0}
+
+    def same(*shape):  # the same values on every rank (the global RNG differs once ranks drew different sizes)
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
     with torch.no_grad():
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -307,18 +311,18 @@ def scenarios(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         torch.manual_seed(0)
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        compiled(torch.randn(2, 3, 32))
-        compiled(torch.randn(2, 5, 32))  # now dynamic
+        compiled(same(2, 3, 32))
+        compiled(same(2, 5, 32))  # now dynamic
         out["rep_later_call_mismatch"] = _error_of(lambda: compiled(torch.randn(2, 10 + 2 * rank, 32)))
         out["rep_after_mismatch_err"] = float((compiled(x) - models_mlp_ref(x)).abs().max())  # the group survives
         torch._dynamo.reset()
         torch.manual_seed(0)
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        compiled(torch.randn(5, 32))
+        compiled(same(5, 32))
         out["rep_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
         torch._dynamo.reset()
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**replicated, "plan": {}})
-        compiled(torch.randn(5, 32))
+        compiled(same(5, 32))
         out["rep_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
         # Inputs of another dtype on one rank: named like shapes (the collectives would differ in bytes).
         torch._dynamo.reset()
@@ -358,10 +362,26 @@ def scenarios(rank: int, world: int) -> dict:
         compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=values)
         out["checked_same_err"] = float((compiled(x) - models_mlp_ref(x)).abs().max())
         out["checked_other_values"] = _error_of(lambda: compiled(x + (rank == world - 1)))
+        # check_inputs="ids" (the default): every input's values compared when a graph compiles, integer
+        # inputs' (token ids) on every call; float values that differ only in later calls are not compared
         torch._dynamo.reset()
         torch.manual_seed(0)
-        unchecked = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        out["unchecked_other_values"] = _error_of(lambda: unchecked(x + rank))
+        default = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        out["default_other_values_at_compile"] = _error_of(lambda: default(x + rank))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        default = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
+        default(x)
+        out["default_other_floats_later"] = _error_of(lambda: default(x + rank))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        lm = torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options=replicated)
+        ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+        lm(ids)
+        out["default_other_ids"] = _error_of(lambda: lm(ids if rank == 0 else ids.flip(-1)))  # (a per-rank loader)
+        off = {**replicated, "check_inputs": "off"}
+        out["off_other_ids"] = _error_of(
+            lambda: torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options=off)(ids + rank))
     # A graph left whole keeps its gradients (plan {} is the README's advice for training code).
     torch._dynamo.reset()
     torch.manual_seed(0)

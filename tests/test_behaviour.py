@@ -146,9 +146,13 @@ def test_check_inputs_catches_other_values_of_equal_shape(per_rank):
         assert r["checked_same_err"] <= ATOL
         kind, msg = r["checked_other_values"]
         assert "shapes agree" in msg and "values differ" in msg and "rank 1: float32[4, 32]" in msg, msg
-        # Without the option, other values are the user's promise: no error (each rank computes on
-        # its own inputs, combined as if they were one).
-        assert r["unchecked_other_values"] is None
+        # The default compares every input at compile time and integer inputs (token ids) on every call
+        assert "values differ" in r["default_other_values_at_compile"][1], r
+        assert "values differ" in r["default_other_ids"][1] and "int64[2, 5]" in r["default_other_ids"][1], r
+        assert "seed every rank alike" in r["default_other_ids"][1], r
+        # float values differing only after the compile, and anything with check_inputs="off", are the user's
+        # promise: no error (each rank computes on its own inputs, combined as if they were one)
+        assert r["default_other_floats_later"] is None and r["off_other_ids"] is None, r
 
 
 def test_seed_example_on_four_ranks():

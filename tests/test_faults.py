@@ -81,3 +81,71 @@ def test_sub_group_leaves_other_ranks_untouched(special):
     for rank, r in enumerate(special):
         assert r["sub_group"]["err"] <= 1e-5
         assert r["sub_group"]["freed"] == (["down.weight", "up.bias", "up.weight"] if rank < 2 else [])
+
+
+def _dies_later(rank: int, world: int, which: str) -> dict:
+    """Two pairs of ranks, each its own group: in each pair the second rank dies at one stage, and the
+    first must get a PeerError naming the rank and the stage (not a raw gloo error, not a hang)."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import dynashard
+    from dynashard.errors import DynashardError
+    from tests import models
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group, me = pairs[rank // 2], rank % 2
+    stage = {"train": ("backward", "clip"), "io": ("export", "deal")}[which][rank // 2]
+    options = {"min_shard_numel": 0, "compiler": "aot_eager", "group": group}
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    x.requires_grad_(stage == "backward")  # (then the colwise input's gradient is all-reduced in the backward)
+    start = time.monotonic()
+    try:
+        if stage == "deal":  # rank 0 of the pair deals its model's pieces; the other dies as they arrive
+            options["weights"] = "rank0"
+            if me == 1:
+                dist.recv = lambda *args, **kwargs: os._exit(3)
+            dynashard.parallelize(models.MLP(32, 96), x, options=options)
+        else:
+            model = dynashard.parallelize(models.MLP(32, 96), x, options=options)
+            fast = torch.compile(model, backend=dynashard.backend(**options))
+            loss = fast(x).pow(2).sum()
+            dist.barrier(group)
+            if me == 1:
+                os._exit(3)
+            if stage == "backward":
+                loss.backward()
+            elif stage == "clip":
+                loss.backward()  # (no collective: the input needs no gradient)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                dynashard.export_safetensors(model, f"/tmp/dynashard-fault-{os.getpid()}.safetensors", group=group)
+        return {"stage": stage, "error": None}
+    except DynashardError as e:
+        return {"stage": stage, "error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+    except Exception as e:  # noqa: BLE001 - a raw error is what this test refuses
+        return {"stage": stage, "error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("which", ["train", "io"])
+def test_a_peer_dying_later_is_a_peer_error_naming_the_rank_and_the_stage(which):
+    """In the backward (AOTAutograd's compiled backward, whose all_reduce meets a dead rank), in
+    clip_grad_norm_, in export_safetensors and in rank 0's deal of weights="rank0"."""
+    outcomes = run_ranks_outcomes(_dies_later, 4, which, timeout=FAULT_DEADLINE_S, gloo_timeout=GLOO_TIMEOUT)
+    expected = {"backward": "the backward of the sharded program", "clip": "clip_grad_norm_",
+                "export": "export_safetensors", "deal": "rank 0's deal"}
+    for rank in (0, 2):
+        r = outcomes[rank]
+        assert not isinstance(r, RankError), r
+        kind, msg = r["error"]
+        # (a send to a dead rank may return before it fails: the deal's loss is then met at the next agreement)
+        stage_named = expected[r["stage"]] in msg or r["stage"] == "deal" and "loading the shards" in msg
+        assert kind == "PeerError" and stage_named and "did not get there" in msg, (rank, r)
+        assert f"ranks [{rank + 1}]" in msg or "ranks [1]" in msg, (rank, msg)
+        assert r["seconds"] < 3 * GLOO_TIMEOUT, r
+    for rank in (1, 3):
+        assert isinstance(outcomes[rank], RankError) and outcomes[rank].exc_type == "Died", outcomes[rank]

@@ -308,7 +308,8 @@ def _load_from_checkpoints(rank: int, world: int, path: str) -> dict:
         model = models.build("mlp", 64, 96)
     try:
         ckpt = f"{path}/mlp.safetensors" if rank == 0 else f"{path}/mlp_stale.safetensors"
-        dynashard.parallelize(model, torch.randn(2, 64), options=options, checkpoint=ckpt)
+        dynashard.parallelize(model, torch.randn(2, 64, generator=torch.Generator().manual_seed(1)), options=options,
+                              checkpoint=ckpt)
         out["stale_copy"] = "ran"
     except UsageError as e:
         out["stale_copy"] = str(e)
@@ -487,7 +488,8 @@ def _load_from_rank0(rank: int, world: int, path: str) -> dict:
 
     Checkpoint.read = failing if rank == 0 else real_read
     try:
-        dynashard.parallelize(model, torch.randint(0, 96, (2, 7)), options=options,
+        same_ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))  # (ranks' RNGs differ)
+        dynashard.parallelize(model, same_ids, options=options,
                               checkpoint=f"{path}/nanogpt.safetensors" if rank == 0 else None)
         out["read_fails"] = "ran"
     except DynashardError as e:
@@ -500,7 +502,7 @@ def _load_from_rank0(rank: int, world: int, path: str) -> dict:
     with dynashard.empty_weights():
         model = models.build("mlp", 64, 96)
     try:
-        dynashard.parallelize(model, torch.randn(2, 64), options=options,
+        dynashard.parallelize(model, torch.randn(2, 64, generator=torch.Generator().manual_seed(1)), options=options,
                               checkpoint=f"{path}/nanogpt.safetensors" if rank == 0 else None)
         out["wrong_checkpoint"] = "ran"
     except DynashardError as e:

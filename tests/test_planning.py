@@ -51,8 +51,9 @@ def test_options_validation():
         parse_options({"min_shard_numel": "big"})
     with pytest.raises(TypeError, match="expected a ProcessGroup or a 1-D DeviceMesh"):
         parse_options({"group": 3})
-    assert Options().check_inputs == "shapes" and parse_options({"check_inputs": "off"}).check_inputs == "off"
-    with pytest.raises(ValueError, match=r"'check_inputs' is True; expected one of \['shapes', 'values', 'off'\]"):
+    assert Options().check_inputs == "ids" and parse_options({"check_inputs": "off"}).check_inputs == "off"
+    expected = r"'check_inputs' is True; expected one of \['ids', 'shapes', 'values', 'off'\]"
+    with pytest.raises(ValueError, match=expected):
         parse_options({"check_inputs": True})
 
 
