@@ -26,6 +26,7 @@ from dynashard import _torch_private as private
 from dynashard import gradients
 from dynashard.collectives import CALL, COMPILE, content_digest, handshake, peer_failure
 from dynashard.errors import SetupError, UsageError
+from dynashard.facades import is_facade
 from dynashard.options import Options
 from dynashard.weights import STORE, ShardSpec
 
@@ -66,6 +67,9 @@ class CallCheck:
         """The inputs whose values this call compares (none under inputs="per_rank": they differ by design)."""
         if self.per_rank or self.mode == "shapes":
             return []
+        # (a meta tensor has no values; a facade, a cache this rank holds a shard of, none here: its shard
+        # is the program's own, made alike on every rank)
+        tensors = [t for t in tensors if not t.is_meta and not is_facade(t) and not STORE.is_sharded(t)]
         if self.mode == "values" or phase == COMPILE:
             return tensors
         return [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
