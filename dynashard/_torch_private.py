@@ -50,6 +50,33 @@ def example_value(node: torch.fx.Node) -> Any:
     return node.meta["example_value"]
 
 
+def backend_fakes(gm: torch.fx.GraphModule) -> list[Any]:
+    """Fakes of a Dynamo graph's inputs in the fake mode a backend traces and compiles with.
+
+    NOTE: Dynamo 2.13 hands a backend a fresh fake mode on its ShapeEnv (``TracingContext.fake_mode``,
+    output_graph.py: its own fakes may have had their metadata mutated while tracing), so the
+    placeholders' ``example_value`` belong to another mode. Re-faked here (SymInt sizes are kept: one
+    ShapeEnv), the SymFloat Dynamo memoised for ``.item()`` of a float-attribute input under
+    dynamic=True (``FakeTensor.item_memo``) is carried over: AOTAutograd uses a fake of its own mode as
+    it is, and only a memo-less re-fake of the others, whose ``.item()`` is then data-dependent.
+    """
+    values = [example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = fake_mode_of(values)
+    return [_refake(v, mode) if is_fake(v) and v.fake_mode is not mode else v for v in values]
+
+
+def _refake(fake: torch.Tensor, mode: Any) -> torch.Tensor:
+    out = mode.from_tensor(fake)
+    _carry_item_memo(fake, out)
+    return out
+
+
+def _carry_item_memo(src: torch.Tensor, dst: torch.Tensor) -> None:
+    memo = getattr(src, "item_memo", None)
+    if memo is not None:
+        dst.item_memo = memo
+
+
 def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.GraphModule:
     """Retrace ``fn`` into an aten-level graph with Dynamo's symbolic sizes kept symbolic.
 
@@ -60,15 +87,32 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.Gra
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = fake_mode_of(fake_args)
-    # NOTE: Dynamo turns float attributes into tensors read with ``.item()`` under dynamic=True
-    # (e.g. nn.Embedding's norm_type); Dynamo's own trace allows such scalar outputs, and so must this.
+
+    # NOTE: make_fx(tracing_mode="symbolic") re-fakes every input, even one of its own fake mode: the
+    # SymInt sizes survive (one ShapeEnv), the ``item_memo`` of a float-attribute input under
+    # dynamic=True does not (see backend_fakes). Without it ``.item()`` made a fresh unbacked float,
+    # and the first op needing its value (SDPA's ``scale``) raised GuardOnDataDependentSymNode.
+    # AOTAutograd carries the memo across its own re-fake (``_detach_and_copy_item_memo``): so does this.
+    def with_memos(*args: Any) -> Any:
+        for given, traced in zip(fake_args, args, strict=True):
+            if is_fake(given):
+                _carry_item_memo(given, traced)
+        return fn(*args)
+
+    # A ``.item()`` of a computed tensor has no memo; Dynamo's own trace allows such scalar outputs.
     allowed = fake_mode.allow_scalar_outputs
     fake_mode.allow_scalar_outputs = True
     try:
         with fake_mode:
-            return make_fx(fn, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
+            return make_fx(with_memos, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
     finally:
         fake_mode.allow_scalar_outputs = allowed
+
+
+def is_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(x, torch.Tensor) and _is_fake(x)
 
 
 def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -154,6 +198,19 @@ def known_multiple(a: Any, k: int) -> bool:
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
     return t._is_view()
+
+
+def is_dynamo_restart(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo asking to trace the frame again, not a failure.
+
+    NOTE: under dynamic=True, Inductor's AOT pass ``tensorify_python_scalars`` (torch 2.13) turns the
+    float inputs it can into tensor ops and, for the ones it cannot (an op that needs a Python float,
+    such as SDPA's ``scale``), raises ``TensorifyScalarRestartAnalysis`` from inside the backend: Dynamo
+    catches it, re-traces with those floats as constants and calls the backend again. Every rank
+    compiles the same graph, so every rank raises it alike and re-traces alike."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return isinstance(error, RestartAnalysis)
 
 
 def backend_error(error: BaseException) -> BaseException | None:

@@ -52,7 +52,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     check = CallCheck.for_graph(gm, opts)
     if agree and check is not None:
         check(COMPILE, example_inputs, group)
-    fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_args = private.backend_fakes(gm)
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     sharded = analysis.sharded_inputs() if analysis else {}
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
