@@ -9,11 +9,12 @@ __all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safeten
            "__version__"]
 
 
-def backend(**options):
-    """Return the dynashard backend with ``options`` bound (see the README's options table)."""
+def backend(mode=None, **options):
+    """Return the dynashard backend with ``options`` and torch.compile's ``mode`` bound (see the README's
+    options table)."""
     from dynashard.dynamo_backend import backend as _backend
 
-    return _backend(**options)
+    return _backend(mode=mode, **options)
 
 
 def explain(model, *args, world_size=None, options=None, **kwargs):

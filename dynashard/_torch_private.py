@@ -115,17 +115,61 @@ def is_fake(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and _is_fake(x)
 
 
-def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths."""
+def compile_graph(
+    compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str = "default"
+) -> Callable[..., Any]:
+    """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths.
+
+    ``mode`` (Inductor only): torch.compile's mode, applied as ``torch.compile(mode=...)`` applies it.
+    NOTE: torch 2.13's ``_TorchCompileInductorWrapper`` turns a mode other than "default" into
+    ``torch._inductor.list_mode_options(mode)`` (e.g. ``{"triton.cudagraphs": True}`` for
+    "reduce-overhead") and passes it to ``compile_fx`` as ``config_patches``: so does this.
+    """
     if compiler == "eager":
         return gm.forward
     if compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    patches = {} if mode == "default" else dict(list_mode_options(mode))
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
+    """Give ``gm`` (a retrace of ``dynamo_gm`` with the same inputs, in order) what Dynamo's graph says of
+    its inputs: where each comes from, and which are static (parameters, ``mark_static_address``).
+
+    NOTE: AOTAutograd (``_try_get_metadata_from_dynamo``, torch 2.13) takes a graph's static inputs --
+    those CUDA graphs read in place instead of copying into their own memory on every replay -- from
+    ``gm.meta["dynamo_compile_id"]`` and each placeholder's ``_dynamo_source`` and
+    ``meta["tensor_dict"]["_dynamo_static_input_type"]``; a graph without them has none, so every weight
+    would be copied on every replay. Dynamo's DDPOptimizer carries them to the graphs it makes the same
+    way (``propagate_metadata``, ``propagate_dynamo_source``). Inductor also skips its runtime alignment
+    check of a static input: the shards in those slots are fresh contiguous tensors (``weights.cut`` +
+    clone), aligned as Inductor assumes.
+    """
+    if "dynamo_compile_id" not in dynamo_gm.meta or next(gm.named_parameters(), None) is not None or \
+            next(gm.named_buffers(), None) is not None:
+        return  # (AOTAutograd's inputs are then not the placeholders alone: left as it is, every input copied)
+    ours = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    theirs = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
+    gm._param_name_to_source = {}  # (the names of parameters held as attributes: gm has none)
+    for node, source in zip(ours, theirs, strict=True):
+        node._dynamo_source = getattr(source, "_dynamo_source", None)
+        static = source.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+        if static is not None:
+            node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = static
+
+
+def inductor_modes() -> list[str]:
+    """The modes ``torch.compile`` accepts for Inductor (``torch._inductor.list_mode_options``'s keys)."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
 
 
 def weak_id_dict() -> Any:
