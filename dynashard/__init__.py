@@ -9,15 +9,17 @@ __all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safeten
            "parallelize", "__version__"]
 
 
-def backend(**options):
-    """Return the dynashard backend with ``options`` bound (see the README's options table)."""
+def backend(mode=None, **options):
+    """Return the dynashard backend with ``options`` and torch.compile's ``mode`` bound (see the README's
+    options table)."""
     from dynashard.dynamo_backend import backend as _backend
 
-    return _backend(**options)
+    return _backend(mode=mode, **options)
 
 
 def explain(model, *args, world_size=None, options=None, **kwargs):
-    """Plan ``model`` on example inputs and return a report (``str()`` is a table)."""
+    """Plan ``model`` on example inputs and return a report (``str()`` is a table); ``verify=True``
+    checks every simulated rank against the model, ``dynamic=True`` captures with symbolic sizes."""
     from dynashard.explainer import explain as _explain
 
     return _explain(model, *args, world_size=world_size, options=options, **kwargs)

@@ -50,6 +50,33 @@ def example_value(node: torch.fx.Node) -> Any:
     return node.meta["example_value"]
 
 
+def backend_fakes(gm: torch.fx.GraphModule) -> list[Any]:
+    """Fakes of a Dynamo graph's inputs in the fake mode a backend traces and compiles with.
+
+    NOTE: Dynamo 2.13 hands a backend a fresh fake mode on its ShapeEnv (``TracingContext.fake_mode``,
+    output_graph.py: its own fakes may have had their metadata mutated while tracing), so the
+    placeholders' ``example_value`` belong to another mode. Re-faked here (SymInt sizes are kept: one
+    ShapeEnv), the SymFloat Dynamo memoised for ``.item()`` of a float-attribute input under
+    dynamic=True (``FakeTensor.item_memo``) is carried over: AOTAutograd uses a fake of its own mode as
+    it is, and only a memo-less re-fake of the others, whose ``.item()`` is then data-dependent.
+    """
+    values = [example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = fake_mode_of(values)
+    return [_refake(v, mode) if is_fake(v) and v.fake_mode is not mode else v for v in values]
+
+
+def _refake(fake: torch.Tensor, mode: Any) -> torch.Tensor:
+    out = mode.from_tensor(fake)
+    _carry_item_memo(fake, out)
+    return out
+
+
+def _carry_item_memo(src: torch.Tensor, dst: torch.Tensor) -> None:
+    memo = getattr(src, "item_memo", None)
+    if memo is not None:
+        dst.item_memo = memo
+
+
 def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.GraphModule:
     """Retrace ``fn`` into an aten-level graph with Dynamo's symbolic sizes kept symbolic.
 
@@ -60,24 +87,45 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.Gra
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = fake_mode_of(fake_args)
-    # NOTE: Dynamo turns float attributes into tensors read with ``.item()`` under dynamic=True
-    # (e.g. nn.Embedding's norm_type); Dynamo's own trace allows such scalar outputs, and so must this.
+
+    # NOTE: make_fx(tracing_mode="symbolic") re-fakes every input, even one of its own fake mode: the
+    # SymInt sizes survive (one ShapeEnv), the ``item_memo`` of a float-attribute input under
+    # dynamic=True does not (see backend_fakes). Without it ``.item()`` made a fresh unbacked float,
+    # and the first op needing its value (SDPA's ``scale``) raised GuardOnDataDependentSymNode.
+    # AOTAutograd carries the memo across its own re-fake (``_detach_and_copy_item_memo``): so does this.
+    def with_memos(*args: Any) -> Any:
+        for given, traced in zip(fake_args, args, strict=True):
+            if is_fake(given):
+                _carry_item_memo(given, traced)
+        return fn(*args)
+
+    # A ``.item()`` of a computed tensor has no memo; Dynamo's own trace allows such scalar outputs.
     allowed = fake_mode.allow_scalar_outputs
     fake_mode.allow_scalar_outputs = True
     try:
         with fake_mode:
-            return make_fx(fn, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
+            return make_fx(with_memos, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
     finally:
         fake_mode.allow_scalar_outputs = allowed
 
 
-def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
+def is_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(x, torch.Tensor) and _is_fake(x)
+
+
+def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str = "default",
                   on_backward_error: Callable[[BaseException], None] | None = None) -> Callable[..., Any]:
     """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths.
 
+    ``mode`` (Inductor only): torch.compile's mode, applied as ``torch.compile(mode=...)`` applies it.
+    NOTE: torch 2.13's ``_TorchCompileInductorWrapper`` turns a mode other than "default" into
+    ``torch._inductor.list_mode_options(mode)`` (e.g. ``{"triton.cudagraphs": True}`` for
+    "reduce-overhead") and passes it to ``compile_fx`` as ``config_patches``: so does this.
+
     ``on_backward_error(e)``: called with an error the compiled backward raises (it may raise another
     in its place: a dead peer named), before it propagates out of ``loss.backward()``.
-
     NOTE: the backward AOTAutograd compiles is reached through its ``bw_compiler`` (aot_eager) and
     Inductor's ``inner_compile`` (called with ``is_backward=True`` for it, torch 2.13
     ``compile_fx_backward``); each compiled backward is called boxed (``_boxed_call``, a list of
@@ -86,24 +134,24 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
     if compiler == "eager":
         return gm.forward
     if compiler == "aot_eager":
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
         def bw(graph, inputs):
             return _guarded(boxed_nop(graph, inputs), on_backward_error)
 
-        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=bw if on_backward_error else boxed_nop)(
-            gm, example_inputs)
+        return aot_eager(gm, example_inputs, bw_compiler=bw if on_backward_error else None)
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    patches = {} if mode == "default" else dict(list_mode_options(mode))
     if on_backward_error is None:
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     def inner(graph, inputs, **kwargs):
         compiled = compile_fx_inner(graph, inputs, **kwargs)
         return _guarded(compiled, on_backward_error) if kwargs.get("is_backward") else compiled
 
-    return compile_fx(gm, example_inputs, inner_compile=inner)
+    return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
 
 class _GuardedBackward:
@@ -134,6 +182,40 @@ def _guarded(compiled: Any, handler: Callable[[BaseException], None] | None) -> 
 
         compiled = make_boxed_func(compiled)
     return _GuardedBackward(compiled, handler)
+
+
+def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
+    """Give ``gm`` (a retrace of ``dynamo_gm`` with the same inputs, in order) what Dynamo's graph says of
+    its inputs: where each comes from, and which are static (parameters, ``mark_static_address``).
+
+    NOTE: AOTAutograd (``_try_get_metadata_from_dynamo``, torch 2.13) takes a graph's static inputs --
+    those CUDA graphs read in place instead of copying into their own memory on every replay -- from
+    ``gm.meta["dynamo_compile_id"]`` and each placeholder's ``_dynamo_source`` and
+    ``meta["tensor_dict"]["_dynamo_static_input_type"]``; a graph without them has none, so every weight
+    would be copied on every replay. Dynamo's DDPOptimizer carries them to the graphs it makes the same
+    way (``propagate_metadata``, ``propagate_dynamo_source``). Inductor also skips its runtime alignment
+    check of a static input: the shards in those slots are fresh contiguous tensors (``weights.cut`` +
+    clone), aligned as Inductor assumes.
+    """
+    if "dynamo_compile_id" not in dynamo_gm.meta or next(gm.named_parameters(), None) is not None or \
+            next(gm.named_buffers(), None) is not None:
+        return  # (AOTAutograd's inputs are then not the placeholders alone: left as it is, every input copied)
+    ours = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    theirs = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
+    gm._param_name_to_source = {}  # (the names of parameters held as attributes: gm has none)
+    for node, source in zip(ours, theirs, strict=True):
+        node._dynamo_source = getattr(source, "_dynamo_source", None)
+        static = source.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+        if static is not None:
+            node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = static
+
+
+def inductor_modes() -> list[str]:
+    """The modes ``torch.compile`` accepts for Inductor (``torch._inductor.list_mode_options``'s keys)."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
 
 
 def weak_id_dict() -> Any:
@@ -206,6 +288,19 @@ def known_multiple(a: Any, k: int) -> bool:
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
     return t._is_view()
+
+
+def is_dynamo_restart(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo asking to trace the frame again, not a failure.
+
+    NOTE: under dynamic=True, Inductor's AOT pass ``tensorify_python_scalars`` (torch 2.13) turns the
+    float inputs it can into tensor ops and, for the ones it cannot (an op that needs a Python float,
+    such as SDPA's ``scale``), raises ``TensorifyScalarRestartAnalysis`` from inside the backend: Dynamo
+    catches it, re-traces with those floats as constants and calls the backend again. Every rank
+    compiles the same graph, so every rank raises it alike and re-traces alike."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return isinstance(error, RestartAnalysis)
 
 
 def backend_error(error: BaseException) -> BaseException | None:

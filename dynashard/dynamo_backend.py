@@ -35,7 +35,7 @@ from dynashard.collectives import (
 )
 from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.match import embedding_options
-from dynashard.options import Options, parse_options
+from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.report import GraphReport, format_table
 from dynashard.rewrite import rewrite
@@ -44,15 +44,18 @@ from dynashard.weights import STORE, ShardSpec
 log = logging.getLogger(__name__)
 
 
-def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None):
-    """The Dynamo backend: plan, agree, rewrite and compile one captured graph for this rank."""
-    opts = parse_options(options)
+def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None,
+                      mode: str | None = None):
+    """The Dynamo backend: plan, agree, rewrite and compile one captured graph for this rank.
+
+    ``torch.compile(..., mode=m)`` calls it with ``mode=m`` (and never with ``options`` too)."""
+    opts = with_mode(parse_options(options), mode)
     group = resolve_group(opts.group)
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
     world, rank = (1, -1) if outside else (dist.get_world_size(group), dist.get_rank(group))
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
-        return private.compile_graph(opts.compiler, gm, example_inputs)
+        return private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
     check_data_parallel()
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
@@ -61,7 +64,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     check = CallCheck.for_graph(gm, opts)
     if agree and check is not None:
         check(COMPILE, example_inputs, group)
-    fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_args = private.backend_fakes(gm)
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     sharded = analysis.sharded_inputs() if analysis else {}
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
@@ -80,7 +83,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
-        compiled = private.compile_graph(opts.compiler, gm, example_inputs)
+        compiled = private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
         if analysis is not None:
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
@@ -93,8 +96,12 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
                              train=train)
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
+        # Each input slot keeps what Dynamo said of its value: a parameter's slot, now holding its shard
+        # (a tensor the store keeps, at one address for the model's life), stays a static input of
+        # CUDA graphs ("reduce-overhead"): a replay reads it in place instead of copying it in.
+        private.carry_dynamo_inputs(gm, sharded_gm)
         with grad_guard:
-            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes,
+            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes, opts.mode,
                                              on_backward_error=_name_dead_peers(group) if train and agree else None)
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
         error = wrap(e, "rewriting and compiling")
@@ -265,11 +272,18 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
             )
 
 
-def backend(**options: Any) -> Callable[..., Any]:
-    """``torch.compile(model, backend=dynashard.backend(plan=..., ...))``: options bound up front."""
-    bound = parse_options(options)
+def backend(mode: str | None = None, **options: Any) -> Callable[..., Any]:
+    """``torch.compile(model, backend=dynashard.backend(plan=..., mode=...))``: options and torch.compile's
+    mode bound up front (torch.compile refuses ``mode=`` and ``options=`` together)."""
+    bound = parse_options({**options, "mode": mode})
 
-    def dynashard_with_options(gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        return dynashard_backend(gm, example_inputs, bound)
+    def dynashard_with_options(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                               options: Any = None):
+        if options is not None:
+            raise UsageError(
+                f"dynashard: torch.compile(options={options!r}) given to a backend whose options are bound by "
+                "dynashard.backend(...). Expected the options in one place: dynashard.backend(**options), or "
+                "backend='dynashard' with torch.compile(options=...).")
+        return dynashard_backend(gm, example_inputs, bound, mode=mode)
 
     return dynashard_with_options

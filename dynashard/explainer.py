@@ -55,9 +55,13 @@ class Report:
 
 
 def explain(
-    model, *args: Any, world_size: int | None = None, options: Any = None, verify: bool = False, **kwargs: Any
+    model, *args: Any, world_size: int | None = None, options: Any = None, verify: bool = False,
+    dynamic: bool = False, **kwargs: Any
 ) -> Report:
     """The plan per linear; with ``verify=True`` also every rank simulated and checked (see simulate.py).
+
+    ``dynamic``: captured as ``torch.compile(..., dynamic=True)`` captures (symbolic sizes, and a
+    module's float attributes as inputs); by default sizes are the example's.
 
     A verified mismatch beyond the dtype's tolerance raises ``RuntimeError`` with the table.
     """
@@ -92,7 +96,7 @@ def explain(
                     "and needs them "
                     "whole. Expected an uncompiled model: call explain before torch.compile."
                 )
-            fake_args = [private.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+            fake_args = private.backend_fakes(gm)
             analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)
             seen.update(id(example_inputs[i]) for i in analysis.params)
             report = GraphReport.build(analysis, example_inputs)
@@ -107,7 +111,7 @@ def explain(
         run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
         with torch.no_grad():
             try:
-                torch.compile(run, backend=capture, dynamic=False)(model, args, kwargs)
+                torch.compile(run, backend=capture, dynamic=dynamic)(model, args, kwargs)
             except Exception as e:
                 raise private.backend_error(e) or e from None  # our own error as it is, not Dynamo's wrapper
         if not graphs:

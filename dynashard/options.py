@@ -64,6 +64,8 @@ class Options:
     # What every call compares across ranks before any collective (README, "Errors, agreement"): by
     # default shapes, and values where that is cheap (integer inputs every call, all inputs at compile).
     check_inputs: str = "ids"
+    # torch.compile's mode, applied to Inductor as torch.compile applies it (compiler="inductor" only)
+    mode: str = "default"
 
     @property
     def plan_dict(self) -> dict[str, str] | None:
@@ -161,7 +163,37 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
         kwargs["min_shard_numel"] = value
     if "check_inputs" in raw:
         kwargs["check_inputs"] = _check_choice("check_inputs", raw["check_inputs"], CHECKS)
+    if raw.get("mode") is not None:  # (None: torch.compile's own default)
+        kwargs["mode"] = _check_mode(raw["mode"], kwargs.get("compiler", "inductor"))
     return Options(**kwargs)
+
+
+def with_mode(options: Options, mode: str | None) -> Options:
+    """``options`` with the ``mode`` torch.compile passed to the backend (``torch.compile(..., mode=...)``)."""
+    if mode is None or mode == options.mode:
+        return options
+    if options.mode != "default":
+        raise UsageError(
+            f"dynashard: mode {mode!r} passed to torch.compile, and mode {options.mode!r} bound in "
+            "dynashard.backend(...). Expected one mode: pass it in one place.")
+    return dataclasses.replace(options, mode=_check_mode(mode, options.compiler))
+
+
+def _check_mode(mode: Any, compiler: str) -> str:
+    """One of the modes torch.compile accepts (Inductor's own list); a warning where it has no effect."""
+    from dynashard import _torch_private as private
+
+    modes = private.inductor_modes()
+    if not isinstance(mode, str):
+        raise OptionTypeError(f"dynashard: option 'mode' is a {type(mode).__name__}; expected one of {modes}.")
+    if mode not in modes:
+        raise UsageError(f"dynashard: mode is {mode!r}; expected one of {modes} (torch.compile's modes, which "
+                         "configure Inductor).")
+    if compiler != "inductor" and mode != "default":
+        warnings.warn(
+            f"dynashard: mode={mode!r} has no effect with compiler={compiler!r}: a mode configures Inductor. "
+            "Expected compiler='inductor' (the default) or no mode.", UserWarning, stacklevel=4)
+    return mode
 
 
 def _check_group(group: Any) -> Any:

@@ -67,6 +67,9 @@ class Attention(nn.Module):
     def __init__(self, hidden, heads, per_head=None, on="q", infer_head_dim=False, qk_norm=None):
         super().__init__()
         self.heads, self.per_head, self.on, self.infer = heads, per_head, on, infer_head_dim
+        # SDPA's default scale, held as a float attribute as HF's attention holds it (``self.scaling``):
+        # under dynamic=True Dynamo passes it as an input read with .item()
+        self.scale = (hidden // heads) ** -0.5
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
         self.g = nn.Parameter(torch.rand(heads) + 0.5)
         norm = {None: nn.Identity, "rms": models.RMSNorm, "layer": nn.LayerNorm}[qk_norm]  # over head_dim
@@ -81,7 +84,7 @@ class Attention(nn.Module):
             q = PER_HEAD[self.per_head](q, self.g)
         elif self.per_head:
             k = PER_HEAD[self.per_head](k, self.g)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return x + self.o(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -150,7 +153,7 @@ def transformer_attention_cases(draw):
     return model, heads * dh
 
 
-def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False):
+def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, dynamic=False):
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     for p in model.parameters():  # keep activations O(1) whatever the widths
@@ -163,7 +166,7 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False):
     options = {"min_shard_numel": 0, "plan": plan, "inputs": "per_rank" if per_rank else "replicated"}
     if own_weights:
         options.update(inputs="per_rank", weights="per_rank")
-    report = dynashard.explain(model, x, world_size=world, options=options, verify=True)
+    report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=dynamic)
     assert set(report.layers) == set(names)
 
 
@@ -181,9 +184,12 @@ def test_random_mlp_stacks(case, world, shape3d, plan_draw, per_rank, own_weight
 
 
 @SETTINGS
-@given(case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
-def test_random_attention(case, world, plan_draw, data):
-    _check(case, world, True, plan_draw, False, data)
+@given(case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), dynamic=st.booleans(),
+       data=st.data())
+def test_random_attention(case, world, plan_draw, dynamic, data):
+    """``dynamic``: captured as torch.compile(..., dynamic=True) captures it (symbolic sizes, the float
+    scale an input); it once failed to plan (GuardOnDataDependentSymNode on SDPA's scale)."""
+    _check(case, world, True, plan_draw, False, data, dynamic=dynamic)
 
 
 @SETTINGS

@@ -94,11 +94,23 @@ AT_FOUR = {"llama", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "fal
 
 @pytest.mark.parametrize("arch,world", [(a, 2) for a in sorted(CONFIGS)] + [(a, 4) for a in sorted(AT_FOUR)])
 def test_hf_architecture_sharded_and_verified(arch, world):
+    _check(arch, world)
+
+
+# The models torch.compile(..., dynamic=True) once failed on (GuardOnDataDependentSymNode while planning:
+# Dynamo passes a module's float attributes -- RoPE's attention_scaling, the norms' eps, attention's
+# scaling -- as inputs read with .item(), and dynashard's retrace lost the values Dynamo knew for them).
+@pytest.mark.parametrize("arch,world", [("llama", 4), ("gpt2", 2)])  # (Qwen2: tests/test_serving.py)
+def test_hf_architecture_under_dynamic_shapes_has_the_same_plan_and_is_verified(arch, world):
+    _check(arch, world, dynamic=True)
+
+
+def _check(arch: str, world: int, dynamic: bool = False) -> None:
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     ids = torch.randint(3, 96, (2, 7))
     report = dynashard.explain(model, ids, world_size=world, verify=True, options={"min_shard_numel": 0},
-                               use_cache=False)  # raises if any rank's program differs from the model
+                               use_cache=False, dynamic=dynamic)  # raises if any rank's program differs
     whole = {r.fqn.rsplit(".", 1)[-1] for r in report.rows if r.style == "replicate"}
     gathers = {r.fqn.rsplit(".", 1)[-1]: r.collectives for r in report.rows
                if r.collectives not in ("-", "all_reduce")}

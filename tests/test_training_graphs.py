@@ -56,7 +56,7 @@ def step_graphs(monkeypatch, model: nn.Module, *args, world: int = 2) -> dict[st
             return make_boxed_func(gm.forward)
         return compiler
 
-    def compile_graph(compiler, gm, example_inputs, **kwargs):  # (on_backward_error: not needed here)
+    def compile_graph(compiler, gm, example_inputs, mode="default", **kwargs):  # (on_backward_error: unused)
         return aot_module_simplified(gm, example_inputs, fw_compiler=capture("forward"),
                                      bw_compiler=capture("backward"))
 

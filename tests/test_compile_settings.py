@@ -1,0 +1,177 @@
+"""torch.compile's own settings through dynashard, single process (fake group): ``mode=`` and ``dynamic=True``.
+
+torch passes ``mode`` to a custom backend as a keyword; dynashard applies it to Inductor as
+``torch.compile(mode=...)`` applies it to its own Inductor backend. On CPU, Inductor ignores CUDA
+graphs ("reduce-overhead", "max-autotune") and counts one skip per graph. What CPU can check of CUDA
+graphs is which inputs Inductor is told are static (read in place by a replay, never copied into the
+graph's memory): for the sharded graph, the slots the model compiled plainly has, its parameters'
+(holding the shards). The replay's copies themselves need a GPU: not checked here.
+
+HF models under ``dynamic=True``: tests/test_hf_models.py (planned, simulated) and tests/test_serving.py
+(generate on gloo ranks); here, the AOT path that makes Dynamo trace the frame again.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dynashard
+from dynashard import _torch_private as private
+from dynashard.errors import OptionTypeError, UsageError
+from dynashard.options import parse_options, with_mode
+from tests import models
+
+pytestmark = pytest.mark.unit
+
+MODES = list(torch._inductor.list_mode_options())  # every mode torch.compile accepts for Inductor
+
+
+def test_every_mode_torch_accepts_is_an_option_and_others_are_refused():
+    assert MODES[0] == "default" and "reduce-overhead" in MODES and "max-autotune" in MODES
+    assert [parse_options({"mode": m}).mode for m in MODES] == MODES
+    assert parse_options({"mode": None}).mode == "default"  # (torch.compile's own default)
+    with pytest.raises(UsageError, match="mode is 'fastest'; expected one of " + repr(MODES).replace("[", r"\[")):
+        parse_options({"mode": "fastest"})
+    with pytest.raises(OptionTypeError, match="option 'mode' is a int"):
+        parse_options({"mode": 3})
+    with pytest.warns(UserWarning, match="mode='max-autotune' has no effect with compiler='eager'"):
+        parse_options({"mode": "max-autotune", "compiler": "eager"})
+    bound = parse_options({"mode": "reduce-overhead"})
+    assert with_mode(bound, None) is bound and with_mode(bound, "reduce-overhead") is bound
+    assert with_mode(parse_options({}), "max-autotune").mode == "max-autotune"
+    with pytest.raises(UsageError, match="mode 'max-autotune' passed to torch.compile, and mode 'reduce-overhead'"):
+        with_mode(bound, "max-autotune")
+    # torch.compile(options=...) given to a backend with bound options
+    with pytest.raises(UsageError, match="a backend whose options are bound by dynashard.backend"):
+        dynashard.backend(min_shard_numel=0)(None, [], options={"compiler": "eager"})
+
+
+def _fake_group_compile(model, x, backend="dynashard", **kwargs):
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        with torch.no_grad():
+            return torch.compile(model, backend=backend, **kwargs)(x)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_every_mode_reaches_inductor_as_torch_compile_applies_it(monkeypatch, sharded):
+    """torch.compile(model, backend="dynashard", mode=m) once raised TypeError (an unexpected keyword
+    'mode'); now Inductor gets the config torch.compile's own Inductor wrapper makes of m, for a sharded
+    graph and for one left whole. (Inductor itself is replaced by a recorder: the config is the point.)"""
+    patches = []
+
+    def compile_fx(gm, example_inputs, config_patches=None, **kwargs):
+        patches.append(config_patches or {})
+        return gm.forward
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", compile_fx)
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = models.MLP(256, 512) if sharded else models.MLP(16, 32)  # (under min_shard_numel: whole)
+        _fake_group_compile(model, torch.randn(4, model.up.in_features), mode=mode)
+        assert (model.up.weight.untyped_storage().nbytes() == 0) == sharded, mode
+        # NOTE: torch 2.13's own Inductor backend for torch.compile(mode=m) holds its config here
+        assert patches[-1] == torch._TorchCompileInductorWrapper(mode, None, False).config, mode
+    assert len(patches) == len(MODES)
+    with pytest.raises(Exception, match="mode is 'fastest'") as raised:
+        _fake_group_compile(models.MLP(16, 32), torch.randn(4, 16), mode="fastest")
+    assert isinstance(private.backend_error(raised.value), UsageError)
+
+
+class _StaticInputs(logging.Handler):
+    """The static input slots Inductor compiles each graph with (its cudagraph_static_inputs log)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs: list[list[int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("static input idxs compile_fx_inner:"):
+            self.graphs.append(ast.literal_eval(message.split(":", 1)[1].strip()))
+
+
+def test_reduce_overhead_on_cpu_behaves_as_inductor_with_the_shards_as_static_inputs():
+    """Compiled for real with mode="reduce-overhead": plain Inductor and dynashard (world 2, weights cut)
+    both skip CUDA graphs on CPU, once per graph, and compile with the same static input slots, the
+    parameters' (before: none for the sharded graph, so on a GPU every replay would copy every shard)."""
+    handler = _StaticInputs()
+    logger = logging.getLogger("torch._inductor.compile_fx.__cudagraph_static_inputs")
+    logger.addHandler(handler)
+    torch._logging.set_logs(cudagraph_static_inputs=True)
+    def skips() -> int:  # (looked up each time: Dynamo may replace its counters' dicts)
+        return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+    try:
+        # (a hit in the FX graph or AOTAutograd cache skips the compile that logs its static inputs)
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            torch.manual_seed(0)
+            plain, model = models.MLP(32, 64), models.MLP(32, 64)
+            model.load_state_dict(plain.state_dict())
+            before = skips()
+            with torch.no_grad():
+                torch.compile(plain, mode="reduce-overhead")(torch.randn(4, 32))
+            plain_skips = skips() - before
+            _fake_group_compile(model, torch.randn(4, 32), backend=dynashard.backend(mode="reduce-overhead",
+                                                                                     min_shard_numel=0))
+            ours_skips = skips() - before - plain_skips
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(handler)
+    assert model.up.weight.untyped_storage().nbytes() == 0  # sharded, the shards in those slots
+    assert plain_skips == ours_skips == 1, (plain_skips, ours_skips)
+    (plain_static, ours_static) = handler.graphs
+    assert ours_static == plain_static and len(plain_static) == 4, handler.graphs  # up and down: weight, bias
+
+
+class _ScaledAttention(nn.Module):
+    """Attention whose SDPA scale is a float attribute, as HF's (``self.scaling``)."""
+
+    def __init__(self, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, (hidden // heads) ** -0.5
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_dynamic_shapes_through_aot_let_dynamo_trace_again():
+    """Under dynamic=True the float scale is a graph input; AOTAutograd's tensorify pass cannot turn SDPA's
+    float argument into a tensor op and asks Dynamo to trace again with it a constant (raising
+    TensorifyScalarRestartAnalysis inside the backend). dynashard once wrapped that request as an
+    InternalError; now the second trace compiles, sharded, and a new shape compiles nothing."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return dynashard.backend(compiler="aot_eager", min_shard_numel=0)(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model = _ScaledAttention()
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        compiled = torch.compile(model, backend=backend, dynamic=True)
+        with torch.no_grad():
+            shapes = [compiled(torch.randn(b, t, 32)).shape for b, t in ((2, 5), (3, 7))]
+    finally:
+        dist.destroy_process_group()
+    assert shapes == [torch.Size([2, 5, 32]), torch.Size([3, 7, 32])]
+    # traced twice for the first shape (the scale an input, then a constant: one input fewer), never again
+    assert len(calls) == 2 and calls[1] == calls[0] - 1, calls
+    assert model.q.weight.untyped_storage().nbytes() == 0  # cut: the sharded program runs
