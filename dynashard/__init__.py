@@ -42,13 +42,14 @@ def full_tensor(t):
     return _full_tensor(t)
 
 
-def parallelize(model, *args, options=None, checkpoint=None, **kwargs):
+def parallelize(model, *args, options=None, checkpoint=None, device=None, **kwargs):
     """Shard ``model`` now, as ``torch.compile(model, backend="dynashard", options=options)`` would
     for these example inputs, and register each rank's shards as its parameters; with ``checkpoint``
-    (a meta model) each rank reads only its slices from it. Returns ``model``."""
+    (a meta model) each rank reads only its slices from it, onto ``device`` (default: the inputs').
+    Returns ``model``."""
     from dynashard.parameters import parallelize as _parallelize
 
-    return _parallelize(model, *args, options=options, checkpoint=checkpoint, **kwargs)
+    return _parallelize(model, *args, options=options, checkpoint=checkpoint, device=device, **kwargs)
 
 
 def empty_weights():

@@ -411,3 +411,23 @@ def group_by_name(name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+def moves_cpu_tensors(group: Any) -> bool:
+    """Whether ``group`` has a backend for CPU tensors (gloo, ``"cpu:gloo,cuda:nccl"``; not NCCL alone).
+
+    NOTE: ``ProcessGroup._device_types`` is the pybind property torch's own c10d reads
+    (``distributed_c10d._get_pg_default_device``)."""
+    return any(d.type == "cpu" for d in group._device_types)
+
+
+def group_timeout(group: Any) -> Any:
+    """The timeout ``group``'s collectives wait for (a timedelta), or None (torch's default) if unknown.
+
+    NOTE: read from the backend's ``options._timeout``, as ``distributed_c10d._set_pg_timeout`` does."""
+    for device in group._device_types:
+        try:
+            return group._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001 - a backend without options: torch's default applies
+            continue
+    return None

@@ -54,20 +54,20 @@ class Checkpoint:
     def dtype(self, fqn: str) -> torch.dtype:
         raise NotImplementedError
 
-    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def read(self, fqn: str, dim: int = 0, pieces: Pieces | None = None, dtype: torch.dtype | None = None
-             ) -> torch.Tensor:
-        """``fqn``'s ``pieces`` along ``dim``, side by side, in ``dtype`` (default: as saved);
-        ``pieces=None`` reads the whole tensor."""
+    def read(self, fqn: str, dim: int = 0, pieces: Pieces | None = None, dtype: torch.dtype | None = None,
+             device: Any = None) -> torch.Tensor:
+        """``fqn``'s ``pieces`` along ``dim``, side by side, in ``dtype`` (default: as saved), on ``device``
+        (default: the CPU; tensors held in memory stay where they are); ``pieces=None`` reads the whole tensor."""
         self._check_key(fqn)
         shape = self.shape(fqn)
         dtype = dtype or self.dtype(fqn)
         if pieces is None:
             dim, pieces = 0, [(0, shape[0])] if shape else []
             if not shape:  # a 0-d tensor: one element, no dim to slice
-                return self._read(fqn, 0, [], dtype)[0]
+                return self._read(fqn, 0, [], dtype, device)[0]
         if not -len(shape) <= dim < len(shape):
             raise UsageError(f"dynashard: cannot slice {fqn!r} on dim {dim}: it is saved with shape {list(shape)} "
                              f"in {self.path}; expected a tensor with that dim.")
@@ -78,11 +78,11 @@ class Checkpoint:
                     f"dynashard: {fqn!r} in {self.path} has {shape[dim]} elements on dim {dim} (shape {list(shape)}); "
                     f"expected elements [{start}, {start + length}) to exist there. The checkpoint was saved from "
                     "a model of another size: check that the model's config matches it.")
-        parts = self._read(fqn, dim, pieces, dtype) if pieces else []
+        parts = self._read(fqn, dim, pieces, dtype, device) if pieces else []
         if not parts:
             empty = list(shape)
             empty[dim] = 0
-            return torch.empty(empty, dtype=dtype)
+            return torch.empty(empty, dtype=dtype, device=device)
         return owning(parts[0]) if len(parts) == 1 else torch.cat(parts, dim)
 
     def _check_key(self, fqn: str) -> None:
@@ -124,10 +124,10 @@ class SafetensorsCheckpoint(Checkpoint):
             raise UsageError(f"dynashard: the index of {path} lists {missing[:5]} but their files do not hold them; "
                              "expected the files the index names, as save_pretrained wrote them.")
 
-    def _handle(self, file: str):
+    def _handle(self, file: str, device: Any = None):
         if file not in self._open:
-            try:
-                self._open[file] = self._safe_open(file, framework="pt", device="cpu")
+            try:  # (safetensors reads a slice straight to the device it was opened for)
+                self._open[file] = self._safe_open(file, framework="pt", device=str(torch.device(device or "cpu")))
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
                 raise UsageError(f"dynashard: cannot read {file}: {e}. Expected a complete safetensors file; "
                                  "it may be truncated or corrupt: save it again.") from e
@@ -142,14 +142,14 @@ class SafetensorsCheckpoint(Checkpoint):
     def dtype(self, fqn: str) -> torch.dtype:
         return self._meta[fqn][1]
 
-    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
         # A handle maps its whole file, and every page a slice touched stays in this process's RSS while
         # it is mapped: a handle per read, closed after it, keeps that to one tensor's pages (measured by
         # benchmarks/bench_load.py, 2.2 GiB Llama at world 2: a handle held across the load took a rank's peak
         # RSS to 2.4 GiB; a handle per read, 1.5 GiB for 1.06 GiB of shards).
         file = self._where[fqn]
         try:
-            source = self._handle(file).get_slice(fqn)
+            source = self._handle(file, device).get_slice(fqn)
             if not pieces:
                 return [source[...].to(dtype)]
             lead = (slice(None),) * dim
@@ -193,7 +193,7 @@ class DCPCheckpoint(Checkpoint):
     def dtype(self, fqn: str) -> torch.dtype:
         return self._tensors[fqn].properties.dtype
 
-    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
         import torch.distributed.checkpoint as dcp
 
         shape = list(self.shape(fqn))
@@ -203,7 +203,7 @@ class DCPCheckpoint(Checkpoint):
             if shape:
                 offsets[dim], sizes[dim] = start, length
             chunks.append((offsets, sizes))
-        buffers = [torch.empty(sizes, dtype=dtype) for _, sizes in chunks]
+        buffers = [torch.empty(sizes, dtype=dtype, device=device) for _, sizes in chunks]  # DCP copies into them
         wanted = [(o, s, b) for (o, s), b in zip(chunks, buffers) if b.numel()]
         if wanted:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -228,11 +228,12 @@ class TensorsCheckpoint(Checkpoint):
     def dtype(self, fqn: str) -> torch.dtype:
         return self._tensors[fqn].dtype
 
-    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
         t = self._tensors[fqn].detach()
+        device = device or t.device
         if not pieces:
-            return [t.to(dtype, copy=True)]
-        return [t.narrow(dim, start, length).to(dtype, copy=True) for start, length in pieces]
+            return [t.to(device=device, dtype=dtype, copy=True)]
+        return [t.narrow(dim, start, length).to(device=device, dtype=dtype, copy=True) for start, length in pieces]
 
 
 def _slice_planner_base():

@@ -24,19 +24,12 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.analysis import Analysis, analyse, shard_fakes
-from dynashard.collectives import (
-    BACKWARD,
-    COMPILE,
-    exchange_status,
-    group_name,
-    peer_failure,
-    reduce_scatter_is_slow,
-    resolve_group,
-)
+from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.match import embedding_options
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
+from dynashard.protocol import COMPILE, exchange_status, peer_failure, resolve_group
 from dynashard.report import GraphReport, format_table
 from dynashard.rewrite import rewrite
 from dynashard.weights import STORE, ShardSpec

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from dynashard import _torch_private as private
 from dynashard import simulate
 from dynashard.analysis import analyse
-from dynashard.collectives import resolve_group
 from dynashard.errors import UsageError, VerificationError
 from dynashard.options import parse_options
+from dynashard.protocol import resolve_group
 from dynashard.report import GraphReport, LayerRow, _human, format_table
 from dynashard.weights import STORE
 

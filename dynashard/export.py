@@ -5,7 +5,7 @@ After: one ``.safetensors`` file, or an HF directory (files of at most ``max_sha
 ``model.safetensors.index.json``), that ``from_pretrained`` and ``parallelize(checkpoint=...)`` read.
 
 How: the safetensors header (names, dtypes, shapes, byte offsets) is known from the full shapes before
-any data, so group rank 0 writes it first, then each tensor as ``collectives.gather_to_first``
+any data, so group rank 0 writes it first, then each tensor as ``transport.gather_to_first``
 assembles it from every rank's pieces; no rank holds more than one whole tensor. The format: an 8-byte
 little-endian header length, the JSON header padded with spaces to 8 bytes, the data
 (https://github.com/huggingface/safetensors, "Format").
@@ -47,7 +47,7 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     """
     import torch.distributed as dist
 
-    from dynashard.collectives import peer_guard, resolve_group
+    from dynashard.protocol import peer_guard, resolve_group
     from dynashard.weights import STORE
 
     group = resolve_group(group)
@@ -84,7 +84,8 @@ def _write_all(entries: list, files: list, sizes: list, writers: list, error: Ex
     (``into``: a directory export's temporary sibling, swapped in for ``path`` when complete)."""
     import torch.distributed as dist
 
-    from dynashard.collectives import first_rank_status, gather_to_first
+    from dynashard.protocol import first_rank_status
+    from dynashard.transport import gather_to_first
     from dynashard.weights import STORE
 
     rank = dist.get_rank(group)

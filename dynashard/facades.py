@@ -334,7 +334,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     if entry.spec.stacked:
         raise UsageError("dynashard.full_tensor: a weight of weights='per_rank' is every rank's own; there is no "
                          "one whole value to gather.")
-    from dynashard.collectives import gather_pieces
+    from dynashard.transport import gather_pieces
 
     group = private.group_by_name(entry.spec.group_name)
     return gather_pieces(entry.shard.detach(), list(facade.shape), entry.spec, group)

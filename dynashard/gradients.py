@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
-from dynashard.collectives import peer_guard
 from dynashard.errors import NotSupportedError
+from dynashard.protocol import peer_guard
 
 
 class ShardGrad(torch.Tensor):

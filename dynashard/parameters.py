@@ -38,7 +38,6 @@ import torch.nn as nn
 
 from dynashard import _torch_private as private
 from dynashard.checkpoint import owning
-from dynashard.collectives import deal_from_first, exchange_status, resolve_group
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.facades import storage_less
@@ -46,21 +45,25 @@ from dynashard.gradients import average_over_ranks
 from dynashard.integrity import digest, disagreement, fingerprint
 from dynashard.options import parse_options
 from dynashard.program import install_optimizer_hooks
+from dynashard.protocol import exchange_status, resolve_group
+from dynashard.transport import deal_from_first
 from dynashard.weights import STORE, ShardSpec, cut, mark_storage_less
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
 
 
-def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: Any = None, **kwargs: Any
-                ) -> nn.Module:
+def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: Any = None, device: Any = None,
+                **kwargs: Any) -> nn.Module:
     """Plan ``model`` as ``torch.compile(model, backend="dynashard", options=options)`` would for
     these example inputs, cut every planned weight and register the shards as its parameters.
     With ``checkpoint`` (a path: safetensors file, directory or HF index, or a DCP directory) the
     model is one built on the meta device, and each rank reads only its pieces of each weight (and
     the weights left whole) from it. With ``options={"weights": "rank0"}`` only rank 0 reads (its
     ``checkpoint``, or the weights its model holds) and sends every rank its pieces: the other ranks'
-    models may be on meta, and their ``checkpoint`` is not read. Returns ``model``. Every rank of the
-    group must call it, with the same model and inputs."""
+    models may be on meta, and their ``checkpoint`` is not read. ``device``: where the parameters read
+    or dealt (those on meta) are put (default: the example inputs' device, else the CPU); weights the
+    model holds are cut where they are. Returns ``model``. Every rank of the group must call it, with
+    the same model and inputs."""
     opts = parse_options(options)
     if not (dist.is_available() and dist.is_initialized()):
         raise UsageError("dynashard.parallelize: no process group is initialized. Expected "
@@ -76,7 +79,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     exchange_status(None, error, group, "checking parallelize's arguments")  # every rank raises, or none
     source = None
     if checkpoint is not None or from_first:
-        source = _Loader(model, checkpoint if reads else None, _device_of(args, kwargs), group, from_first)
+        where = torch.device(device) if device is not None else _device_of(args, kwargs)
+        source = _Loader(model, checkpoint if reads else None, where, group, from_first)
     run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
 
     def dynashard_parallelize(gm, example_inputs):
@@ -209,7 +213,7 @@ class _Loader:
     changes, then read a piece at a time (``STORE.source``).
 
     With ``weights="rank0"`` only rank 0 reads -- its checkpoint, or the weights its own model holds
-    -- and deals every rank its pieces (``collectives.deal_from_first``); every parameter becomes a
+    -- and deals every rank its pieces (``transport.deal_from_first``); every parameter becomes a
     facade on every rank, and the persistent buffers rank 0 has are sent whole.
     """
 
@@ -333,14 +337,15 @@ class _Loader:
         """``t``'s pieces for this rank under ``spec`` (all of it when None), from the checkpoint."""
         name = self.names[id(t)]
         shape = list(t.shape)
+        device = self.device if t.is_meta else t.device  # (a meta buffer lands where the facades are)
         if spec is not None:
             shape[spec.dim] = sum(length for _, length in spec.split.pieces(spec.world, spec.rank))
 
         def read(rank: int | None) -> torch.Tensor:
             try:
                 if spec is None:
-                    return self.ck.read(name, dtype=t.dtype)
-                return self.ck.read(name, spec.dim, spec.split.pieces(spec.world, rank), dtype=t.dtype)
+                    return self.ck.read(name, dtype=t.dtype, device=device)
+                return self.ck.read(name, spec.dim, spec.split.pieces(spec.world, rank), dtype=t.dtype, device=device)
             except UsageError:
                 raise
             except Exception as e:  # noqa: BLE001 - an I/O error, a file changed under us
@@ -354,9 +359,9 @@ class _Loader:
                 if spec is None:
                     self.whole[name] = digest(value)
             else:
-                value = deal_from_first(read, shape, t.dtype, self.group, f"reading {name!r} from {self.where}",
-                                        whole=spec is None)
-            return owning(value.to(t.device))  # (exactly its bytes, whatever the reader returned)
+                value = deal_from_first(read, shape, t.dtype, device, self.group,
+                                        f"reading {name!r} from {self.where}", whole=spec is None)
+            return owning(value.to(device))  # (exactly its bytes, whatever the reader returned)
 
 
 @contextlib.contextmanager

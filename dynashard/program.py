@@ -24,10 +24,10 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import gradients
-from dynashard.collectives import CALL, COMPILE, content_digest, handshake, peer_failure
 from dynashard.errors import SetupError, UsageError
 from dynashard.facades import is_facade
 from dynashard.options import Options
+from dynashard.protocol import CALL, COMPILE, content_digest, handshake, peer_failure
 from dynashard.weights import STORE, ShardSpec
 
 log = logging.getLogger(__name__)

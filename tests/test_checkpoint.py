@@ -89,6 +89,25 @@ def test_every_format_reads_exactly_what_cut_takes(fmt, tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_reads_land_on_the_device_asked_for(fmt, tmp_path, monkeypatch):
+    """``read(device=...)``: safetensors opens each file for that device (``safe_open(device=...)`` reads
+    a slice straight there), DCP copies into buffers made there. Only a CPU is here: the device asked
+    of safe_open is recorded (its reads then stay on the CPU), and device="cpu" is read for real."""
+    ck = open_checkpoint(_write(fmt, tmp_path))
+    full = _tensors()
+    if fmt == "file":
+        asked, real = [], ck._safe_open
+        monkeypatch.setattr(ck, "_safe_open", lambda f, framework, device: asked.append(device) or
+                            real(f, framework=framework, device="cpu"))
+        ck.read("w", 0, [(8, 16)], device=torch.device("cuda", 1))
+        assert asked == ["cuda:1"]
+    got = ck.read("w", 0, [(8, 16)], device="cpu")
+    assert got.device == torch.device("cpu") and torch.equal(got, full["w"][8:24])
+    assert ck.read("w", 0, [], device="cpu").device == torch.device("cpu")
+
+
+@pytest.mark.unit
 def test_an_hf_checkpoint_saved_by_save_pretrained(tmp_path):
     """GPT-2 (Conv1D [in, out] weights, a tied LM head absent from the file) saved in several
     files with its index, as transformers writes it."""

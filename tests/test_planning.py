@@ -553,20 +553,20 @@ def test_roll_call_keys_follow_each_point_not_every_failure(monkeypatch):
     ranks whose call failed, so it must not shift the key of the next agreement on those ranks (it
     did while one counter per group numbered every roll call)."""
     from dynashard import _torch_private as private
-    from dynashard import collectives
+    from dynashard import protocol
 
-    monkeypatch.setattr(collectives, "_SEQUENCE", {})
+    monkeypatch.setattr(protocol, "_SEQUENCE", {})
     store = dist.HashStore()
     monkeypatch.setattr(private, "default_store", lambda: store)
     private.init_fake_process_group(2, 0)
     try:
         group = dist.group.WORLD
-        first = collectives.RollCall(group, "planning")
-        collectives.RollCall(group, "failed-call-1")  # only on a rank whose call failed
-        after_failure = collectives.RollCall(group, "planning")
-        monkeypatch.setattr(collectives, "_SEQUENCE", {})  # a rank whose calls all succeeded
-        collectives.RollCall(group, "planning")
-        no_failure = collectives.RollCall(group, "planning")
+        first = protocol.RollCall(group, "planning")
+        protocol.RollCall(group, "failed-call-1")  # only on a rank whose call failed
+        after_failure = protocol.RollCall(group, "planning")
+        monkeypatch.setattr(protocol, "_SEQUENCE", {})  # a rank whose calls all succeeded
+        protocol.RollCall(group, "planning")
+        no_failure = protocol.RollCall(group, "planning")
         assert after_failure.key == no_failure.key != first.key
         store.set(f"{after_failure.key}/1", "1")  # the other rank arrives
         assert after_failure.missing() == []

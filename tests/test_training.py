@@ -73,7 +73,7 @@ def _compare(model, twin, facades, world: int) -> tuple[float, list[str], bool]:
 
     import torch.distributed as dist
 
-    from dynashard.collectives import all_gather_objects
+    from dynashard.protocol import all_gather_objects
     from dynashard.weights import STORE, cut
 
     reference = dict(twin.named_parameters())

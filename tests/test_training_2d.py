@@ -86,8 +86,8 @@ def _train(
     import torch
     import torch.distributed as dist
 
-    from dynashard.collectives import all_gather_objects
     from dynashard.parameters import FACADES
+    from dynashard.protocol import all_gather_objects
     from dynashard.weights import STORE, cut
 
     model, twin, fast = _setup(name, hidden, vocab, mesh, ddp_inside)
