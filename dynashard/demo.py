@@ -58,11 +58,17 @@ def main() -> None:
     import dynashard
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    if torch.cuda.is_available():  # one GPU per rank, NCCL (dynashard's host-side checks run on gloo beside it)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Model(args.hidden, args.ffn, args.depth)
-    inputs = [torch.randn(b, s, args.hidden) for b, s in ((2, 16), (3, 40), (1, 7))]
+    model = Model(args.hidden, args.ffn, args.depth).to(device)
+    inputs = [torch.randn(b, s, args.hidden).to(device) for b, s in ((2, 16), (3, 40), (1, 7))]
     with torch.no_grad():
         references = [model(x) for x in inputs]
         if rank == 0:

@@ -219,7 +219,7 @@ def drain_gloo_at_exit(group: dist.ProcessGroup) -> None:
     https://github.com/pytorch/pytorch/pull/179291. Remove this hook once a torch release fixes it.
     See docs/design.md, "A gloo group alive at interpreter exit".
     """
-    if private.is_fake_group(group) or dist.get_backend(group) != "gloo":
+    if private.is_fake_group(group):  # (an NCCL group's host-side protocol runs on gloo too: protocol.host_group)
         return
     if not _EXIT_HOOK:
         atexit.register(_let_gloo_workers_finish)
