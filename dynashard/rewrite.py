@@ -237,7 +237,8 @@ class _Sharder(torch.fx.Interpreter):
         for start, length in shard.pieces:  # the target's column among this rank's, if it holds it
             hit = (target >= start) & (target < start + length)
             index, inside, offset = torch.where(hit, target - start + offset, index), inside | hit, offset + length
-        picked = torch.where(inside, x.gather(-1, index.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=x.dtype, device=x.device))
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        picked = torch.where(inside, x.gather(-1, index.unsqueeze(-1)).squeeze(-1), zero)
         mine = torch.stack([lse.squeeze(-1), picked], -1)  # [tokens, 2]
         lengths = [[2] * world]
         if self.megatron:
