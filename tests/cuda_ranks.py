@@ -77,9 +77,8 @@ def two_ranks(kind: str) -> None:
     """Every rank: each model against its unsharded self, computed on this rank alone; NCCL carries the
     graphs' collectives, the CPU companion group the per-call handshake. ``kind`` "cpu": a dry run on
     gloo, which checks this script, not the GPU."""
-    from dynashard.protocol import host_group as host_of
-
     from benchmarks.bench_decode import SMOKE, Llama
+    from dynashard.protocol import host_group as host_of
 
     timeout = datetime.timedelta(minutes=3)
     if kind == "cuda":

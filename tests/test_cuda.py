@@ -365,8 +365,7 @@ def test_two_nccl_ranks_compute_the_unsharded_models():
 @two_gpus
 def test_demo_on_two_gpus():
     """The README's demo as shipped, on 2 GPUs (it picks NCCL when CUDA is available): both ranks report
-    a difference to the unsharded model below 1e-3. Expected to fail while dynashard/demo.py keeps its
-    model and inputs on the CPU and sets no CUDA device per rank (see this branch's report)."""
+    a difference to the unsharded model below 1e-3, each rank on its own GPU (LOCAL_RANK)."""
     done = _python("-m", "dynashard.demo", "--hidden", "256", "--ffn", "1024", "--depth", "1", torchrun=2)
     diffs = [float(line.split("= ")[1].split()[0]) for line in done.stdout.splitlines() if "max |sharded" in line]
     assert len(diffs) == 2 and max(diffs) < 1e-3, done.stdout
