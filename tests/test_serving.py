@@ -255,7 +255,7 @@ HF_W4 = [("mistral", "static", "compile_config")]  # 2 K/V heads on 4 ranks
 
 @pytest.mark.gloo
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_decode_with_sharded_caches_matches_the_unsharded_model(world):
     """Each form at world 2 (eager, and gpt-fast's under Inductor), world 4 with 1 K/V head per rank
     and with 2 K/V heads on 4 ranks (held whole): logits of a prefill and 7 decode steps within 1e-5 of
