@@ -29,7 +29,10 @@ from dynashard.errors import PeerError, SetupError, UsageError
 # ``DYNASHARD_HOST_GROUP=companion``: use a gloo companion even where the group has a CPU backend
 # (how the CPU tests run the path an NCCL group takes).
 HOST_GROUP_ENV = "DYNASHARD_HOST_GROUP"
-_HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # user's group -> its host group
+# user's group -> its host group, or _ITSELF (a value holding the key would keep the group, and its gloo
+# threads, alive past destroy_process_group(): see program.drain_gloo_at_exit)
+_HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ITSELF = object()
 
 
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -47,13 +50,13 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     host = _HOSTS.get(group)
     if host is None:
         if os.environ.get(HOST_GROUP_ENV) != "companion" and private.moves_cpu_tensors(group):
-            host = group
+            host = _ITSELF
         else:
             host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                   timeout=private.group_timeout(group), use_local_synchronization=True,
                                   group_desc=f"dynashard_host_{group.group_name}")
         _HOSTS[group] = host
-    return host
+    return group if host is _ITSELF else host
 
 CALL, COMPILE = 1, 2  # what a rank is doing when it meets the others in handshake()
 _PHASE = {CALL: "calls the compiled graph", COMPILE: "compiles a new graph (its inputs failed Dynamo's guards)"}
