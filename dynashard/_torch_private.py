@@ -431,3 +431,14 @@ def group_timeout(group: Any) -> Any:
         except Exception:  # noqa: BLE001 - a backend without options: torch's default applies
             continue
     return None
+
+
+def group_count() -> int | None:
+    """How many process groups this process belongs to: what torch names a ``use_local_synchronization``
+    group by (``distributed_c10d._hash_ranks_to_str``: its ranks and ``len(_world.pg_names)``)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return len(distributed_c10d._world.pg_names)
+    except Exception:  # noqa: BLE001 - unknown: the names are not compared
+        return None

@@ -80,6 +80,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     source = None
     if checkpoint is not None or from_first:
         where = torch.device(device) if device is not None else _device_of(args, kwargs)
+        if where.type == "cuda" and where.index is None:  # ("cuda" alone is GPU 0 to safetensors: this rank's)
+            where = torch.device("cuda", torch.cuda.current_device())
         source = _Loader(model, checkpoint if reads else None, where, group, from_first)
     run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
 
@@ -337,7 +339,8 @@ class _Loader:
         """``t``'s pieces for this rank under ``spec`` (all of it when None), from the checkpoint."""
         name = self.names[id(t)]
         shape = list(t.shape)
-        device = self.device if t.is_meta else t.device  # (a meta buffer lands where the facades are)
+        # (a meta buffer lands where the facades are; under rank 0's deal every tensor does, buffers too)
+        device = self.device if t.is_meta or self.from_first else t.device
         if spec is not None:
             shape[spec.dim] = sum(length for _, length in spec.split.pieces(spec.world, spec.rank))
 

@@ -13,6 +13,7 @@ moves in ``transport``, over the user's group, on the tensors' device.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import pickle
 import time
@@ -52,11 +53,40 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         if os.environ.get(HOST_GROUP_ENV) != "companion" and private.moves_cpu_tensors(group):
             host = _ITSELF
         else:
-            host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                  timeout=private.group_timeout(group), use_local_synchronization=True,
-                                  group_desc=f"dynashard_host_{group.group_name}")
+            host = _companion(group)
         _HOSTS[group] = host
     return group if host is _ITSELF else host
+
+
+def _companion(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over ``group``'s ranks, in its order (results gathered on it are indexed by group rank).
+
+    torch names a group made with ``use_local_synchronization`` by its ranks and the number of groups
+    the process belongs to, and its ranks meet under that name: ranks that belong to different numbers
+    of groups would wait for each other under different names until the timeout. They compare the count
+    first, through the store, and all raise when it differs."""
+    ranks, timeout = dist.get_process_group_ranks(group), private.group_timeout(group)
+    store, mine = private.default_store(), private.group_count()
+    if store is not None and mine is not None:
+        count = _SEQUENCE[(group.group_name, "host")] = _SEQUENCE.get((group.group_name, "host"), 0) + 1
+        key = f"dynashard/host_group/{group.group_name}/{count}"
+        store.set(f"{key}/{dist.get_rank(group)}", str(mine))
+        store.wait([f"{key}/{r}" for r in range(len(ranks))], timeout or datetime.timedelta(minutes=30))
+        counts = [int(store.get(f"{key}/{r}")) for r in range(len(ranks))]
+        if len(set(counts)) > 1:
+            raise SetupError(
+                f"dynashard: the host-side checks of the group {group.group_name!r} (ranks {ranks}) need a gloo "
+                f"companion group, and its ranks belong to different numbers of process groups ({counts}, by "
+                "group rank), so torch would give the companion a different name on each. Expected every rank of "
+                "the group to create the same process groups; or init_process_group(backend=\"cpu:gloo,cuda:nccl\") "
+                "(or new_group(..., backend=\"cpu:gloo,cuda:nccl\")) so the group runs them on its own gloo backend.")
+    try:
+        return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True,
+                              group_desc=f"dynashard_host_{group.group_name}", sort_ranks=False)
+    except (NotImplementedError, ValueError, TypeError) as e:  # (a timeout is a peer's: the caller names it)
+        raise SetupError(f"dynashard: could not create the gloo group the host-side checks of {group.group_name!r} "
+                         f"run on (its backend moves no CPU tensors): {type(e).__name__}: {e}. Expected "
+                         "init_process_group(backend=\"cpu:gloo,cuda:nccl\") to avoid it.") from e
 
 CALL, COMPILE = 1, 2  # what a rank is doing when it meets the others in handshake()
 _PHASE = {CALL: "calls the compiled graph", COMPILE: "compiles a new graph (its inputs failed Dynamo's guards)"}
@@ -97,6 +127,8 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
     agreed = local.clone()
     try:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=host_group(group))
+    except SetupError:  # (raised on every rank: host_group's own refusal)
+        raise
     except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
         _HANDSHAKE_FAILURES[0] += 1  # the same count on every surviving rank: they fail here together
         missing = RollCall(group, f"handshake-failed-{_HANDSHAKE_FAILURES[0]}").missing(wait_s=5.0)
@@ -239,6 +271,8 @@ def exchange_status(payload: Any, error: BaseException | None, group: dist.Proce
     roll = RollCall(group, stage)
     try:
         everyone = all_gather_objects((payload, status), group)
+    except SetupError:  # (raised on every rank: host_group's own refusal)
+        raise
     except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
         missing = roll.missing()
         what = "not every rank reached" if missing != [] else "every rank reached, but the collective failed at"

@@ -114,6 +114,22 @@ def two_ranks(kind: str) -> None:
         err, top = float((got.float() - want.float()).abs().max()), float(want.float().abs().max())
         assert err <= BF16_RTOL * top, f"Llama decoder bf16: max |sharded - unsharded| = {err}, logits up to {top}"
         facts.append(f"llama bf16 err {err:.1e} of {top:.1f}")
+        # rank 0's deal (weights="rank0") onto this rank's device: only rank 0 holds real weights; its
+        # buffers (RoPE's cos/sin, non-persistent) are dealt too, and must land on the device as well
+        torch.manual_seed(0)
+        if rank == 0:
+            held = models.LlamaDecoder(vocab=96, hidden=64, n_heads=4, n_kv_heads=2, ffn=176)
+        else:
+            with dynashard.empty_weights():
+                held = models.LlamaDecoder(vocab=96, hidden=64, n_heads=4, n_kv_heads=2, ffn=176)
+        torch.manual_seed(0)
+        want = models.LlamaDecoder(vocab=96, hidden=64, n_heads=4, n_kv_heads=2, ffn=176).to(device).eval()(ids)
+        dealt = dynashard.parallelize(held, ids, options={**options, "weights": "rank0"}).eval()
+        where = {str(t.device) for t in (*dealt.parameters(), *dealt.buffers())}
+        assert where == {str(device)}, f"rank 0's deal left tensors on {where}, expected {device}"
+        err = float((dealt(ids).float() - want.float()).abs().max())
+        assert err < 1e-4, f"rank 0's deal: max |sharded - unsharded| = {err}"  # fp32: reordered sums only
+        facts.append(f"rank0 deal err {err:.1e}, all on {device}")
         # bench_decode's model at its --smoke sizes: KV caches in buffers, prefill and decode graphs
         torch.manual_seed(0)
         base = Llama(SMOKE, max_len=8 + 4).to(device).eval()

@@ -77,6 +77,39 @@ def test_the_protocol_runs_on_a_group_that_cannot_move_cpu_tensors():
         assert r["objects"] == [("rank", 0), ("rank", 1)], r
 
 
+def _companion_edge_cases(rank: int, world: int) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from dynashard.errors import SetupError
+    from dynashard.protocol import HOST_GROUP_ENV, exchange_status, handshake, host_group
+
+    os.environ[HOST_GROUP_ENV] = "companion"
+    reversed_group = dist.new_group([1, 0], sort_ranks=False)  # group rank 0 is global rank 1
+    out = {"order": exchange_status(dist.get_rank(), None, reversed_group, "gathering"),
+           "group_ranks": dist.get_process_group_ranks(reversed_group),
+           "host_ranks": dist.get_process_group_ranks(host_group(reversed_group))}
+    dist.new_group([0])  # rank 0 now belongs to one more group than rank 1
+    try:
+        handshake(1, [], dist.group.WORLD)
+    except SetupError as e:
+        out["counts"] = str(e)
+    return out
+
+
+def test_a_companion_keeps_the_groups_rank_order_and_refuses_ranks_it_would_name_apart():
+    """Results gathered on the companion are indexed by the user's group rank (a group made with
+    sort_ranks=False keeps its order); and ranks in different numbers of groups, whose companion torch
+    would name differently on each (then both wait the whole timeout), raise at once on every rank."""
+    for r in run_ranks(_companion_edge_cases, 2, timeout=DEADLINE_S, gloo_timeout=GLOO_TIMEOUT):
+        assert r["group_ranks"] == [1, 0] and r["host_ranks"] == [1, 0], r
+        assert r["order"] == [1, 0], r  # group rank 0's payload first: global rank 1's
+        # (rank 0: WORLD, the reversed group, its companion, [0]; rank 1 all but [0])
+        assert "belong to different numbers of process groups ([4, 3]" in r["counts"], r
+        assert "cpu:gloo,cuda:nccl" in r["counts"], r
+
+
 def _runs_through_companions(rank: int, world: int, path: str) -> dict:
     """A 2x2 mesh: each tp pair compiles, parallelizes (rank 0's deal) and exports over its own group,
     every agreement on that group's companion."""
