@@ -43,8 +43,8 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     The companion is made with ``use_local_synchronization=True``, so only ``group``'s ranks take
     part: a subgroup of a mesh (its tp group) gets one without the other ranks. Its timeout is the
     group's, so a dead peer is reported as late as the user's own collectives would report it.
-    Like every ``new_group``, the ranks must make their groups in the same order (torch names the
-    group by its ranks and how many groups the process has).
+    torch names it by its ranks and how many groups the process belongs to: ranks whose counts differ
+    raise a SetupError (``_companion``) rather than wait for each other under different names.
     """
     if private.is_fake_group(group):
         return group
@@ -87,6 +87,7 @@ def _companion(group: dist.ProcessGroup) -> dist.ProcessGroup:
         raise SetupError(f"dynashard: could not create the gloo group the host-side checks of {group.group_name!r} "
                          f"run on (its backend moves no CPU tensors): {type(e).__name__}: {e}. Expected "
                          "init_process_group(backend=\"cpu:gloo,cuda:nccl\") to avoid it.") from e
+
 
 CALL, COMPILE = 1, 2  # what a rank is doing when it meets the others in handshake()
 _PHASE = {CALL: "calls the compiled graph", COMPILE: "compiles a new graph (its inputs failed Dynamo's guards)"}
