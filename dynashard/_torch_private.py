@@ -211,6 +211,15 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
             node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = static
 
 
+def uses_cudagraphs(compiler: str, mode: str = "default") -> bool:
+    """Whether Inductor will run the compiled graph as a CUDA graph (whose replay skips host-side ops)."""
+    if compiler != "inductor":
+        return False
+    from torch._inductor import config, list_mode_options
+
+    return bool(list_mode_options(mode).get("triton.cudagraphs", config.triton.cudagraphs))
+
+
 def inductor_modes() -> list[str]:
     """The modes ``torch.compile`` accepts for Inductor (``torch._inductor.list_mode_options``'s keys)."""
     from torch._inductor import list_mode_options

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import gate
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
@@ -80,7 +81,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         if analysis is not None:
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
-    sharded_gm = compiled = None
+    sharded_gm = compiled = gate_slot = None
     try:
         if train:
             check_trainable(analysis, example_inputs, opts.compiler)
@@ -93,6 +94,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         # (a tensor the store keeps, at one address for the model's life), stays a static input of
         # CUDA graphs ("reduce-overhead"): a replay reads it in place instead of copying it in.
         private.carry_dynamo_inputs(gm, sharded_gm)
+        if agree and check is not None and not train and not private.uses_cudagraphs(opts.compiler, opts.mode):
+            gate_slot = gate.insert(sharded_gm)  # the call's handshake overlaps the graph up to its first collective
         with grad_guard:
             compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes, opts.mode,
                                              on_backward_error=_name_dead_peers(group) if train and agree else None)
@@ -120,7 +123,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}
-    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held)
+    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
+                          gate=gate_slot)
 
 
 def _name_dead_peers(group: dist.ProcessGroup) -> Callable[[BaseException], None]:

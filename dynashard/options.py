@@ -61,7 +61,7 @@ class Options:
     # 64K elements the collective it needs (tens of microseconds on gloo) costs about what
     # the halved matmul saves.
     min_shard_numel: int = 1 << 16
-    # What every call compares across ranks before any collective (README, "Errors, agreement"): by
+    # What every call compares across ranks before any collective (docs/errors.md): by
     # default shapes, and values where that is cheap (integer inputs every call, all inputs at compile).
     check_inputs: str = "ids"
     # torch.compile's mode, applied to Inductor as torch.compile applies it (compiler="inductor" only)

@@ -1,10 +1,11 @@
 """The runtime program: what Dynamo calls on every call of a sharded graph.
 
-Before each call every rank meets the others in one small handshake (:class:`CallCheck`: its
-input shapes agree), then this rank's shards are swapped in for the freed full weights (a
-parameter seen for the first time -- another instance of the module class -- is adopted: agreed
-across ranks, cut and freed) and the compiled graph runs. A failure names the ranks that did not
-fail with this one (dead or hung peers).
+Every call starts one small handshake with the other ranks (:class:`CallCheck`: its input shapes
+agree), finished before the graph's first collective: inside the graph, by its gate (``gate.py``:
+the computation before it overlaps the round trip), or else before the call. This rank's shards are
+swapped in for the freed full weights (a parameter seen for the first time -- another instance of
+the module class -- is adopted: agreed across ranks, cut and freed) and the compiled graph runs. A
+failure names the ranks that did not fail with this one (dead or hung peers).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from dynashard import _torch_private as private
 from dynashard import gradients
 from dynashard.errors import SetupError, UsageError
 from dynashard.facades import is_facade
+from dynashard.gate import Opened
 from dynashard.options import Options
-from dynashard.protocol import CALL, COMPILE, content_digest, handshake, peer_failure
+from dynashard.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
 from dynashard.weights import STORE, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -75,12 +77,16 @@ class CallCheck:
         return [t for t in tensors if not (t.is_floating_point() or t.is_complex())]
 
     def __call__(self, phase: int, args: Any, group: dist.ProcessGroup) -> None:
+        self.start(phase, args, group).wait()
+
+    def start(self, phase: int, args: Any, group: dist.ProcessGroup) -> Handshake:
+        """The handshake on the wire; its ``wait()`` raises what a mismatch raises."""
         inputs = [a for i, a in enumerate(args) if i not in self.module_state]
         tensors = [a for a in inputs if torch.is_tensor(a)]  # (symbolic sizes arrive as ints: in these shapes)
         checked = self._checked(phase, tensors)
         values = content_digest(checked) if checked else 0
         described = [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors]
-        handshake(phase, described, group, self.per_rank, values)
+        return Handshake(phase, described, group, self.per_rank, values)
 
 
 class ShardedProgram:
@@ -103,8 +109,12 @@ class ShardedProgram:
         check: CallCheck | None,
         train: bool = False,
         held: dict[int, ShardSpec] | None = None,
+        gate: int | None = None,
     ) -> None:
         self.compiled = compiled
+        # the slot of the graph's gate (gate.insert), which finishes the call's handshake before its first
+        # collective; None: the handshake is finished before the graph runs
+        self.gate = gate
         # output slot -> how a cache the program allocates is cut: handed back as a facade (STORE.hold)
         self.held = held or {}
         if self.held:
@@ -129,12 +139,15 @@ class ShardedProgram:
 
     def __call__(self, *args: Any) -> Any:
         group = self.group  # a clear error if it was destroyed, not a failed lookup inside the graph
-        if self.check is not None:
-            self.check(CALL, args, group)
+        handshake = self.check.start(CALL, args, group) if self.check is not None else None
+        if handshake is not None and self.gate is None:
+            handshake.wait()
         args = list(args)
         shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items()}
         fresh = [i for i, s in shards.items() if s is None]
         if fresh:
+            if handshake is not None:  # (adoption's agreement comes after the inputs' on the host group)
+                handshake.wait()
             self._adopt(args, fresh)
             shards.update({i: STORE.shard_of(args[i]) for i in fresh})
         for i, shard in shards.items():
@@ -143,12 +156,18 @@ class ShardedProgram:
                 if shard.requires_grad:  # (a frozen weight gets no gradient, and no hook)
                     gradients.mark(shard, group)
             args[i] = shard
-        with torch.no_grad() if torch.is_grad_enabled() and not self.train else contextlib.nullcontext():
+        grads = torch.no_grad() if torch.is_grad_enabled() and not self.train else contextlib.nullcontext()
+        with grads, Opened(self.gate, handshake):
             try:
                 out = self.compiled(*args)
-            except RuntimeError as e:
-                self._diagnose(e)
+            except Exception as e:
+                if handshake is not None:  # ranks that differ: the cause, raised on every rank
+                    handshake.wait()
+                if isinstance(e, RuntimeError):
+                    self._diagnose(e)
                 raise
+        if handshake is not None:  # (a graph whose gate did not run: no collective was reached)
+            handshake.wait()
         return self._hand_back(out) if self.held else out
 
     def _hand_back(self, out: Any) -> Any:

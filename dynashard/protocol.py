@@ -123,23 +123,62 @@ def handshake(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank:
     input dtypes and shapes (``float32[4, 32]``); with ``per_rank`` inputs only they must agree,
     else ``values`` too (a :func:`content_digest`, 0 when not checked).
     """
-    digest = zlib.crc32(repr(shapes).encode())
-    local = torch.tensor([phase, digest, values, -phase, -digest, -values], dtype=torch.int64)
-    agreed = local.clone()
-    try:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=host_group(group))
-    except SetupError:  # (raised on every rank: host_group's own refusal)
-        raise
-    except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
+    Handshake(phase, shapes, group, per_rank, values).wait()
+
+
+class Handshake:
+    """The :func:`handshake`, started: its all_reduce is on the wire while this rank computes, and
+    :meth:`wait` (before the graph's first collective: ``gate``) finishes it, raising what
+    :func:`handshake` raises. Every rank's all_reduce pairs with every other's whether it waits at
+    once (a compile) or later (a call), since the host group runs them in the order issued."""
+
+    def __init__(self, phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank: bool = False,
+                 values: int = 0) -> None:
+        self.phase, self.shapes, self.group, self.per_rank = phase, shapes, group, per_rank
+        digest = zlib.crc32(repr(shapes).encode())
+        self.local = torch.tensor([phase, digest, values, -phase, -digest, -values], dtype=torch.int64)
+        self.agreed = self.local.clone()
+        self.error: BaseException | None = None
+        self.done = False
+        try:
+            self.work = dist.all_reduce(self.agreed, op=dist.ReduceOp.MAX, group=host_group(group), async_op=True)
+        except SetupError:  # (raised on every rank: host_group's own refusal)
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
+            raise self._peer_error(e) from e
+
+    def wait(self) -> None:
+        """Idempotent: the first call waits and compares; later ones raise the same error, if any."""
+        if not self.done:
+            self.done = True
+            try:
+                self._finish()
+            except BaseException as e:
+                self.error = e
+                raise
+        if self.error is not None:
+            raise self.error
+
+    def _finish(self) -> None:
+        try:
+            self.work.wait()
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a dead or missing peer this way
+            raise self._peer_error(e) from e
+        if not torch.equal(self.agreed, self.local):
+            _refuse(self.phase, self.shapes, self.group, self.per_rank, self.agreed)
+
+    def _peer_error(self, e: BaseException) -> PeerError:
         _HANDSHAKE_FAILURES[0] += 1  # the same count on every surviving rank: they fail here together
-        missing = RollCall(group, f"handshake-failed-{_HANDSHAKE_FAILURES[0]}").missing(wait_s=5.0)
-        raise PeerError(
-            f"dynashard: not every rank reached the {_STAGE[phase]} (the process group's timeout bounds the "
+        missing = RollCall(self.group, f"handshake-failed-{_HANDSHAKE_FAILURES[0]}").missing(wait_s=5.0)
+        return PeerError(
+            f"dynashard: not every rank reached the {_STAGE[self.phase]} (the process group's timeout bounds the "
             f"wait): {describe_missing(missing)}. The process group said: {type(e).__name__}: {e}"
-        ) from e
-    if torch.equal(agreed, local):
-        return
-    # Every rank sees the same reduced tensor, so every rank takes this branch: safe to gather.
+        )
+
+
+def _refuse(phase: int, shapes: list[str], group: dist.ProcessGroup, per_rank: bool, agreed: torch.Tensor) -> None:
+    """The handshake's values differ: every rank sees the same reduced tensor, so every rank is here
+    (safe to gather) and raises, naming each rank's inputs."""
     everyone = all_gather_objects((phase, shapes), group)
     per_rank_shapes = "; ".join(f"rank {r}: {', '.join(s) or 'no tensors'}" for r, (_, s) in enumerate(everyone))
     if int(agreed[0]) != -int(agreed[3]):  # some ranks compile while others call

@@ -347,8 +347,8 @@ def mark_storage_less(t: torch.Tensor) -> None:
     C++ reads the missing bytes), and ``torch.save`` (``model.state_dict()``'s detached views, pickle)
     would write an empty storage without a word, a file that fails only when loaded. The copy is
     refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
-    the storage tagger registered below. Eager math on ``t`` cannot be refused this way (README
-    "Memory")."""
+    the storage tagger registered below. Eager math on ``t`` cannot be refused this way (the table in
+    docs/facades.md)."""
     become(t)  # a Facade: eager use answered (facades.py)
     if not is_facade(t):  # (a subclass of the model's own keeps its class: copies and saves refused at least)
         t.__deepcopy__ = _refuse_copy

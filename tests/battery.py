@@ -382,7 +382,7 @@ def scenarios(rank: int, world: int) -> dict:
         off = {**replicated, "check_inputs": "off"}
         out["off_other_ids"] = _error_of(
             lambda: torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options=off)(ids + rank))
-    # A graph left whole keeps its gradients (plan {} is the README's advice for training code).
+    # A graph left whole keeps its gradients (plan {}: every layer replicated).
     torch._dynamo.reset()
     torch.manual_seed(0)
     whole = models.MLP(32, 96)

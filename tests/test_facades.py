@@ -1,4 +1,4 @@
-"""Eager use of what dynashard leaves where a sharded tensor was (README "Memory": the table).
+"""Eager use of what dynashard leaves where a sharded tensor was (the table in docs/facades.md).
 
 One process, torch's fake process group at world 2 (collectives move no data, so outputs are not
 compared here; the shards dynashard holds are, against the cut of a full model that took the same

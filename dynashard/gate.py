@@ -1,0 +1,114 @@
+"""The per-call handshake, waited for inside the sharded graph, just before its first collective.
+
+Every call starts the :class:`~dynashard.protocol.Handshake` (the ranks' input check, one small
+host-side all_reduce) and runs the graph at once; what the graph computes before its first
+collective (a column-parallel projection, attention) overlaps the handshake's round trip, and the
+handshake is finished before anything leaves the rank::
+
+    before:  mm = mm(x, w1); ...; ar = all_reduce(mm, "sum", g)
+    after:   mm = mm(x, w1); ...; z = dynashard.call_gate(mm, slot)   # waits; a 0-dim zero
+             ar = all_reduce(mm + z, "sum", g)                       # ordered after the wait
+
+Invariants:
+- No collective of the graph starts before its call's handshake is finished (the ``+ z`` makes the
+  wait a data dependency of the first collective, which every later one follows), so ranks whose
+  inputs differ raise the handshake's error instead of sending collectives of other sizes.
+- Nothing the graph writes outside itself comes before the wait: a graph that mutates one of its
+  inputs (a KV cache, a buffer) is not gated (its handshake is finished before the call).
+- ``x + 0`` is ``x`` (a ``-0.0`` becomes ``+0.0``, which every sum treats alike).
+- The program finishes the handshake after the graph too, so a graph whose gate did not run (no
+  collective, or an error before it) still raises its error, in the order the ranks issued it.
+- Under CUDA graphs the gate would not run on replay: those programs wait before the call.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx
+
+from dynashard import _torch_private as private
+from dynashard.protocol import Handshake
+
+# slot -> the handshake of the call in progress (one entry per program call in flight: popped after it)
+_OPEN: dict[int, Handshake] = {}
+_SLOTS = itertools.count()
+
+
+@torch.library.custom_op("dynashard::call_gate", mutates_args=())
+def call_gate(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """Finish the handshake of the call in progress of program ``slot``; a 0-dim zero of ``x``'s dtype."""
+    handshake = _OPEN.get(slot)
+    if handshake is not None:  # (None: the program waited before the call)
+        handshake.wait()
+    return torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+@call_gate.register_fake
+def _(x: torch.Tensor, slot: int) -> torch.Tensor:
+    return x.new_empty(())
+
+
+def _collective(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not private.is_op_overload(node.target):
+        return False
+    return node.target._schema.name.startswith("_c10d_functional::") and \
+        node.target._schema.name != "_c10d_functional::wait_tensor"
+
+
+def _mutates_input(node: torch.fx.Node) -> bool:
+    """An op writing into (a view of) a graph input: a cache or a buffer changed outside the graph."""
+    if node.op != "call_function" or not private.is_op_overload(node.target):
+        return False
+    schema = node.target._schema
+    if not schema.is_mutable:
+        return False
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+            base = value
+            while base.op == "call_function" and private.is_op_overload(base.target) and \
+                    base.target._schema.returns and base.target._schema.returns[0].alias_info is not None:
+                base = base.args[0]  # through views to what they view
+            if base.op == "placeholder":
+                return True
+    return False
+
+
+def insert(gm: torch.fx.GraphModule) -> int | None:
+    """Gate ``gm``'s first collective on the call's handshake; the slot its program registers the
+    handshake under, or None when the graph cannot be gated (it mutates an input, or has no collective)."""
+    nodes = list(gm.graph.nodes)
+    if any(_mutates_input(n) for n in nodes):
+        return None
+    first = next((n for n in nodes if _collective(n)), None)
+    if first is None:
+        return None
+    x = first.args[0]
+    if not isinstance(x, torch.fx.Node):  # (a coalesced collective's list of inputs)
+        return None
+    slot = next(_SLOTS)
+    with gm.graph.inserting_before(first):
+        zero = gm.graph.call_function(torch.ops.dynashard.call_gate.default, (x, slot))
+        gated = gm.graph.call_function(torch.ops.aten.add.Tensor, (x, zero))
+    if "val" in x.meta:
+        zero.meta["val"], gated.meta["val"] = x.meta["val"].new_empty(()), x.meta["val"]
+    first.replace_input_with(x, gated)
+    gm.recompile()
+    return slot
+
+
+class Opened:
+    """``with Opened(slot, handshake):`` the graph's gate finds the handshake while the call runs."""
+
+    def __init__(self, slot: int | None, handshake: Handshake | None) -> None:
+        self.slot, self.handshake = slot, handshake
+
+    def __enter__(self) -> Handshake | None:
+        if self.slot is not None and self.handshake is not None:
+            _OPEN[self.slot] = self.handshake
+        return self.handshake
+
+    def __exit__(self, *exc: object) -> None:
+        if self.slot is not None:
+            _OPEN.pop(self.slot, None)
