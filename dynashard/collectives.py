@@ -134,7 +134,10 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # rewritten graph for the compiler, runs the Function and keeps its backward (measured:
 # tools/proto_train_fg.py, gradients equal the unsharded model's under eager, aot_eager and Inductor).
 
-_CONVERSIONS: dict[str, Any] = {}  # marker key -> the conversion (x -> y, with its backward)
+# marker key -> the conversion (x -> y, with its backward). The key is what the conversion is made of, so
+# tracing the same conversion again (a recompile, another shape) reuses its entry: the table holds one per
+# distinct conversion (kind, group, cut), however often the rewrite runs.
+_CONVERSIONS: dict[str, Any] = {}
 
 
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
@@ -149,10 +152,12 @@ def _tp_conversion_fake(x: torch.Tensor, key: str) -> torch.Tensor:
     return out.new_empty(out.shape)
 
 
-def conversion(x: torch.Tensor, fn: Any) -> torch.Tensor:
-    """``fn(x)`` in a traced graph as a marker that :func:`bind_conversions` turns back into ``fn``."""
-    key = f"c{len(_CONVERSIONS)}"
-    _CONVERSIONS[key] = fn
+def conversion(x: torch.Tensor, function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """``function.apply(x, *args)`` in a traced graph as a marker that :func:`bind_conversions` turns
+    back into it. ``args``: plain values (group name, lengths, rank), which name the conversion."""
+    key = repr((function.__name__, args))
+    if key not in _CONVERSIONS:
+        _CONVERSIONS[key] = lambda v: function.apply(v, *args)
     return torch.ops.dynashard.tp_conversion(x, key)
 
 
@@ -215,15 +220,15 @@ def _group_named(name: str) -> dist.ProcessGroup:
 
 
 def copy_to_shards(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return conversion(x, lambda v: _CopyToShards.apply(v, group_name))
+    return conversion(x, _CopyToShards, group_name)
 
 
 def reduce_from_shards(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return conversion(x, lambda v: _ReduceFromShards.apply(v, group_name))
+    return conversion(x, _ReduceFromShards, group_name)
 
 
 def gather_from_shards(x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
-    return conversion(x, lambda v: _GatherFromShards.apply(v, lengths, rank, group_name))
+    return conversion(x, _GatherFromShards, [list(ls) for ls in lengths], rank, group_name)
 
 
 def group_name(group: dist.ProcessGroup) -> str:

@@ -30,7 +30,7 @@ from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.match import embedding_options
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
-from dynashard.protocol import COMPILE, exchange_status, peer_failure, resolve_group
+from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
 from dynashard.report import GraphReport, format_table
 from dynashard.rewrite import rewrite
 from dynashard.weights import STORE, ShardSpec
@@ -69,11 +69,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     elif error is not None:
         raise error
     if analysis is not None and STORE.source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
-        try:
+        with agreed(group, "reading the weights left whole from the checkpoint"):
             STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded])
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the agreement below
-            error = wrap(e, "reading the weights left whole from the checkpoint")
-        exchange_status(None, error, group, "reading the weights left whole from the checkpoint")
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
@@ -81,8 +78,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         if analysis is not None:
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
-    sharded_gm = compiled = gate_slot = None
-    try:
+    gate_slot = None
+    with agreed(group, "compiling", doing="rewriting and compiling"):
         if train:
             check_trainable(analysis, example_inputs, opts.compiler)
         new_fakes = shard_fakes(analysis, fake_args)
@@ -99,12 +96,6 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         with grad_guard:
             compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes, opts.mode,
                                              on_backward_error=_name_dead_peers(group) if train and agree else None)
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
-        error = wrap(e, "rewriting and compiling")
-    if agree:
-        exchange_status(None, error, group, "compiling")
-    elif error is not None:
-        raise error
     specs = {
         i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
         for i, (fqn, dim, split) in sharded.items()
@@ -112,14 +103,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     if STORE.source is None:
         cut_and_free(specs, example_inputs, group)
     else:  # dynashard.parallelize reads the shards from a checkpoint: a failed read fails every rank
-        try:
+        with agreed(group, "loading the shards (checkpoint reads, or rank 0's deal)", doing="loading the shards"):
             cut_and_free(specs, example_inputs, group)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
-            error = wrap(e, "loading the shards")
-        if agree:
-            exchange_status(None, error, group, "loading the shards (checkpoint reads, or rank 0's deal)")
-        elif error is not None:
-            raise error
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}

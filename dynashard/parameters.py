@@ -45,7 +45,7 @@ from dynashard.gradients import average_over_ranks
 from dynashard.integrity import digest, disagreement, fingerprint
 from dynashard.options import parse_options
 from dynashard.program import install_optimizer_hooks
-from dynashard.protocol import exchange_status, resolve_group
+from dynashard.protocol import agreed, resolve_group
 from dynashard.transport import deal_from_first
 from dynashard.weights import STORE, ShardSpec, cut, mark_storage_less
 
@@ -71,12 +71,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     group = resolve_group(opts.group)
     from_first = opts.weights == "rank0"
     reads = not from_first or dist.get_rank(group) == 0  # this rank reads the weights itself
-    error = None
-    try:
+    with agreed(group, "checking parallelize's arguments"):  # every rank raises, or none
         _check_parallelizable(model, opts, checkpoint, from_first, reads)
-    except UsageError as e:
-        error = e
-    exchange_status(None, error, group, "checking parallelize's arguments")  # every rank raises, or none
     source = None
     if checkpoint is not None or from_first:
         where = torch.device(device) if device is not None else _device_of(args, kwargs)
@@ -226,20 +222,23 @@ class _Loader:
         self.model, self.device, self.group, self.from_first = model, device, group, from_first
         self.rank = dist.get_rank(group)
         reads = not from_first or self.rank == 0
-        self.ck, table, identity, error = None, None, "", None
+        self.ck, table, identity = None, None, ""
         self.whole: dict[str, str] = {}  # name -> digest of each tensor this rank read whole (every rank reads it)
-        try:
-            if reads and path is not None:
-                self.ck = open_checkpoint(path)
-                identity = fingerprint(self.ck)
-            elif reads:  # weights="rank0", rank 0 holding the model: its own tensors are the source
-                named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-                self.ck = TensorsCheckpoint(dict(named), "rank 0's model")
-            if self.ck is not None:
-                table = {k: (tuple(self.ck.shape(k)), self.ck.dtype(k)) for k in self.ck.keys()}
-        except (UsageError, OSError) as e:
-            error = e if isinstance(e, UsageError) else UsageError(f"dynashard.parallelize: reading {path}: {e}")
-        everyone = exchange_status((table, identity), error, group, "opening the checkpoint")
+        with agreed(group, "opening the checkpoint") as point:
+            try:
+                if reads and path is not None:
+                    self.ck = open_checkpoint(path)
+                    identity = fingerprint(self.ck)
+                elif reads:  # weights="rank0", rank 0 holding the model: its own tensors are the source
+                    named = [*model.named_parameters(remove_duplicate=False),
+                             *model.named_buffers(remove_duplicate=False)]
+                    self.ck = TensorsCheckpoint(dict(named), "rank 0's model")
+                if self.ck is not None:
+                    table = {k: (tuple(self.ck.shape(k)), self.ck.dtype(k)) for k in self.ck.keys()}
+            except OSError as e:
+                raise UsageError(f"dynashard.parallelize: reading {path}: {e}") from e
+            point.payload = (table, identity)
+        everyone = point.everyone
         table = everyone[0][0] if from_first else table
         self.where = self.ck.path if self.ck is not None else "rank 0's checkpoint"
         differ = None if from_first else disagreement([i for _, i in everyone], "read a checkpoint")
@@ -249,12 +248,8 @@ class _Loader:
                 f"{[i for _, i in everyone]}), from {self.where} on this rank. Expected the same checkpoint on "
                 "every rank (a stale copy on one node?). Nothing was changed.")
         self.names: dict[int, str] = {}  # parameter or buffer id -> its name in the checkpoint
-        error = None
-        try:
+        with agreed(group, "checking the checkpoint against the model"):
             self._match(table)
-        except UsageError as e:
-            error = e
-        exchange_status(None, error, group, "checking the checkpoint against the model")
         unused = sorted(set(table) - set(self.names.values()))
         if unused and self.rank == 0 and path is not None:
             warnings.warn(f"dynashard.parallelize: {len(unused)} tensor(s) in {self.where} are not in the model "
@@ -322,7 +317,9 @@ class _Loader:
         same bytes; raised on every rank otherwise (the checkpoint changed under one of them)."""
         if self.from_first:
             return
-        everyone = exchange_status(sorted(self.whole.items()), None, self.group, "comparing what was read")
+        with agreed(self.group, "comparing what was read") as point:
+            point.payload = sorted(self.whole.items())
+        everyone = point.everyone
         differ = disagreement(everyone, "read tensors")
         if differ:
             first = dict(everyone[0])

@@ -1,7 +1,8 @@
 """The host-side protocol: how the ranks agree, on CPU, before and around the sharded program.
 
 Every call and every compile starts with :func:`handshake` (one fixed-size all_reduce); failures
-are exchanged with :func:`exchange_status` / :func:`first_rank_status`, and a rank that does not
+are exchanged with :func:`exchange_status` (``with agreed(group, stage):`` around the work each
+agreement point follows) / :func:`first_rank_status`, and a rank that does not
 arrive is named by a :class:`RollCall` through the store. All of it runs on CPU tensors over
 :func:`host_group`: the user's group where it has a CPU backend (gloo, ``"cpu:gloo,cuda:nccl"``),
 else a gloo companion over the same ranks. So NCCL groups work (NCCL moves only CUDA tensors), and
@@ -19,13 +20,14 @@ import pickle
 import time
 import weakref
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
-from dynashard.errors import PeerError, SetupError, UsageError
+from dynashard.errors import PeerError, SetupError, UsageError, wrap
 
 # ``DYNASHARD_HOST_GROUP=companion``: use a gloo companion even where the group has a CPU backend
 # (how the CPU tests run the path an NCCL group takes).
@@ -330,6 +332,37 @@ def exchange_status(payload: Any, error: BaseException | None, group: dist.Proce
             "wait for it in a collective."
         )
     return [p for p, _ in everyone]
+
+
+class Agreement:
+    """What ``with agreed(...) as point:`` hands its body: the body may set ``point.payload`` (this
+    rank's, picklable); after the block ``point.everyone`` holds every rank's, by group rank."""
+
+    def __init__(self) -> None:
+        self.payload: Any = None
+        self.everyone: list[Any] = []
+
+
+@contextlib.contextmanager
+def agreed(group: dist.ProcessGroup, stage: str, doing: str | None = None) -> Iterator[Agreement]:
+    """``with agreed(group, stage) as point:`` around work every rank does before they go on together.
+
+    An exception in the body becomes ``errors.wrap(e, doing or stage)`` (our own errors as they are);
+    then every rank meets in one :func:`exchange_status` at ``stage``, failed or not, and if any rank
+    failed every rank raises: its own error, or a PeerError naming the rank that failed. A fake group
+    moves no data: its error is raised here, and ``everyone`` is this rank's payload once per rank.
+    """
+    point, error = Agreement(), None
+    try:
+        yield point
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
+        error = wrap(e, doing or stage)
+    if private.is_fake_group(group):
+        if error is not None:
+            raise error
+        point.everyone = [point.payload] * dist.get_world_size(group)
+        return
+    point.everyone = exchange_status(point.payload, error, group, stage)  # (raises whenever error is set)
 
 
 def first_rank_status(error: BaseException | None, group: dist.ProcessGroup, what: str) -> None:

@@ -149,3 +149,38 @@ def test_a_peer_dying_later_is_a_peer_error_naming_the_rank_and_the_stage(which)
         assert r["seconds"] < 3 * GLOO_TIMEOUT, r
     for rank in (1, 3):
         assert isinstance(outcomes[rank], RankError) and outcomes[rank].exc_type == "Died", outcomes[rank]
+
+
+def _argument_check_bug(rank: int, world: int) -> dict:
+    """parallelize on 2 ranks, rank 1's argument check raising a KeyError (a stand-in for any bug in the
+    work before an agreement point, not a UsageError the check meant to raise)."""
+    import time
+
+    import torch
+
+    import dynashard
+    from dynashard import parameters
+    from tests import models
+
+    if rank == 1:
+        def broken(*_args):
+            raise KeyError("a bug")
+        parameters._check_parallelizable = broken
+    start = time.monotonic()
+    try:
+        dynashard.parallelize(models.MLP(32, 96), torch.randn(4, 32), options={"compiler": "eager"})
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - a raw error on one rank is what this test refuses
+        return {"error": (type(e).__name__, str(e)), "seconds": time.monotonic() - start}
+
+
+def test_an_unexpected_error_at_an_agreement_point_reaches_every_rank_at_once():
+    """Every agreement point (protocol.agreed) wraps what its work raises and shares it: the failing rank
+    raises an InternalError naming the stage, the other a PeerError naming it, neither waiting out the
+    group's timeout (before, rank 1 raised the bare KeyError and rank 0 waited in the exchange for it)."""
+    rank0, rank1 = run_ranks_outcomes(_argument_check_bug, 2, timeout=FAULT_DEADLINE_S, gloo_timeout=GLOO_TIMEOUT)
+    assert rank1["error"][0] == "InternalError", rank1
+    assert "internal error while checking parallelize's arguments: KeyError" in rank1["error"][1], rank1
+    kind, msg = rank0["error"]
+    assert kind == "PeerError" and "rank 1 failed during checking parallelize's arguments: InternalError" in msg, msg
+    assert rank0["seconds"] < GLOO_TIMEOUT and rank1["seconds"] < GLOO_TIMEOUT, (rank0, rank1)

@@ -144,3 +144,18 @@ def test_loss_parallel_with_a_tied_head_at_world_4(monkeypatch):
     # gradients stay local, with no all_reduce (held whole and narrowed, c_attn's and c_fc's would each
     # add one per block)
     assert _collectives(graphs["backward"])[0] == {"all_reduce": 2 * 2 + 1}
+
+
+def test_compiling_again_reuses_the_conversions_it_traced(monkeypatch):
+    """A training compile traces each conversion (f, g, a gather) as a marker keyed in
+    ``collectives._CONVERSIONS``. Compiling the same model again (a recompile, after a reset) reuses the
+    entries: the table holds one per distinct conversion, not one set more per compile, never removed."""
+    from dynashard import collectives
+
+    monkeypatch.setattr(collectives, "_CONVERSIONS", {})
+    sizes = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        step_graphs(monkeypatch, models.ResidualBlock(32, 80), torch.randn(2, 5, 32))
+        sizes.append(len(collectives._CONVERSIONS))
+    assert sizes[0] == 2 and sizes == [sizes[0]] * 3, sizes  # f before gate/up, g after down
