@@ -11,8 +11,9 @@ handshake is finished before anything leaves the rank::
 
 Invariants:
 - No collective of the graph starts before its call's handshake is finished (the ``+ z`` makes the
-  wait a data dependency of the first collective, which every later one follows), so ranks whose
-  inputs differ raise the handshake's error instead of sending collectives of other sizes.
+  wait a data dependency of the first collective; a later one that does not depend on it, a parallel
+  branch, gets a gate of its own), so ranks whose inputs differ raise the handshake's error instead
+  of sending collectives of other sizes.
 - Nothing the graph writes outside itself comes before the wait: a graph that mutates one of its
   inputs (a KV cache, a buffer) is not gated (its handshake is finished before the call).
 - ``x + 0`` is ``x`` (a ``-0.0`` becomes ``+0.0``, which every sum treats alike).
@@ -24,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import operator
 
 import torch
 import torch.fx
@@ -64,38 +66,59 @@ def _mutates_input(node: torch.fx.Node) -> bool:
     schema = node.target._schema
     if not schema.is_mutable:
         return False
-    for arg, value in zip(schema.arguments, node.args):
+    for i, arg in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
-            base = value
-            while base.op == "call_function" and private.is_op_overload(base.target) and \
-                    base.target._schema.returns and base.target._schema.returns[0].alias_info is not None:
-                base = base.args[0]  # through views to what they view
-            if base.op == "placeholder":
+            if _base(value).op == "placeholder":
                 return True
     return False
 
 
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """What ``node`` is a view of (through views, in-place results and getitem of a split's views)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        target = node.target
+        if target is operator.getitem:
+            node = node.args[0]
+        elif private.is_op_overload(target) and target._schema.returns and \
+                target._schema.returns[0].alias_info is not None:
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
 def insert(gm: torch.fx.GraphModule) -> int | None:
-    """Gate ``gm``'s first collective on the call's handshake; the slot its program registers the
-    handshake under, or None when the graph cannot be gated (it mutates an input, or has no collective)."""
+    """Gate ``gm``'s collectives on the call's handshake: the first one, and any other that does not
+    already follow it (a parallel branch, which a compiler could issue first). The slot its program
+    registers the handshake under, or None when the graph cannot be gated (it mutates an input, has no
+    collective, or a collective whose input is not one tensor)."""
     nodes = list(gm.graph.nodes)
-    if any(_mutates_input(n) for n in nodes):
-        return None
-    first = next((n for n in nodes if _collective(n)), None)
-    if first is None:
-        return None
-    x = first.args[0]
-    if not isinstance(x, torch.fx.Node):  # (a coalesced collective's list of inputs)
+    collectives = [n for n in nodes if _collective(n)]
+    if not collectives or any(_mutates_input(n) for n in nodes) or \
+            not all(isinstance(n.args[0], torch.fx.Node) for n in collectives):
         return None
     slot = next(_SLOTS)
-    with gm.graph.inserting_before(first):
+    gated: set[torch.fx.Node] = set()  # nodes that follow a gate
+    for node in nodes:
+        if any(isinstance(a, torch.fx.Node) and a in gated for a in node.all_input_nodes):
+            gated.add(node)
+        elif node in collectives:
+            gated.update(_gate(gm, node, slot))
+    gm.recompile()
+    return slot
+
+
+def _gate(gm: torch.fx.GraphModule, collective: torch.fx.Node, slot: int) -> list[torch.fx.Node]:
+    """``collective(x + call_gate(x, slot))``: the nodes now behind the gate."""
+    x = collective.args[0]
+    with gm.graph.inserting_before(collective):
         zero = gm.graph.call_function(torch.ops.dynashard.call_gate.default, (x, slot))
         gated = gm.graph.call_function(torch.ops.aten.add.Tensor, (x, zero))
     if "val" in x.meta:
         zero.meta["val"], gated.meta["val"] = x.meta["val"].new_empty(()), x.meta["val"]
-    first.replace_input_with(x, gated)
-    gm.recompile()
-    return slot
+    collective.replace_input_with(x, gated)
+    return [zero, gated, collective]
 
 
 class Opened:

@@ -8,6 +8,8 @@ token ids raise the handshake's error on every rank from inside the graph, and t
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -45,6 +47,26 @@ def test_the_gate_feeds_the_first_collective_after_the_computation_before_it():
 
 
 @pytest.mark.unit
+def test_a_collective_that_does_not_follow_the_first_gets_a_gate_of_its_own():
+    g = torch.fx.Graph()
+    k, v = g.placeholder("k"), g.placeholder("v")
+    gathers = []
+    for x in (k, v):  # two independent all_gathers (k and v): a compiler may issue either first
+        gather = g.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0"))
+        gathers.append(g.call_function(torch.ops._c10d_functional.wait_tensor.default, (gather,)))
+    total = g.call_function(torch.ops.aten.add.Tensor, tuple(gathers))
+    reduce = g.call_function(torch.ops._c10d_functional.all_reduce.default, (total, "sum", "0"))
+    g.output(g.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    slot = gate.insert(gm)
+    gates = [n for n in gm.graph.nodes if n.target is torch.ops.dynashard.call_gate.default]
+    assert [n.args[1] for n in gates] == [slot, slot], gm.code  # one per gather; the all_reduce follows them
+    for n in gm.graph.nodes:
+        if "all_gather" in str(n.target):
+            assert n.args[0].target is torch.ops.aten.add.Tensor and n.args[0].args[1] in gates, gm.code
+
+
+@pytest.mark.unit
 def test_graphs_that_write_their_inputs_or_have_no_collective_are_not_gated():
     g = torch.fx.Graph()
     cache, index, value = g.placeholder("cache"), g.placeholder("index"), g.placeholder("value")
@@ -55,6 +77,14 @@ def test_graphs_that_write_their_inputs_or_have_no_collective_are_not_gated():
     writes = torch.fx.GraphModule(torch.nn.Module(), g)
     assert gate.insert(writes) is None  # (the cache write, through a view, would come before the wait)
     assert _order(writes).count("dynashard.call_gate.default") == 0
+
+    g = torch.fx.Graph()  # a write into one of a split's views of an input
+    buffer, value = g.placeholder("buffer"), g.placeholder("value")
+    part = g.call_function(operator.getitem, (g.call_function(torch.ops.aten.split.Tensor, (buffer, 2)), 0))
+    g.call_function(torch.ops.aten.copy_.default, (part, value))
+    reduce = g.call_function(torch.ops._c10d_functional.all_reduce.default, (value, "sum", "0"))
+    g.output(g.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduce,)))
+    assert gate.insert(torch.fx.GraphModule(torch.nn.Module(), g)) is None
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
