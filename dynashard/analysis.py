@@ -17,7 +17,7 @@ from dynashard.match import ParamInfo, find_linears
 from dynashard.options import Options
 from dynashard.plan import Plan, make_plan
 from dynashard.shard import Split, val
-from dynashard.weights import STORE
+from dynashard.weights import EarlierCuts
 
 
 @dataclasses.dataclass
@@ -95,8 +95,11 @@ def _drop_dead_detaches(gm: torch.fx.GraphModule) -> None:
 
 
 def analyse(
-    gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int, real_args: list[Any]
+    gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int,
+    earlier: EarlierCuts,
 ) -> Analysis:
+    """This rank's plan for ``gm``: a function of the graph, the options, the world and ``earlier`` (what
+    earlier compiles cut or read whole, ``WeightStore.earlier_cuts``), nothing else."""
     aten_gm = private.trace_aten(gm, fake_args)
     _drop_dead_detaches(aten_gm)
     _merge_duplicate_views(aten_gm)
@@ -122,10 +125,9 @@ def analyse(
     stacked = options.weights == "per_rank"
     uniform = frozenset() if stacked else frozenset(infos)
     # Weights an earlier graph (e.g. across a graph break) already split: later uses follow that split.
-    split = {node: STORE.split_dim(real) for real, node in zip(real_args, aten_phs) if torch.is_tensor(real)}
-    presplit = {node: dim for node, dim in split.items() if dim is not None}
+    presplit = {aten_phs[i]: dim for i, dim in earlier.split.items()}
     # Weights a graph compiled earlier reads whole: cutting them would free what it reads.
-    prewhole = {node for real, node in zip(real_args, aten_phs) if torch.is_tensor(real) and STORE.read_whole(real)}
+    prewhole = {aten_phs[i] for i in earlier.whole}
     plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit, prewhole)
     return Analysis(aten_gm, params, plan, world, rank, stacked, aten_phs, names)
 

@@ -33,16 +33,18 @@ from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_fre
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
 from dynashard.report import GraphReport, format_table
 from dynashard.rewrite import rewrite
-from dynashard.weights import STORE, ShardSpec
+from dynashard.weights import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
 
 
 def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None,
-                      mode: str | None = None):
+                      mode: str | None = None, source: Source | None = None):
     """The Dynamo backend: plan, agree, rewrite and compile one captured graph for this rank.
 
-    ``torch.compile(..., mode=m)`` calls it with ``mode=m`` (and never with ``options`` too)."""
+    ``torch.compile(..., mode=m)`` calls it with ``mode=m`` (and never with ``options`` too).
+    ``source``: ``parallelize``'s loader (a checkpoint, or rank 0's deal), where the storage-less
+    parameters' values come from."""
     opts = with_mode(parse_options(options), mode)
     group = resolve_group(opts.group)
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
@@ -68,9 +70,9 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
     elif error is not None:
         raise error
-    if analysis is not None and STORE.source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
+    if analysis is not None and source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
         with agreed(group, "reading the weights left whole from the checkpoint"):
-            STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded])
+            STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     if not sharded:  # left whole: compiled as it is (gradients included)
@@ -100,11 +102,11 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
         for i, (fqn, dim, split) in sharded.items()
     }
-    if STORE.source is None:
+    if source is None:
         cut_and_free(specs, example_inputs, group)
     else:  # dynashard.parallelize reads the shards from a checkpoint: a failed read fails every rank
         with agreed(group, "loading the shards (checkpoint reads, or rank 0's deal)", doing="loading the shards"):
-            cut_and_free(specs, example_inputs, group)
+            cut_and_free(specs, example_inputs, group, source)
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}
@@ -215,7 +217,7 @@ def _plan(
 ) -> tuple[Analysis | None, Exception | None]:
     """This rank's analysis, or the error it raised (to be shared with every rank)."""
     try:
-        analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)
+        analysis = analyse(gm, fake_args, opts, world, rank, STORE.earlier_cuts(example_inputs))
         if log.isEnabledFor(logging.INFO):
             table = format_table([GraphReport.build(analysis, example_inputs)])
             log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
@@ -243,15 +245,26 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
                 "before a graph break), and this compile's plan shards it, which would free the full value "
                 "that graph reads. Expected the same plan for every graph of a model: mark it 'replicate' in "
                 "options={'plan': ...}, or shard it everywhere.")
-    for i, (fqn, _) in analysis.params.items():
+    for i, (fqn, node) in analysis.params.items():
         if i not in sharded and STORE.is_sharded(example_inputs[i]):
             raise UsageError(
                 f"dynashard: {fqn!r} was sharded by an earlier dynashard compile of this model (or by "
-                "dynashard.parallelize) and its full value freed, but this compile's plan replicates it (were "
-                "the options different?). "
-                "Expected the same options for every compile of a model: compile it once and reuse "
-                "the compiled module, or rebuild the model to change the plan."
+                f"dynashard.parallelize) and its full value freed, but this graph needs it whole: "
+                f"{_why_whole(analysis, node)}. No rank holds its full value any more. Expected every graph to "
+                "read a sharded weight only through linear layers cut alike, with the same options for every "
+                "compile of a model; else keep it whole from the start (options={'plan': {<its layer>: "
+                "'replicate'}} in parallelize and every compile), or rebuild the model."
             )
+
+
+def _why_whole(analysis: Analysis, weight: torch.fx.Node) -> str:
+    """Why this graph's plan keeps ``weight`` whole: its linears' reasons, or the op reading it otherwise."""
+    reasons = sorted({analysis.plan.decisions[m.node].reason for m in analysis.plan.linears if m.weight is weight})
+    if reasons:
+        return "; ".join(reasons)
+    readers = sorted({str(u.target) for u in weight.users})
+    return f"it is read by {', '.join(readers) or 'nothing'} here, not by a linear layer"
+
 
 
 def backend(mode: str | None = None, **options: Any) -> Callable[..., Any]:

@@ -97,11 +97,12 @@ def explain(
                     "whole. Expected an uncompiled model: call explain before torch.compile."
                 )
             fake_args = private.backend_fakes(gm)
-            analysis = analyse(gm, fake_args, opts, world, rank, example_inputs)
+            earlier = STORE.earlier_cuts(example_inputs)
+            analysis = analyse(gm, fake_args, opts, world, rank, earlier)
             seen.update(id(example_inputs[i]) for i in analysis.params)
             report = GraphReport.build(analysis, example_inputs)
             if verify and world > 1:
-                analyses = [analyse(gm, fake_args, opts, world, r, example_inputs) for r in range(world)]
+                analyses = [analyse(gm, fake_args, opts, world, r, earlier) for r in range(world)]
                 per_layer, out_err = simulate.verify(analyses, example_inputs)
                 report = report.with_errors(per_layer, out_err)
             graphs.append(report)

@@ -7,7 +7,9 @@ Before (what AOT-level tracing makes of ``nn.Linear``, ``F.linear``, ``x @ W.t()
     y = aten.addmm(b, x, t)  # or aten.mm(x, t); N-D inputs arrive through aten.view
 
 After: one :class:`LinearMatch` per mm/addmm whose second operand is a weight parameter, used
-directly ("in_out", W stored [in, out]) or through one transpose ("out_in", W stored [out, in]).
+directly ("in_out", W stored [in, out]) or through one transpose ("out_in", W stored [out, in]),
+and through at most one dtype conversion on either side of it (``torch.autocast`` traces
+``t(_to_copy(W, dtype=bf16))``: the conversion of this rank's shard is this rank's part of it).
 
 Embeddings (``aten.embedding(W, ids, padding_idx, scale_grad_by_freq, sparse)``) are matched
 too, as a linear on one-hot ids: the vocabulary is the input dim, so "rowwise" is Megatron's
@@ -70,6 +72,13 @@ class LinearMatch:
     output_dim: int = -1
     # embedding with max_norm: the in-place ``embedding_renorm_`` of the looked-up rows, on ``detach(W)``
     renorm: torch.fx.Node | None = None
+    # linear: the nodes from the weight to the matmul, in order (a dtype conversion, the transpose)
+    operand_path: tuple[torch.fx.Node, ...] = ()
+
+    @property
+    def operand(self) -> torch.fx.Node:
+        """What the matmul reads: the weight, or the last node of its path (this rank's part, once cut)."""
+        return self.operand_path[-1] if self.operand_path else self.weight
 
     @property
     def out_dim(self) -> int:
@@ -98,6 +107,31 @@ def _transposed_source(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def _converted_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``node`` converts to another dtype, if it is exactly that (autocast's ``_to_copy``)."""
+    if node.op == "call_function" and node.target is aten._to_copy.default and len(node.args) == 1 \
+            and set(node.kwargs) <= {"dtype"}:
+        return node.args[0]
+    return None
+
+
+def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Node, ...], torch.fx.Node | None]:
+    """From a matmul's second operand back to what it computes from: (source, the nodes between it and
+    the matmul in order, the transpose among them): through one dtype conversion on either side of
+    one transpose, each optional."""
+    path, node, transpose, converted = [], mat2, None, False
+    while True:
+        source = _converted_source(node) if not converted else None
+        if source is not None:
+            converted = True
+        elif transpose is None and (source := _transposed_source(node)) is not None:
+            transpose = node
+        else:
+            return node, tuple(reversed(path)), transpose
+        path.append(node)
+        node = source
+
+
 def _plan_name(info: ParamInfo) -> str:
     return info.module_fqn if info.fqn.endswith(".weight") or info.fqn == "weight" else info.fqn
 
@@ -118,8 +152,8 @@ def find_linears(
         if is_addmm and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
             continue  # a scaled addmm is not a linear layer; it stays as written
         mat2 = node.args[2] if is_addmm else node.args[1]
-        source = _transposed_source(mat2)
-        weight, form, transpose = (source, "out_in", mat2) if source is not None else (mat2, "in_out", None)
+        weight, path, transpose = _weight_path(mat2)
+        form = "out_in" if transpose is not None else "in_out"
         if weight not in params or not params[weight].is_parameter:
             continue
         shape = weight.meta["val"].shape
@@ -137,6 +171,7 @@ def find_linears(
                 bias=node.args[0] if is_addmm else None,
                 in_features=int(in_f),
                 out_features=int(out_f),
+                operand_path=path,
             )
         )
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -272,7 +307,7 @@ def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:
     """Uses of each matched weight outside a matched linear (a tied embedding, a norm, ...)."""
     allowed: dict[torch.fx.Node, set[torch.fx.Node]] = {}
     for m in matches:
-        path = [m.weight, *([m.transpose] if m.transpose is not None else []), *m.chain, m.node]
+        path = [m.weight, *_between(m), m.node]
         paths = [path] + ([[m.weight, m.renorm.args[0], m.renorm]] if m.renorm is not None else [])
         for p in paths:
             for here, nxt in zip(p, p[1:]):
@@ -281,7 +316,14 @@ def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:
     for m in matches:
         found = []
         renorm_path = [m.renorm.args[0]] if m.renorm is not None else []
-        for here in [m.weight, *([m.transpose] if m.transpose is not None else []), *m.chain, *renorm_path]:
+        for here in [m.weight, *_between(m), *renorm_path]:
             found += [str(u.target) for u in here.users if u not in allowed[here]]
         other[m.weight] = sorted(set(found))
     return other
+
+
+def _between(m: LinearMatch) -> list[torch.fx.Node]:
+    """The nodes from a match's weight to its matmul."""
+    if m.operand_path:
+        return list(m.operand_path)
+    return [*([m.transpose] if m.transpose is not None else []), *m.chain]

@@ -81,20 +81,19 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         source = _Loader(model, checkpoint if reads else None, where, group, from_first)
     run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
 
-    def dynashard_parallelize(gm, example_inputs):
-        return dynashard_backend(gm, example_inputs, run_options)
+    def dynashard_parallelize(gm, example_inputs):  # (the loader reaches the backend here, and only here)
+        return dynashard_backend(gm, example_inputs, run_options, source=source)
 
     # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
     # here (eager, thrown away) never serves the user's own compile.
     run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
-    STORE.source = source
     try:
         if source is not None:
             source.make_facades()
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
-        STORE.materialize([p for p in model.parameters()])  # read by no graph (eager code): whole
         if source is not None:
+            STORE.materialize([p for p in model.parameters()], source)  # read by no graph (eager code): whole
             source.agree_on_what_was_read_whole()
     except Exception as e:
         ours = private.backend_error(e) or e
@@ -112,8 +111,6 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             f"weight(s) had been sharded (e.g. {cut[0]!r}); their full values are gone, and the model now holds "
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
-    finally:
-        STORE.source = None
     _register(model)
     _run_calls_through_dynashard(model, opts)
     _refuse_save_pretrained(model)
@@ -208,7 +205,7 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 
 class _Loader:
     """Values for a model's parameters from a checkpoint, checked against the model before anything
-    changes, then read a piece at a time (``STORE.source``).
+    changes, then read a piece at a time (the ``source`` parallelize hands its backend).
 
     With ``weights="rank0"`` only rank 0 reads -- its checkpoint, or the weights its own model holds
     -- and deals every rank its pieces (``transport.deal_from_first``); every parameter becomes a

@@ -30,7 +30,7 @@ from dynashard.facades import is_facade
 from dynashard.gate import Opened
 from dynashard.options import Options
 from dynashard.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
-from dynashard.weights import STORE, ShardSpec
+from dynashard.weights import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,8 @@ def install_optimizer_hooks() -> None:
     _HOOKED.append(register_optimizer_step_post_hook(describe_state))
 
 
-def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group) -> None:
+def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group,
+                 source: Source | None = None) -> None:
     """Cut this rank's shards into the store and free the full weights, one at a time (peak:
     model + one shard).
 
@@ -334,7 +335,7 @@ def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], gro
     freed = 0
     order = sorted(specs.items())
     for n, (i, (fqn, spec)) in enumerate(order):
-        STORE.shard(inputs[i], spec, fqn, group)
+        STORE.shard(inputs[i], spec, fqn, group, source)
         later = [inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
         freed += STORE.free([inputs[i]], keep + later)
     freed += STORE.free([inputs[i] for i, _ in order], keep)

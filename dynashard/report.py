@@ -22,7 +22,7 @@ class LayerRow:
     collectives: str  # e.g. "all_reduce" / "all_gather (before sum)" / "-"
     comm_bytes: int  # collective payload per call at the example shape, charged to this layer
     weight_bytes: int  # bytes of this weight held by this rank
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the matmul's (its tolerance under verify)
     verify_err: float | None = None  # explain(verify=True): max abs error of this layer's output
 
 
@@ -90,7 +90,7 @@ class GraphReport:
                     collectives=", ".join(sorted({c for c, _ in comms})) or "-",
                     comm_bytes=sum(b for _, b in comms),
                     weight_bytes=numel * val.element_size(),
-                    dtype=val.dtype,
+                    dtype=m.operand.meta.get("val", val).dtype,  # what the matmul computes in (autocast's)
                 )
             )
         caches = []

@@ -61,7 +61,9 @@ class _Sharder(torch.fx.Interpreter):
         self.train = train
         self.group_name = group_name
         self.by_node = {m.node: m for m in plan.linears if self.lm.styles[m.node] != "replicate"}
-        self.weights = {n for m in self.by_node.values() for n in (m.weight, m.transpose) if n is not None}
+        # (a dtype conversion of a cut weight, autocast's, is this rank's part too)
+        self.weights = {n for m in self.by_node.values() for n in (m.weight, m.transpose, *m.operand_path)
+                        if n is not None}
         # weights="per_rank": a stacked weight's own transpose is never evaluated (bmm reads it).
         self.skipped = {m.transpose for m in self.by_node.values() if self.lm.stacked and m.transpose is not None}
         self.renorms = {m.renorm: m for m in self.by_node.values() if m.renorm is not None}  # embeddings' max_norm
@@ -277,8 +279,8 @@ class _Sharder(torch.fx.Interpreter):
     def _matmul(self, m, x: Any) -> Any:
         """``x @ W'`` for this rank's part of the weight (a bmm over row blocks when stacked)."""
         if not self.lm.stacked:
-            return aten.mm(x, self.env[m.transpose if m.transpose is not None else m.weight])
-        w = self.env[m.transpose if m.transpose is not None else m.weight]  # [world, *block]
+            return aten.mm(x, self.env[m.operand])
+        w = self.env[m.operand]  # [world, *block]
         w = w.transpose(1, 2) if m.weight_form == "out_in" else w
         rows = x.shape[0]  # every rank's rows, rank-major; explicit sizes: a shard may be 0 wide
         y = aten.bmm(x.view(self.lm.world, rows // self.lm.world, x.shape[-1]), w)

@@ -43,6 +43,21 @@ class ShardSpec:
         return self.split == other.split or self.split.owned(self.world) == other.split.owned(other.world)
 
 
+# dynashard.parallelize(checkpoint=... or weights="rank0"): where a storage-less parameter's values come
+# from, passed down from parallelize to the backend it runs: this rank's pieces under a spec, all of it for None
+Source = Callable[[torch.Tensor, "ShardSpec | None"], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlierCuts:
+    """What earlier compiles did to a graph's inputs, by input slot: the dim each cut one was split on
+    (later uses follow it: its full value is gone), and those a compiled program reads whole (cutting
+    them would free what it reads). Handed to the planner, which reads no store."""
+
+    split: dict[int, int] = dataclasses.field(default_factory=dict)
+    whole: frozenset[int] = frozenset()
+
+
 @dataclasses.dataclass
 class _Entry:
     spec: ShardSpec
@@ -60,9 +75,6 @@ class WeightStore:
         self._facade_of = private.weak_id_dict()  # registered shard Parameter -> its full-shape facade
         # parameters a compiled program reads whole: a later graph must not cut (and free) them
         self._read_whole = private.weak_id_dict()
-        # dynashard.parallelize(checkpoint=... or weights="rank0"): where a storage-less parameter's
-        # values come from (this rank's pieces under a spec, all of it for None), while it runs
-        self.source: Callable[[torch.Tensor, ShardSpec | None], torch.Tensor] | None = None
 
     def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._shards.get(param)
@@ -199,13 +211,16 @@ class WeightStore:
         entry = self._shards.get(param)
         return None if entry is None else entry.spec
 
-    def split_dim(self, param: torch.Tensor) -> int | None:
-        """The dim an earlier compile split ``param`` on, if it did."""
-        entry = self._shards.get(param)
-        return None if entry is None else entry.spec.dim
+    def earlier_cuts(self, inputs: list[Any]) -> EarlierCuts:
+        """What earlier compiles (or ``parallelize``) did to a graph's ``inputs``, by input slot."""
+        split = {i: self._shards[t].spec.dim for i, t in enumerate(inputs) if torch.is_tensor(t) and t in self._shards}
+        whole = frozenset(i for i, t in enumerate(inputs) if torch.is_tensor(t) and t in self._read_whole)
+        return EarlierCuts(split, whole)
 
-    def shard(self, param: torch.Tensor, spec: ShardSpec, fqn: str, group: dist.ProcessGroup) -> torch.Tensor:
-        """This rank's shard of ``param`` (cut once; a second, different request is an error).
+    def shard(self, param: torch.Tensor, spec: ShardSpec, fqn: str, group: dist.ProcessGroup,
+              source: Source | None = None) -> torch.Tensor:
+        """This rank's shard of ``param`` (cut once; a second, different request is an error). A storage-less
+        ``param`` with a ``source`` (``parallelize`` loading a checkpoint) is read from it, never whole.
 
         A stacked shard is a collective: every rank must ask for the same tensors in the same order.
         """
@@ -221,8 +236,8 @@ class WeightStore:
         if spec.stacked:
             (lengths,) = spec.split.lengths(spec.world)  # per_rank weights: one component
             shard = exchange_blocks(param, spec.dim, lengths, spec.rank, group)
-        elif self.source is not None and _storage_less(param):  # read from a checkpoint, never whole
-            shard = self.source(param, spec)
+        elif source is not None and _storage_less(param):  # read from a checkpoint, never whole
+            shard = source(param, spec)
         else:
             shard = cut(param.detach(), spec.dim, spec.split, spec.world, spec.rank)
             shard = shard.clone(memory_format=torch.contiguous_format)
@@ -240,11 +255,11 @@ class WeightStore:
         self._agreed[facade] = True  # every rank made it by one program
         return facade
 
-    def materialize(self, params: list[torch.Tensor]) -> None:
-        """Storage-less ``params`` a graph reads whole (replicated), filled from :attr:`source`."""
+    def materialize(self, params: list[torch.Tensor], source: Source) -> None:
+        """Storage-less ``params`` a graph reads whole (replicated), filled from ``source``."""
         for p in params:
-            if self.source is not None and _storage_less(p) and not self.is_sharded(p):
-                value = self.source(p, None)
+            if _storage_less(p) and not self.is_sharded(p):
+                value = source(p, None)
                 p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
                 with torch.no_grad():
                     p.copy_(value)
@@ -339,6 +354,7 @@ def _storage_less(t: torch.Tensor) -> bool:
 
 
 _FREED = "_dynashard_freed"  # set on the (preserved) Python object of a storage dynashard freed
+_SAVE_REFUSAL: list[bool] = []  # the tagger refusing such storages is registered (on the first one, not on import)
 
 
 def mark_storage_less(t: torch.Tensor) -> None:
@@ -347,12 +363,15 @@ def mark_storage_less(t: torch.Tensor) -> None:
     C++ reads the missing bytes), and ``torch.save`` (``model.state_dict()``'s detached views, pickle)
     would write an empty storage without a word, a file that fails only when loaded. The copy is
     refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
-    the storage tagger registered below. Eager math on ``t`` cannot be refused this way (the table in
-    docs/facades.md)."""
+    a storage tagger registered here the first time (``torch.serialization``'s are process-wide). Eager
+    math on ``t`` cannot be refused this way (the table in docs/facades.md)."""
     become(t)  # a Facade: eager use answered (facades.py)
     if not is_facade(t):  # (a subclass of the model's own keeps its class: copies and saves refused at least)
         t.__deepcopy__ = _refuse_copy
     setattr(t.untyped_storage(), _FREED, True)
+    if not _SAVE_REFUSAL:
+        torch.serialization.register_package(-100, _refuse_saving, _no_location)
+        _SAVE_REFUSAL.append(True)
 
 
 SAVE_REFUSED = (
@@ -373,8 +392,6 @@ def _refuse_saving(storage: Any) -> None:
 def _no_location(storage: Any, location: str) -> None:
     return None  # (loading: never ours, the next deserializer restores it)
 
-
-torch.serialization.register_package(-100, _refuse_saving, _no_location)
 
 
 def _refuse_copy(memo: dict) -> None:

@@ -572,3 +572,94 @@ def test_roll_call_keys_follow_each_point_not_every_failure(monkeypatch):
         assert after_failure.missing() == []
     finally:
         dist.destroy_process_group()
+
+
+def test_the_plan_follows_earlier_cuts_it_is_given_and_reads_no_store():
+    """Issue 27: the plan is a function of (graph, options, earlier cuts passed in). The same graph planned
+    with no earlier cuts, with ``up`` split on its input dim, and with ``up`` read whole by an earlier graph
+    gives three plans; and a weight the store holds a shard of changes nothing unless it is passed in."""
+    from dynashard import _torch_private as private
+    from dynashard.analysis import analyse
+    from dynashard.shard import even
+    from dynashard.weights import STORE, EarlierCuts, ShardSpec
+
+    def _styles(plan):
+        return {m.fqn.removesuffix(".weight"): plan.decisions[m.node].style for m in plan.linears}
+
+    torch.manual_seed(0)
+    model, x, plans = models.MLP(32, 96), torch.randn(4, 32), []
+
+    def backend(gm, example_inputs):
+        fakes = private.backend_fakes(gm)
+        up = next(i for i, t in enumerate(example_inputs) if t is model.up.weight)
+        opts = parse_options({"min_shard_numel": 0})
+        for earlier in (EarlierCuts(), EarlierCuts(split={up: 1}), EarlierCuts(whole=frozenset([up]))):
+            plans.append(_styles(analyse(gm, fakes, opts, 2, 0, earlier).plan))
+        # a shard in the store, not passed in: the plan is the first one
+        STORE.shard(model.up.weight, ShardSpec(1, even(32), 2, 0, "G"), "up.weight", None)
+        plans.append(_styles(analyse(gm, fakes, opts, 2, 0, EarlierCuts()).plan))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    assert plans[0] == {"up": "colwise", "down": "rowwise"}, plans
+    assert plans[1]["up"] == "rowwise", plans  # follows the earlier split (its full value is gone)
+    assert plans[2]["up"] == "replicate", plans  # an earlier graph reads it whole
+    assert plans[3] == plans[0], plans
+
+
+def test_importing_dynashard_registers_nothing_with_torch_serialization():
+    """Issue 27: no import-time registration. The tagger that refuses to save a freed storage is registered
+    when dynashard first frees one; before that, importing dynashard leaves torch.save as it was."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, io, dynashard, dynashard.weights as w\n"
+        "t = torch.zeros(0)\n"
+        "setattr(t.untyped_storage(), w._FREED, True)\n"  # what a freed storage carries
+        "torch.save(t, io.BytesIO())\n"  # no tagger yet: saved
+        "w.mark_storage_less(torch.nn.Parameter(torch.zeros(0)))\n"  # dynashard frees its first storage
+        "try:\n    torch.save(t, io.BytesIO())\n"
+        "except ValueError as e:\n    print('refused:', 'cannot save' in str(e))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "refused: True", (out.stdout, out.stderr[-2000:])
+
+
+def test_a_sharded_weight_another_graph_needs_whole_is_refused_naming_why():
+    """Issue 28: a second code path reading a cut weight another way (here its norm) was refused with
+    "were the options different?" although the options were the same; the error names the reader."""
+    from dynashard import _torch_private as private
+    from dynashard.errors import UsageError
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = models.MLP(32, 96), torch.randn(4, 32)
+    private.init_fake_process_group(2)  # graph shapes only: the fake group moves no data
+    try:
+        opts = {"compiler": "eager", "min_shard_numel": 0}
+        with torch.no_grad():
+            torch.compile(model, backend="dynashard", options=opts)(x)  # up and down cut
+            norm = torch.compile(_Normed(model), backend="dynashard", options=opts)
+            with pytest.raises(Exception) as info:
+                norm(x)
+    finally:
+        dist.destroy_process_group()
+    error = private.backend_error(info.value) or info.value
+    assert isinstance(error, UsageError), repr(info.value)
+    assert "'mlp.up.weight' was sharded by an earlier dynashard compile" in str(error), str(error)
+    assert "were the options different" not in str(error), str(error)
+    assert "weight is also read by aten.linalg_vector_norm.default" in str(error), str(error)
+
+
+class _Normed(torch.nn.Module):
+    """Another code path over the same MLP: its output scaled by the up projection's norm."""
+
+    def __init__(self, mlp) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x) * torch.linalg.vector_norm(self.mlp.up.weight)

@@ -1,0 +1,126 @@
+"""Mixed precision: ``torch.autocast`` around a compiled model (issue 28's first form).
+
+Under autocast the weight reaches the matmul through a dtype conversion (``t(_to_copy(W, bf16))``); the
+matcher sees through it, so the plan is the one without autocast. Unit: the 19 Hugging Face architectures
+of ``test_hf_models.py`` under bfloat16 autocast plan exactly as without it and verify. Gloo, 2 ranks: an
+HF Llama compiled under autocast holds about half its bytes and returns the unsharded model's logits; a
+model parallelized in float32 then trained under autocast gets the unsharded twin's raw gradients, step
+after step (before: the compile under autocast matched no linear and refused the shards parallelize cut).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc import run_ranks
+from tests.test_hf_models import CONFIGS, EXPECTED
+
+# bfloat16 keeps 8 bits of mantissa (unit roundoff 2^-8 = 3.9e-3); the sharded matmuls round each rank's
+# partial sum to bf16 before adding, the unsharded one rounds once. Logits: measured 7.4e-3 relative to the
+# largest; 3e-2 leaves room. Gradients go through more bf16 matmuls: they are held to 3x the noise floor
+# measured in the run itself (how far bf16 moves the twin's own gradients from float32 at the same weights:
+# 1.2e-2 measured, the sharded ones 1.4e-2 from the twin's). A wrong gradient (a term missing or doubled)
+# is an O(1) relative error.
+BF16_RTOL = 3e-2
+NOISE_FACTOR = 3
+DEADLINE_S = 240  # two tiny models compiled eagerly per rank, 5-20 s on the quiet 2-core machine; 3x, 2x margin
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_hf_architectures_plan_alike_under_autocast_and_verify(arch):
+    import transformers as T
+
+    import dynashard
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    ids = torch.randint(3, 96, (2, 7))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = dynashard.explain(model, ids, world_size=2, verify=True, options={"min_shard_numel": 0},
+                                   use_cache=False)  # raises if any rank's program differs (bf16 tolerance)
+    whole = {r.fqn.rsplit(".", 1)[-1] for r in report.rows if r.style == "replicate"}
+    gathers = {r.fqn.rsplit(".", 1)[-1]: r.collectives for r in report.rows
+               if r.collectives not in ("-", "all_reduce")}
+    assert (whole, gathers) == EXPECTED[arch][2], str(report)
+
+
+def _llama():
+    import transformers as T
+
+    return T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=8, num_key_value_heads=4, vocab_size=96))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def _under_autocast(rank: int, world: int) -> dict:
+    import copy
+
+    import dynashard
+    from dynashard.weights import STORE, cut
+
+    out = {}
+    options = {"min_shard_numel": 0, "compiler": "eager"}
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    # inference: compiled under autocast
+    torch.manual_seed(0)
+    model = _llama().eval()
+    reference = copy.deepcopy(model)
+    whole = dynashard.held_bytes(model)
+    fast = torch.compile(model, backend="dynashard", options=options)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, expected = fast(ids).logits, reference(ids).logits
+    out["logits_dtype"] = str(logits.dtype)
+    out["logits_err"] = _rel(logits, expected)
+    out["held"] = dynashard.held_bytes(model) / whole
+    # training: parallelized in float32, trained under autocast, raw gradients against the twin's
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _llama()
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, ids, options=options)
+    facades = {n: STORE.facade_of(p) for n, p in model.named_parameters() if STORE.facade_of(p) is not None}
+    fast = torch.compile(model, backend="dynashard", options=options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
+    worst, noise, missing = 0.0, 0.0, []
+    for step in range(3):
+        batch = torch.randint(3, 96, (2, 5 + step), generator=torch.Generator().manual_seed(10 + step))
+        # how far bf16 itself moves the twin's gradients from float32 at these weights: the noise floor
+        loss32 = torch.nn.functional.cross_entropy(twin(batch).logits.flatten(0, 1), batch.flatten())
+        grads32 = dict(zip([n for n, _ in twin.named_parameters()], torch.autograd.grad(loss32, twin.parameters())))
+        for net in (fast, twin):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = net(batch).logits
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch.flatten()).backward()
+        reference = dict(twin.named_parameters())
+        noise = max([noise] + [_rel(reference[n].grad, g) for n, g in grads32.items()])
+        for name, p in model.named_parameters():
+            g = reference[name].grad
+            if p.grad is None or g is None:
+                missing.append(name)
+                continue
+            if name in facades:
+                spec = STORE.spec_of(facades[name])
+                g = cut(g, spec.dim, spec.split, spec.world, spec.rank)
+            worst = max(worst, _rel(p.grad, g))
+        opt.step()
+        opt_twin.step()
+        opt.zero_grad()
+        opt_twin.zero_grad()
+    out["grad_err"], out["noise"], out["missing"], out["sharded"] = worst, noise, missing, len(facades)
+    return out
+
+
+@pytest.mark.gloo
+def test_a_model_under_autocast_is_sharded_and_trains_as_the_unsharded_one():
+    for r in run_ranks(_under_autocast, 2, timeout=DEADLINE_S):
+        assert r["logits_dtype"] == "torch.bfloat16" and r["logits_err"] < BF16_RTOL, r
+        # every linear but the small LM head cut in two (the embedding too): about half the bytes
+        assert r["held"] < 0.6, r
+        assert r["sharded"] >= 14 and not r["missing"] and r["noise"] < 0.1, r
+        assert r["grad_err"] <= NOISE_FACTOR * r["noise"], r
