@@ -34,7 +34,8 @@ from dynashard.match import LinearMatch
 from dynashard.options import Options
 from dynashard.propagate import propagate
 from dynashard.rules.inplace import unsafe_mutations
-from dynashard.shard import LOSS_PARALLEL, LayoutMap, Shard, Split, Wish, WishKind, even
+from dynashard.shard import LOSS_PARALLEL, LayoutMap, Shard, Wish, WishKind
+from dynashard.split import Split, even
 
 # An unpaired colwise linear pays for its all-gather when each gathered element saves at least
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from dynashard import _torch_private as private
+from dynashard.nodes import mutates_self, op_name
 from dynashard.rules.inplace import alias_roots
-from dynashard.shard import LOSS_PARALLEL, CollectiveKind, mutates_self, op_name
+from dynashard.shard import LOSS_PARALLEL, CollectiveKind
 
 
 @dataclasses.dataclass(frozen=True)

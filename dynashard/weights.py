@@ -20,7 +20,7 @@ from dynashard import _torch_private as private
 from dynashard.errors import PeerError, UsageError
 from dynashard.facades import become, is_facade, unbecome
 from dynashard.protocol import exchange_status
-from dynashard.shard import Split
+from dynashard.split import Split
 from dynashard.transport import broadcast_from_first, exchange_blocks
 
 log = logging.getLogger(__name__)

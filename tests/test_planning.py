@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import dynashard
 from dynashard.options import Options, parse_options
-from dynashard.shard import Split, shard_bounds
+from dynashard.split import Split, shard_bounds
 from tests import models
 
 pytestmark = pytest.mark.unit

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dynashard.checkpoint import make_checkpointable, open_checkpoint  # noqa: E402
-from dynashard.shard import Split  # noqa: E402
+from dynashard.split import Split  # noqa: E402
 from dynashard.weights import cut  # noqa: E402
 
 

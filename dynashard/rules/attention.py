@@ -23,8 +23,10 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard.nodes import all_args, op_name, val, val_list
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, Split, WishKind, all_args, finest, op_name, val, val_list
+from dynashard.shard import LayoutMap, Read, Shard, WishKind, finest
+from dynashard.split import Split
 
 aten = torch.ops.aten
 

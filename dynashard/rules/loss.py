@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.nodes import all_args, norm_dim, size_at
 from dynashard.rules.reductions import along_one_dim
 from dynashard.rules.registry import rule
-from dynashard.shard import LOSS_PARALLEL, Collective, CollectiveKind, LayoutMap, Read, all_args, norm_dim, size_at
+from dynashard.shard import LOSS_PARALLEL, Collective, CollectiveKind, LayoutMap, Read
 
 aten = torch.ops.aten
 

@@ -13,9 +13,10 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard.nodes import all_args, mutates_self, op_name, tensor_args, val
 from dynashard.rules.inplace import wish_state
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, all_args, finest, mutates_self, op_name, tensor_args, val
+from dynashard.shard import LayoutMap, Read, Shard, finest
 
 aten = torch.ops.aten
 COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)

@@ -17,8 +17,10 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard.nodes import norm_dim, op_name, val, val_list
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, Split, WishKind, finest, joined, norm_dim, op_name, val, val_list
+from dynashard.shard import LayoutMap, Shard, WishKind, finest
+from dynashard.split import Split, joined
 
 aten = torch.ops.aten
 

@@ -26,8 +26,9 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard.nodes import is_one, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, WishKind, is_one, norm_dim, op_name, size_at, val
+from dynashard.shard import LayoutMap, Shard, WishKind
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
