@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard import collectives, vocab
 from dynashard.errors import InternalError, UsageError
 from dynashard.lowering import check as lowering_check
@@ -141,7 +142,7 @@ class _Sharder(torch.fx.Interpreter):
         lowering = self._lowering(node)
         if lowering is None and node not in self.lm.view_sizes:
             return self._as_traced_op(node)  # the op itself on converted arguments: every argument carried
-        with private.recording_dispatch() as emitted:
+        with private_aten.recording_dispatch() as emitted:
             out = (lowering or self._as_traced_op)(node)
         lowering_check(node, emitted, lambda n: self.env[n])
         return out
@@ -267,7 +268,7 @@ class _Sharder(torch.fx.Interpreter):
         wrong if something writes through it, which is refused loudly."""
         args, _ = self._args(node)
         out = aten.reshape(args[0], args[1])
-        if not private.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
+        if not private_aten.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
             raise UsageError(
                 f"dynashard: {node.name} must copy on this rank (its input is laid out differently once "
                 "sharded), and an in-place op writes through it; expected out-of-place code there."
@@ -353,9 +354,9 @@ def _as_traced(node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
     def fix(value: Any, traced: Any) -> Any:
         if not (isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor)) or value.dim() == 0:
             return value
-        if traced.dim() != value.dim() or not private.known_equal(traced.stride(-1), 1):
+        if traced.dim() != value.dim() or not private_aten.known_equal(traced.stride(-1), 1):
             return value
-        if private.known_equal(value.stride(-1), 1) or private.known_equal(value.shape[-1], 1):
+        if private_aten.known_equal(value.stride(-1), 1) or private_aten.known_equal(value.shape[-1], 1):
             return value
         return value.contiguous()
 
