@@ -5,6 +5,8 @@ Shared by the rules, the plan, the rewrite and the report; nothing here decides 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx
 
@@ -58,3 +60,7 @@ def norm_dim(d: int, ndim: int) -> int:
 
 def is_one(d) -> bool:
     return isinstance(d, int) and d == 1
+
+
+def is_size(a: Any, b: int) -> bool:
+    return isinstance(a, int) and a == b
