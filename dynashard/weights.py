@@ -176,7 +176,7 @@ class WeightStore:
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces
         as chunks of ``param``'s global shape (see checkpoint.make_checkpointable)."""
-        from dynashard.checkpoint import make_checkpointable
+        from dynashard.dcp_planners import make_checkpointable
 
         spec = self._shards[param].spec
         return make_checkpointable(local, param.shape, spec.dim, spec.split.pieces(spec.world, spec.rank))
