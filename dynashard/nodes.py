@@ -1,6 +1,7 @@
 """What a pass reads off an FX node: its fake value, static sizes, arguments, whether it writes in place.
 
-Shared by the rules, the plan, the rewrite and the report; nothing here decides a layout.
+Shared by the layout map, the rules, the matcher, the rewrite and the report; nothing here decides a
+layout.
 """
 
 from __future__ import annotations
