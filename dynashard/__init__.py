@@ -70,7 +70,7 @@ def export_safetensors(model, path, max_shard_size=None, group=None):
 
 def __getattr__(name):
     if name == "LoadPlanner":  # (a DCP planner class: imported when first asked for, keeping import light)
-        from dynashard.checkpoint import LoadPlanner
+        from dynashard.dcp_planners import LoadPlanner
 
         return LoadPlanner
     raise AttributeError(f"module 'dynashard' has no attribute {name!r}")

@@ -1,4 +1,6 @@
-"""Every use of a private or semi-private torch API lives here, so a torch upgrade breaks one file.
+"""Every use of a private or semi-private torch API lives in a ``_torch_private*`` module, so a torch
+upgrade breaks those files only: this one for Dynamo, AOTAutograd, Inductor and process groups,
+``_torch_private_aten.py`` for reading aten graphs and their symbolic sizes.
 
 Each function says which torch behaviour it depends on; docs/design.md has the measurements.
 """
@@ -17,12 +19,13 @@ import torch.fx
 _SOURCE_PART = re.compile(r"(?:_modules|_parameters|_buffers|__dict__\['_dynashard_facades'\])\['([^']+)'\]")
 
 
+# Dynamo's graphs and their fake inputs (torch._guards, torch._subclasses, make_fx).
+
 def fake_mode_of(example_inputs: Sequence[Any]):
     """The fake mode Dynamo traced with (it owns the shape env, so guards land in Dynamo's)."""
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode(example_inputs)
-
 
 def placeholder_source_fqn(node: torch.fx.Node) -> tuple[str, str] | None:
     """(module FQN, attribute name) of a parameter/buffer placeholder, from Dynamo's grapharg.
@@ -38,17 +41,14 @@ def placeholder_source_fqn(node: torch.fx.Node) -> tuple[str, str] | None:
         return None
     return ".".join(parts[:-1]), parts[-1]
 
-
 def placeholder_source_name(node: torch.fx.Node) -> str:
     """Dynamo's name for where a placeholder's value comes from (``""`` if it has none)."""
     grapharg = node.meta.get("grapharg")
     return "" if grapharg is None or grapharg.source is None else grapharg.source.name
 
-
 def example_value(node: torch.fx.Node) -> Any:
     """The fake value Dynamo recorded for a placeholder (a FakeTensor or a SymInt)."""
     return node.meta["example_value"]
-
 
 def backend_fakes(gm: torch.fx.GraphModule) -> list[Any]:
     """Fakes of a Dynamo graph's inputs in the fake mode a backend traces and compiles with.
@@ -64,18 +64,15 @@ def backend_fakes(gm: torch.fx.GraphModule) -> list[Any]:
     mode = fake_mode_of(values)
     return [_refake(v, mode) if is_fake(v) and v.fake_mode is not mode else v for v in values]
 
-
 def _refake(fake: torch.Tensor, mode: Any) -> torch.Tensor:
     out = mode.from_tensor(fake)
     _carry_item_memo(fake, out)
     return out
 
-
 def _carry_item_memo(src: torch.Tensor, dst: torch.Tensor) -> None:
     memo = getattr(src, "item_memo", None)
     if memo is not None:
         dst.item_memo = memo
-
 
 def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.GraphModule:
     """Retrace ``fn`` into an aten-level graph with Dynamo's symbolic sizes kept symbolic.
@@ -108,12 +105,24 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.Gra
     finally:
         fake_mode.allow_scalar_outputs = allowed
 
-
 def is_fake(x: Any) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return isinstance(x, torch.Tensor) and _is_fake(x)
 
+@contextlib.contextmanager
+def real_tensors():
+    """A context where tensors are real even inside a backend call. ``torch.load`` (DCP's reader)
+    returns meta-backed tensors whenever ``torch._guards.detect_fake_mode()`` finds a fake mode, and
+    inside a backend Dynamo's tracing context holds one: both the fake mode and the context go."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), tracing(None):
+        yield
+
+
+# Compiling a rewritten graph: AOTAutograd, Inductor, and what Dynamo does around a backend.
 
 def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str = "default",
                   on_backward_error: Callable[[BaseException], None] | None = None) -> Callable[..., Any]:
@@ -153,7 +162,6 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
 
     return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
-
 class _GuardedBackward:
     """A compiled backward whose errors pass through a handler first (compile_graph)."""
 
@@ -173,7 +181,6 @@ class _GuardedBackward:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-
 def _guarded(compiled: Any, handler: Callable[[BaseException], None] | None) -> Any:
     if handler is None:
         return compiled
@@ -182,7 +189,6 @@ def _guarded(compiled: Any, handler: Callable[[BaseException], None] | None) -> 
 
         compiled = make_boxed_func(compiled)
     return _GuardedBackward(compiled, handler)
-
 
 def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
     """Give ``gm`` (a retrace of ``dynamo_gm`` with the same inputs, in order) what Dynamo's graph says of
@@ -210,7 +216,6 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
         if static is not None:
             node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = static
 
-
 def uses_cudagraphs(compiler: str, mode: str = "default") -> bool:
     """Whether Inductor will run the compiled graph as a CUDA graph (whose replay skips host-side ops)."""
     if compiler != "inductor":
@@ -219,41 +224,11 @@ def uses_cudagraphs(compiler: str, mode: str = "default") -> bool:
 
     return bool(list_mode_options(mode).get("triton.cudagraphs", config.triton.cudagraphs))
 
-
 def inductor_modes() -> list[str]:
     """The modes ``torch.compile`` accepts for Inductor (``torch._inductor.list_mode_options``'s keys)."""
     from torch._inductor import list_mode_options
 
     return list(list_mode_options())
-
-
-def weak_id_dict() -> Any:
-    """A dictionary keyed by tensor identity that does not keep the tensor alive."""
-    from torch.utils.weak import WeakIdKeyDictionary
-
-    return WeakIdKeyDictionary()
-
-
-def init_fake_process_group(world_size: int, rank: int = 0) -> None:
-    """A single-process default group of ``world_size`` whose collectives move no data."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-
-def is_fake_group(group: Any) -> bool:
-    import torch.distributed as dist
-
-    return dist.get_backend(group) == "fake"
-
-
-def size_hint(x: Any) -> int:
-    """A concrete example value for a possibly symbolic size, without adding a guard."""
-    if isinstance(x, torch.SymInt):
-        return int(x.node.hint) if x.node.hint is not None else 0
-    return int(x)
-
 
 def log_artifact(name: str, gm: torch.fx.GraphModule) -> None:
     """A structured-trace artifact (``TORCH_TRACE=dir``; view with tlparse) of a graph's code."""
@@ -264,40 +239,6 @@ def log_artifact(name: str, gm: torch.fx.GraphModule) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "string"},
         payload_fn=lambda: gm.print_readable(print_output=False),
     )
-
-
-def default_store() -> Any:
-    """The key-value store the default process group was created with (None if unavailable)."""
-    from torch.distributed import distributed_c10d
-
-    try:
-        return distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store is a missing diagnostic, never an error
-        return None
-
-
-def known_equal(a: Any, b: Any) -> bool:
-    """``a == b`` for sizes that may be symbolic, provable without adding a guard."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a == b))
-
-
-def known_multiple(a: Any, k: int) -> bool:
-    """``a % k == 0`` for a size that may be symbolic, provable without adding a guard."""
-    if isinstance(a, int):
-        return a % k == 0
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a % k == 0))
-
-
-def is_view(t: torch.Tensor) -> bool:
-    """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
-    return t._is_view()
-
 
 def is_dynamo_restart(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again, not a failure.
@@ -311,7 +252,6 @@ def is_dynamo_restart(error: BaseException) -> bool:
 
     return isinstance(error, RestartAnalysis)
 
-
 def backend_error(error: BaseException) -> BaseException | None:
     """The dynashard error a compile raised, unwrapped from Dynamo's ``BackendCompilerFailed``."""
     from torch._dynamo.exc import BackendCompilerFailed
@@ -320,58 +260,6 @@ def backend_error(error: BaseException) -> BaseException | None:
 
     inner = getattr(error, "inner_exception", None) if isinstance(error, BackendCompilerFailed) else None
     return inner if isinstance(inner, DynashardError) else None
-
-
-def constant_value(node: Any) -> torch.Tensor | None:
-    """The value of a tensor constant in an aten graph (``x[..., [-2]]`` traces the list to
-    ``lift_fresh_copy(get_attr _tensor_constant0)``), or None if ``node`` is not one or only a fake
-    of it is held."""
-    if isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
-        node = node.args[0]
-    if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
-        return None
-    value = getattr(node.graph.owning_module, str(node.target), None)
-    from torch._subclasses.fake_tensor import is_fake
-
-    if not isinstance(value, torch.Tensor) or is_fake(value) or value.dtype.is_floating_point:
-        return None
-    return value
-
-
-@contextlib.contextmanager
-def real_tensors():
-    """A context where tensors are real even inside a backend call. ``torch.load`` (DCP's reader)
-    returns meta-backed tensors whenever ``torch._guards.detect_fake_mode()`` finds a fake mode, and
-    inside a backend Dynamo's tracing context holds one: both the fake mode and the context go."""
-    from torch._guards import tracing
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily(), tracing(None):
-        yield
-
-
-def draws_random(node: torch.fx.Node) -> bool:
-    """Whether ``node`` draws random numbers: an op tagged ``nondeterministic_seeded`` (dropout, rand,
-    SDPA kernels) unless its dropout probability is 0 or it runs with ``train=False``.
-
-    NOTE: reads the OpOverload's tags and schema (``op._schema``)."""
-    op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded not in op.tags:
-        return False
-    values = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-              for i, a in enumerate(op._schema.arguments)}
-    if values.get("train") is False:
-        return False
-    return not any(isinstance(values.get(name), (int, float)) and values[name] == 0 for name in ("dropout_p", "p"))
-
-
-def plain_torch_functions():
-    """A context where a tensor subclass's ``__torch_function__`` is off: ops return plain tensors
-    (``torch._C.DisableTorchFunctionSubclass``, the pattern torch's subclass docs use)."""
-    return torch._C.DisableTorchFunctionSubclass()
-
 
 def active_ddp(splits_graphs: bool = False) -> Any:
     """The ``DistributedDataParallel`` whose forward is running (the graph being compiled is traced
@@ -390,30 +278,61 @@ def active_ddp(splits_graphs: bool = False) -> Any:
     return ddp
 
 
+# Ops and tensors (OpOverload tags and schemas, torch-function subclasses, weak references).
+
+def draws_random(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: an op tagged ``nondeterministic_seeded`` (dropout, rand,
+    SDPA kernels) unless its dropout probability is 0 or it runs with ``train=False``.
+
+    NOTE: reads the OpOverload's tags and schema (``op._schema``)."""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    values = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+              for i, a in enumerate(op._schema.arguments)}
+    if values.get("train") is False:
+        return False
+    return not any(isinstance(values.get(name), (int, float)) and values[name] == 0 for name in ("dropout_p", "p"))
+
 def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
+def plain_torch_functions():
+    """A context where a tensor subclass's ``__torch_function__`` is off: ops return plain tensors
+    (``torch._C.DisableTorchFunctionSubclass``, the pattern torch's subclass docs use)."""
+    return torch._C.DisableTorchFunctionSubclass()
 
-@contextlib.contextmanager
-def recording_dispatch():
-    """``with recording_dispatch() as calls:`` every aten op dispatched inside, as ``(op, args,
-    kwargs)``, with the arguments the caller passed (a lowering's emitted ops, lowering.check).
+def weak_id_dict() -> Any:
+    """A dictionary keyed by tensor identity that does not keep the tensor alive."""
+    from torch.utils.weak import WeakIdKeyDictionary
 
-    NOTE: a ``TorchDispatchMode`` (``torch.utils._python_dispatch``) pushed inside make_fx's proxy
-    and fake modes sees each op first and re-dispatches it to them, so the trace is unchanged."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    return WeakIdKeyDictionary()
 
-    calls: list[tuple[Any, tuple, dict]] = []
 
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            calls.append((func, args, kwargs))
-            return func(*args, **kwargs)
+# Process groups (torch.distributed.distributed_c10d internals).
 
-    with Recorder():
-        yield calls
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """A single-process default group of ``world_size`` whose collectives move no data."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+def is_fake_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "fake"
+
+def default_store() -> Any:
+    """The key-value store the default process group was created with (None if unavailable)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store is a missing diagnostic, never an error
+        return None
 
 def group_by_name(name: str) -> Any:
     """The process group registered under ``name`` (``ProcessGroup.group_name``, what funcol takes)."""
@@ -421,14 +340,12 @@ def group_by_name(name: str) -> Any:
 
     return _resolve_process_group(name)
 
-
 def moves_cpu_tensors(group: Any) -> bool:
     """Whether ``group`` has a backend for CPU tensors (gloo, ``"cpu:gloo,cuda:nccl"``; not NCCL alone).
 
     NOTE: ``ProcessGroup._device_types`` is the pybind property torch's own c10d reads
     (``distributed_c10d._get_pg_default_device``)."""
     return any(d.type == "cpu" for d in group._device_types)
-
 
 def group_timeout(group: Any) -> Any:
     """The timeout ``group``'s collectives wait for (a timedelta), or None (torch's default) if unknown.
@@ -440,7 +357,6 @@ def group_timeout(group: Any) -> Any:
         except Exception:  # noqa: BLE001 - a backend without options: torch's default applies
             continue
     return None
-
 
 def group_count() -> int | None:
     """How many process groups this process belongs to: what torch names a ``use_local_synchronization``

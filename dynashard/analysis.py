@@ -14,9 +14,10 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard.match import ParamInfo, find_linears
+from dynashard.nodes import val
 from dynashard.options import Options
 from dynashard.plan import Plan, make_plan
-from dynashard.shard import Split, val
+from dynashard.split import Split
 from dynashard.weights import EarlierCuts
 
 

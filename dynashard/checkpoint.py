@@ -11,10 +11,13 @@ How little is read:
 - safetensors: ``safe_open(...).get_slice(fqn)[slices]`` reads only the bytes of the slice (the
   file is memory-mapped; a slice along dim 0 is one contiguous byte range);
 - DCP: a :class:`~torch.distributed.checkpoint.DefaultLoadPlanner` whose plan asks for exactly
-  the chunks wanted (``create_read_items_for_chunk_list``), loaded into buffers of the target
-  dtype with ``no_dist=True`` (every rank reads on its own, no collective). Pieces may overlap
-  across ranks (K/V heads several ranks hold whole). DCP's own ``FileSystemReader`` loads each
-  saved chunk whole and then narrows it, so an unsharded-saved tensor is read one at a time.
+  the chunks wanted (``create_read_items_for_chunk_list``; :class:`~dynashard.dcp_planners.SlicePlanner`),
+  loaded into buffers of the target dtype with ``no_dist=True`` (every rank reads on its own, no
+  collective). Pieces may overlap across ranks (K/V heads several ranks hold whole). DCP's own
+  ``FileSystemReader`` loads each saved chunk whole and then narrows it, so an unsharded-saved
+  tensor is read one at a time.
+
+DCP's planner protocol for shards (saving them at global offsets, ``LoadPlanner``) is ``dcp_planners.py``.
 
 Errors name the tensor, what was expected and what was found, and the fix (a path that does not
 exist, a tensor missing from the checkpoint, a slice outside the saved shape, a corrupt file).
@@ -22,7 +25,6 @@ exist, a tensor missing from the checkpoint, a slice outside the saved shape, a 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import os
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dynashard.dcp_planners import SlicePlanner
 from dynashard.errors import UsageError
 
 Pieces = list[tuple[int, int]]  # (start, length) along one dim
@@ -208,7 +211,7 @@ class DCPCheckpoint(Checkpoint):
         if wanted:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({}, storage_reader=self._reader, planner=_SlicePlanner(fqn, self._tensors[fqn], wanted),
+                dcp.load({}, storage_reader=self._reader, planner=SlicePlanner(fqn, self._tensors[fqn], wanted),
                          no_dist=True)
         return buffers
 
@@ -234,124 +237,6 @@ class TensorsCheckpoint(Checkpoint):
         if not pieces:
             return [t.to(device=device, dtype=dtype, copy=True)]
         return [t.narrow(dim, start, length).to(device=device, dtype=dtype, copy=True) for start, length in pieces]
-
-
-def _slice_planner_base():
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    return DefaultLoadPlanner
-
-
-class _SlicePlanner(_slice_planner_base()):
-    """Reads chunks ``(offsets, sizes)`` of one tensor into plain buffers (no DTensor): the plan
-    asks for exactly those chunks, and each read item lands in a view of its buffer."""
-
-    def __init__(self, fqn: str, md, wanted: list[tuple[list[int], list[int], torch.Tensor]]) -> None:
-        super().__init__()
-        self._fqn, self._md, self._wanted = fqn, md, wanted
-
-    def create_local_plan(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-        items = []
-        for i, (offsets, sizes, _) in enumerate(self._wanted):
-            for item in create_read_items_for_chunk_list(
-                    self._fqn, self._md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]):
-                # one chunk per call: its items name chunk 0; tag them with this buffer's number instead
-                items.append(dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, index=i)))
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index) -> torch.Tensor:
-        return self._wanted[index.index][2]
-
-
-def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int, pieces: Pieces) -> torch.Tensor:
-    """``local`` (this rank's ``pieces`` of ``dim``, side by side) saved by DCP at their global offsets.
-
-    DCP asks a state-dict value for DTensor's ``_Checkpointable`` protocol (``__create_write_items__``,
-    ``__create_chunk_list__``, ``__get_tensor_shard__``: torch/distributed/checkpoint/planner_helpers.py);
-    set on the tensor itself they describe any layout dynashard cuts, including fused components and
-    whole ones (the same chunk on every rank, which the save planner deduplicates). Measured:
-    tools/proto_dcp_shards.py. Loading goes through :class:`DCPCheckpoint` (DCP's default load
-    planner compares a plain tensor's own size with the saved one).
-    """
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    chunks, views, at = [], [], 0
-    for start, length in pieces:
-        if length:
-            offsets, sizes = [0] * len(full_shape), list(full_shape)
-            offsets[dim], sizes[dim] = start, length
-            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            views.append((at, length))
-        at += length
-    by_offset = {c.offsets: v for c, v in zip(chunks, views)}
-
-    def write_items(fqn: str, _obj: Any) -> list:
-        props = TensorProperties.create_from_tensor(local)
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props, size=torch.Size(full_shape)))
-                for c in chunks]
-
-    def tensor_shard(index: Any) -> torch.Tensor:
-        at, length = by_offset[index.offset]
-        return local.detach().narrow(dim, at, length)
-
-    def reduce_ex(protocol: int) -> Any:
-        # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures
-        plain = local.detach()
-        if isinstance(local, torch.nn.Parameter):
-            plain = torch.nn.Parameter(plain, requires_grad=local.requires_grad)
-        return plain.__reduce_ex__(protocol)
-
-    local.__create_write_items__ = write_items
-    local.__create_chunk_list__ = lambda: list(chunks)
-    local.__get_tensor_shard__ = tensor_shard
-    local.__reduce_ex__ = reduce_ex
-    local._dynashard_global_shape = torch.Size(full_shape)  # (read by LoadPlanner)
-    return local
-
-
-def _load_planner_base():
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    return DefaultLoadPlanner
-
-
-class LoadPlanner(_load_planner_base()):
-    """``dcp.load(state, checkpoint_id=..., planner=dynashard.LoadPlanner())`` into live shards: the
-    state of a parallelized model and its optimizer (``get_state_dict(model, optimizer)``), from a
-    checkpoint saved at any world size or unsharded. Each shard asks for its pieces of the saved
-    tensors (its checkpoint protocol's chunks) and is filled in place.
-
-    DCP's default planner first compares each tensor's own size with the saved one, which a shard's
-    local size fails; this planner shows DCP the global size of tensors that carry a shard's protocol
-    and leaves everything else to the default planner.
-    """
-
-    def create_local_plan(self):
-        real = self.state_dict
-        self.state_dict = {k: _GlobalSized(v) if hasattr(v, "_dynashard_global_shape") else v for k, v in real.items()}
-        try:
-            return super().create_local_plan()
-        finally:
-            self.state_dict = real
-
-
-class _GlobalSized:
-    """What the default load plan reads of a shard: its global size and its chunks."""
-
-    def __init__(self, shard: torch.Tensor) -> None:
-        self._shard = shard
-
-    def size(self) -> torch.Size:
-        return self._shard._dynashard_global_shape
-
-    def __create_chunk_list__(self) -> list:
-        return self._shard.__create_chunk_list__()
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

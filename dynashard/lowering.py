@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import InternalError
 
 aten = torch.ops.aten
@@ -83,7 +84,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, (torch.SymInt, int)) and isinstance(b, (torch.SymInt, int)) and not isinstance(a, bool):
-        return private.known_equal(a, b)
+        return private_aten.known_equal(a, b)
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or isinstance(b, (torch.SymInt, torch.SymFloat)):
         return False  # (not provably equal without a guard)
     try:
@@ -114,7 +115,7 @@ def set_arguments(node: torch.fx.Node, resolve: Any = None) -> dict[str, Any]:
 def check(node: torch.fx.Node, calls: list[tuple[Any, tuple, dict]], resolve: Any = None) -> None:
     """Raise if the ops a lowering emitted for ``node`` drop an argument it sets (module docstring).
 
-    ``calls``: what :func:`dynashard._torch_private.recording_dispatch` recorded while it ran."""
+    ``calls``: what :func:`dynashard._torch_private_aten.recording_dispatch` recorded while it ran."""
     if not private.is_op_overload(node.target):
         return
     declared = REEXPRESSED.get(node.target, {})

@@ -35,7 +35,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from dynashard.shard import val
+from dynashard.nodes import val
 
 aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.addmm.default)

@@ -29,10 +29,12 @@ import torch.fx
 
 from dynashard import rules
 from dynashard.match import LinearMatch
+from dynashard.nodes import all_args
 from dynashard.rules.inplace import alias_roots, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
-from dynashard.shard import LayoutMap, Read, Shard, Split, all_args
+from dynashard.shard import LayoutMap, Read, Shard
+from dynashard.split import Split
 
 StyleChooser = Callable[[LinearMatch, Shard | None], str]
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
+from dynashard.nodes import mutates_self, op_name
 from dynashard.rules.inplace import alias_roots
-from dynashard.shard import LOSS_PARALLEL, CollectiveKind, mutates_self, op_name
+from dynashard.shard import LOSS_PARALLEL, CollectiveKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,7 @@ class GraphReport:
         charged: dict[torch.fx.Node, list[tuple[str, int]]] = {m.node: [] for m in plan.linears}
         for c in lm.collectives:
             val = c.node.meta["val"]
-            nbytes = math.prod(private.size_hint(s) for s in val.shape) * val.element_size()
+            nbytes = math.prod(private_aten.size_hint(s) for s in val.shape) * val.element_size()
             if c.kind in (CollectiveKind.ALL_GATHER_ROWS, CollectiveKind.REDUCE_SCATTER):
                 nbytes *= analysis.world  # the payload holds every rank's rows
             lay = lm.layouts.get(c.node)
@@ -67,7 +68,7 @@ class GraphReport:
             label = c.kind.value if c.kind.reduces else f"{c.kind.value} (before {c.reason})"
             if c.reason == LOSS_PARALLEL:  # per token, every rank's log-sum-exp and target logit (fp32)
                 label = f"{c.kind.value} ({LOSS_PARALLEL})"
-                nbytes = math.prod(private.size_hint(s) for s in val.shape[:-1]) * 2 * analysis.world * 4
+                nbytes = math.prod(private_aten.size_hint(s) for s in val.shape[:-1]) * 2 * analysis.world * 4
             for o in owners:
                 charged[o].append((label, nbytes // max(1, len(owners))))
         rows = []
@@ -101,7 +102,7 @@ class GraphReport:
             allocated = node.op != "placeholder"  # by the graph (HF's lazy StaticCache): at this rank's size
             name = f"{node.name} (allocated by the graph)" if allocated else analysis.names[analysis.inputs.index(node)]
             full = node.meta["val"]
-            sizes = [private.size_hint(d) for d in full.shape]
+            sizes = [private_aten.size_hint(d) for d in full.shape]
             per_dim = math.prod(sizes) // max(1, sizes[shard.dim])  # elements per index of the cut dim
             how = ", ".join(sorted({op_name(n).removesuffix(".default") for n in analysis.aten.graph.nodes
                                     if n.op == "call_function" and mutates_self(n)

@@ -17,9 +17,10 @@ placeholder holds ``[world, *block]`` (this rank's block of every rank's weight)
 linear becomes a ``bmm`` over the rank-major row blocks.
 
 The rewrite is an ``fx.Interpreter`` run under ``make_fx``: each node is re-executed on fake
-tensors with its arguments converted as recorded (gather / narrow / local), so the new graph
-is traced, not spliced, and every node has true shard shapes in ``meta["val"]``. A rewrite
-that does not type-check fails here, at compile time, never mid-forward.
+tensors with its arguments converted as recorded (gather / narrow / local: the collectives are
+``collectives.py``, the rest ``local_conversions.py``), so the new graph is traced, not spliced,
+and every node has true shard shapes in ``meta["val"]``. A rewrite that does not type-check
+fails here, at compile time, never mid-forward.
 
 Invariants: the rewrite never re-decides; it reads :class:`~dynashard.plan.Plan` only.
 """
@@ -32,9 +33,12 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard import collectives, vocab
 from dynashard.errors import InternalError, UsageError
+from dynashard.local_conversions import as_traced, take, take_groups
 from dynashard.lowering import check as lowering_check
+from dynashard.nodes import is_size
 from dynashard.plan import Plan
 from dynashard.rules.inplace import alias_roots, aliases_input, mutated_roots
 from dynashard.shard import LayoutMap, Read, Shard
@@ -89,7 +93,7 @@ class _Sharder(torch.fx.Interpreter):
         # A batch dim merged in front ([B * h]): decided from the full graph's sizes, the same on
         # every rank. Shape rules only make merged shards where every rank holds a part, so the
         # outer size can be recovered from this rank's.
-        merged = not _is_size(producer.meta["val"].shape[lay.dim], lay.size)
+        merged = not is_size(producer.meta["val"].shape[lay.dim], lay.size)
         if merged:
             if lay.length == 0:
                 raise InternalError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
@@ -143,7 +147,7 @@ class _Sharder(torch.fx.Interpreter):
         lowering = self._lowering(node)
         if lowering is None and node not in self.lm.view_sizes:
             return self._as_traced_op(node)  # the op itself on converted arguments: every argument carried
-        with private.recording_dispatch() as emitted:
+        with private_aten.recording_dispatch() as emitted:
             out = (lowering or self._as_traced_op)(node)
         lowering_check(node, emitted, lambda n: self.env[n])
         return out
@@ -180,10 +184,10 @@ class _Sharder(torch.fx.Interpreter):
         if node in self.lm.view_sizes:
             dim, full, local = self.lm.view_sizes[node]
             shape = list(args[1])
-            if not _is_size(shape[dim], -1):
-                shape[dim] = local if _is_size(shape[dim], full) else shape[dim] // full * local
+            if not is_size(shape[dim], -1):
+                shape[dim] = local if is_size(shape[dim], full) else shape[dim] // full * local
                 if local == 0:  # a -1 elsewhere cannot be inferred from an empty shard: the traced size
-                    shape = [node.meta["val"].shape[i] if _is_size(d, -1) else d for i, d in enumerate(shape)]
+                    shape = [node.meta["val"].shape[i] if is_size(d, -1) else d for i, d in enumerate(shape)]
             if node in self.lm.view_rows_scaled and shape[0] != -1:
                 shape[0] = shape[0] * self.lm.world
             args = (args[0], shape, *args[2:])
@@ -192,7 +196,7 @@ class _Sharder(torch.fx.Interpreter):
     def _as_traced_op(self, node: torch.fx.Node) -> Any:
         args, kwargs = self._args(node)
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
-            args, kwargs = _as_traced(node, args, kwargs)
+            args, kwargs = as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
 
     def _stacked_transpose(self, node: torch.fx.Node) -> Any:
@@ -269,7 +273,7 @@ class _Sharder(torch.fx.Interpreter):
         wrong if something writes through it, which is refused loudly."""
         args, _ = self._args(node)
         out = aten.reshape(args[0], args[1])
-        if not private.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
+        if not private_aten.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
             raise UsageError(
                 f"dynashard: {node.name} must copy on this rank (its input is laid out differently once "
                 "sharded), and an in-place op writes through it; expected out-of-place code there."
@@ -315,7 +319,7 @@ class _Sharder(torch.fx.Interpreter):
         x, _ = self._rowwise_input(node, m)
         args, kwargs = torch.fx.node.map_arg(
             (node.args, node.kwargs), lambda p: x if p is m.input else self._read(node, p, None))
-        args, kwargs = _as_traced(node, args, kwargs)
+        args, kwargs = as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
 
     def _linear(self, node: torch.fx.Node) -> Any:
@@ -341,74 +345,8 @@ class _Sharder(torch.fx.Interpreter):
         return y
 
 
-def _as_traced(node: torch.fx.Node, args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """Inputs given the memory layout the op was traced with, where a conversion changed it.
-
-    NOTE: some aten kernels rely on the layout their caller checked, without checking it
-    themselves: CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``) reads its
-    inputs as if the last dim had unit stride, which is why the composite SDPA picked it when
-    Dynamo traced the model. A converted input (gathered and moved back, narrowed, or built from
-    such pieces by cat) can have another layout; such an input is made contiguous wherever the
-    traced one had a unit-stride last dim and the converted one does not. Layouts the rewrite
-    keeps (a local shard through views) never copy.
-    """
-    def fix(value: Any, traced: Any) -> Any:
-        if not (isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor)) or value.dim() == 0:
-            return value
-        if traced.dim() != value.dim() or not private.known_equal(traced.stride(-1), 1):
-            return value
-        if private.known_equal(value.stride(-1), 1) or private.known_equal(value.shape[-1], 1):
-            return value
-        return value.contiguous()
-
-    def fix_all(new: Any, old: Any) -> Any:
-        if isinstance(old, torch.fx.Node):
-            return fix(new, old.meta.get("val"))
-        if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
-            return type(new)(fix_all(n, o) for n, o in zip(new, old))
-        return new
-
-    return fix_all(args, node.args), {k: fix_all(v, node.kwargs.get(k)) for k, v in kwargs.items()}
-
-
 def _differentiable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def _is_size(a: Any, b: int) -> bool:
-    return isinstance(a, int) and a == b
-
-
-def take(value: Any, shard: Shard) -> Any:
-    """This rank's pieces of a replicated ``value`` along ``shard``'s dim (repeated over a batch
-    dim merged in front of it)."""
-    d, size = shard.dim, shard.size
-    merged = not _is_size(value.shape[d], size)
-    if merged:
-        value = value.unflatten(d, (value.shape[d] // size, size))
-    pieces = [aten.narrow(value, d, start, length) for start, length in shard.pieces]
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
-    return out.flatten(d - 1, d) if merged else out
-
-
-def take_groups(value: Any, shard: Shard) -> Any:
-    """Of whole K/V heads (dim ``shard.dim``), those this rank's query heads read: query head
-    ``h`` reads K/V head ``h // n``. Where a piece starts or ends inside a group of ``n`` query
-    heads, its K/V heads are repeated to one per query head (the kernel then sees no GQA)."""
-    d = value.dim() + shard.dim
-    n = shard.size // value.shape[d]
-    pieces = shard.pieces
-    if all(start % n == 0 and length % n == 0 for start, length in pieces):
-        out = [aten.narrow(value, d, start // n, length // n) for start, length in pieces]
-    else:
-        out = []
-        for start, length in pieces:
-            lo, hi = start // n, (start + length - 1) // n + 1
-            part = aten.narrow(value, d, lo, hi - lo).unsqueeze(d + 1)
-            sizes = [-1] * part.dim()
-            sizes[d + 1] = n
-            out.append(aten.narrow(part.expand(sizes).flatten(d, d + 1), d, start - lo * n, length))
-    return out[0] if len(out) == 1 else torch.cat(out, d)
 
 
 def rewrite(

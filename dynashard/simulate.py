@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import InternalError
 from dynashard.rewrite import _Sharder
 from dynashard.weights import cut
@@ -110,7 +110,7 @@ def verify(analyses: list[Any], inputs: list[Any]) -> tuple[dict[str, float], fl
     """
     # Under dynamic=True Dynamo's example for a size input is the SymInt itself; the simulated ranks run
     # real tensors, on the example's value of it.
-    inputs = [private.size_hint(a) if isinstance(a, torch.SymInt) else a for a in inputs]
+    inputs = [private_aten.size_hint(a) if isinstance(a, torch.SymInt) else a for a in inputs]
     world = len(analyses)
     first = analyses[0]
     linear_nodes = [m.node for m in first.plan.linears]

@@ -20,7 +20,7 @@ from dynashard import _torch_private as private
 from dynashard.errors import PeerError, UsageError
 from dynashard.facades import become, is_facade, unbecome
 from dynashard.protocol import exchange_status
-from dynashard.shard import Split
+from dynashard.split import Split
 from dynashard.transport import broadcast_from_first, exchange_blocks
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class WeightStore:
 
     def as_parameter(self, param: torch.Tensor) -> torch.nn.Parameter:
         """``param``'s shard as a Parameter (the same storage) that the store now holds, with DCP's
-        checkpoint protocol describing its pieces of the global tensor (see checkpoint.py)."""
+        checkpoint protocol describing its pieces of the global tensor (see dcp_planners.py)."""
         entry = self._shards[param]
         if not isinstance(entry.shard, torch.nn.Parameter):
             entry.shard = self.checkpointable(param, torch.nn.Parameter(entry.shard, requires_grad=param.requires_grad))
@@ -187,8 +187,8 @@ class WeightStore:
 
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces
-        as chunks of ``param``'s global shape (see checkpoint.make_checkpointable)."""
-        from dynashard.checkpoint import make_checkpointable
+        as chunks of ``param``'s global shape (see dcp_planners.make_checkpointable)."""
+        from dynashard.dcp_planners import make_checkpointable
 
         spec = self._shards[param].spec
         return make_checkpointable(local, param.shape, spec.dim, spec.split.pieces(spec.world, spec.rank))

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from dynashard.checkpoint import open_checkpoint
 from dynashard.errors import UsageError
-from dynashard.shard import Split
+from dynashard.split import Split
 from dynashard.weights import cut
 
 # Splits the planner makes: balanced and uneven (23/23/22/22 of 90), a fused [q | k | v] cut per

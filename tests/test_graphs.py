@@ -356,7 +356,7 @@ def test_kernels_get_the_layout_they_were_traced_with():
     that stride were 1 (max error 1e20 under eager). Any op input whose traced value had a
     unit-stride last dim and whose converted one does not is now made contiguous; others are
     passed as they are (no copy)."""
-    from dynashard.rewrite import _as_traced
+    from dynashard.local_conversions import as_traced
 
     graph = torch.fx.Graph()
     q, k, v = (graph.placeholder(n) for n in "qkv")
@@ -365,7 +365,7 @@ def test_kernels_get_the_layout_they_were_traced_with():
     flash = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v))
     strided_q = torch.randn(2, 5, 64, 4).permute(0, 3, 1, 2)  # what cat made of the gathered pieces
     other = torch.randn(2, 4, 5, 64).transpose(1, 2).transpose(1, 2)  # unit last-dim stride: kept
-    (q2, k2, v2), _ = _as_traced(flash, (strided_q, other, other), {})
+    (q2, k2, v2), _ = as_traced(flash, (strided_q, other, other), {})
     assert q2.stride()[-1] == 1 and torch.equal(q2, strided_q)
     assert k2 is other and v2 is other
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import dynashard
 from dynashard.options import Options, parse_options
-from dynashard.shard import Split, shard_bounds
+from dynashard.split import Split, shard_bounds
 from tests import models
 
 pytestmark = pytest.mark.unit
@@ -493,16 +493,16 @@ def test_errors_are_dynashard_errors_and_the_builtins_users_catch():
 def test_the_recut_fixpoint_logs_its_round_limit_and_stays_correct(monkeypatch, caplog):
     """A fused qkv needs two re-cuts (component boundaries, then whole heads). Stopped after one,
     the plan is logged as unfinished and still verifies: the layout follows the cuts it has."""
-    import dynashard.plan as plan
+    import dynashard.recut as recut
 
     model = models.build("nanogpt", 64, 90)
     ids = torch.randint(0, 90, (2, 7))
     options = {"min_shard_numel": 0}
-    with caplog.at_level("WARNING", logger="dynashard.plan"):
+    with caplog.at_level("WARNING", logger="dynashard.recut"):
         dynashard.explain(model, ids, world_size=2, options=options, verify=True)
     assert not [r for r in caplog.records if "stopped re-cutting" in r.getMessage()]
-    monkeypatch.setattr(plan, "_MAX_ROUNDS", 1)
-    with caplog.at_level("WARNING", logger="dynashard.plan"):
+    monkeypatch.setattr(recut, "_MAX_ROUNDS", 1)
+    with caplog.at_level("WARNING", logger="dynashard.recut"):
         dynashard.explain(model, ids, world_size=2, options=options, verify=True)
     assert [r for r in caplog.records if "stopped re-cutting after 1 rounds" in r.getMessage()]
 
@@ -519,7 +519,7 @@ def test_a_deep_model_is_cut_in_a_few_rounds_whatever_its_depth(caplog):
                            num_key_value_heads=4, vocab_size=1000)
     torch.manual_seed(0)
     model = models.HFLogits(T.LlamaForCausalLM(config).eval())
-    with caplog.at_level("WARNING", logger="dynashard.plan"):
+    with caplog.at_level("WARNING", logger="dynashard.recut"):
         report = dynashard.explain(model, torch.randint(0, 1000, (1, 8)), world_size=2)
     assert not [r for r in caplog.records if "stopped re-cutting" in r.getMessage()]
     gathering = [r.fqn for r in report.rows if "all_gather" in r.collectives]

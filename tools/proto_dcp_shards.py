@@ -1,6 +1,6 @@
 """Issue 12's measurement: plain local shards saved by ``torch.distributed.checkpoint`` at their
 global offsets, for every layout dynashard cuts (not only DTensor's ``torch.chunk`` layouts), with
-``dynashard.checkpoint.make_checkpointable`` (what ``dynashard.parallelize`` puts on its shards).
+``dynashard.dcp_planners.make_checkpointable`` (what ``dynashard.parallelize`` puts on its shards).
 
 DCP asks a state-dict value for ``__create_write_items__``,
 ``__create_chunk_list__`` and ``__get_tensor_shard__`` (DTensor's ``_Checkpointable`` protocol,
@@ -30,8 +30,9 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynashard.checkpoint import make_checkpointable, open_checkpoint  # noqa: E402
-from dynashard.shard import Split  # noqa: E402
+from dynashard.checkpoint import open_checkpoint  # noqa: E402
+from dynashard.dcp_planners import make_checkpointable  # noqa: E402
+from dynashard.split import Split  # noqa: E402
 from dynashard.weights import cut  # noqa: E402
 
 

@@ -22,9 +22,11 @@ import math
 import torch
 import torch.fx
 
-from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
+from dynashard.nodes import all_args, op_name, val, val_list
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, Split, WishKind, all_args, finest, op_name, val, val_list
+from dynashard.shard import LayoutMap, Read, Shard, WishKind, finest
+from dynashard.split import Split
 
 aten = torch.ops.aten
 
@@ -64,7 +66,7 @@ def _heads_alike(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Nod
         return None  # a rank without heads: the attention kernels cannot run on zero heads
     for a, lay in zip(operands, lays):
         v = val(a)
-        if lay is None and (v is None or v.dim() < -dim or not private.known_multiple(v.shape[dim], first.size)):
+        if lay is None and (v is None or v.dim() < -dim or not private_aten.known_multiple(v.shape[dim], first.size)):
             return None
     return first
 
@@ -146,7 +148,7 @@ def _kv_groups(q: torch.fx.Node, k: torch.fx.Node) -> int | None:
     if qv is None or kv is None or qv.dim() < 3 or kv.dim() < 3:
         return None
     hq, hk = qv.shape[-3], kv.shape[-3]
-    if private.known_equal(hq, hk):
+    if private_aten.known_equal(hq, hk):
         return 1
     if not (isinstance(hq, int) and isinstance(hk, int)) or hk < 1 or hq % hk:
         return None
@@ -196,7 +198,7 @@ def bmm(lm: LayoutMap, node: torch.fx.Node) -> bool:
     bias = node.args[0] if node.target is aten.baddbmm.default else None
     a, b = node.args[1:3] if bias is not None else node.args[:2]
     bias_val = val(bias) if bias is not None else None
-    spans = bias_val is not None and bias_val.dim() >= 3 and not private.known_equal(bias_val.shape[-3], 1)
+    spans = bias_val is not None and bias_val.dim() >= 3 and not private_aten.known_equal(bias_val.shape[-3], 1)
     first = _heads_alike(lm, node, [a, b, bias] if spans else [a, b], -3)
     if first is None:
         _off_heads_wish(lm, node, [a, b])

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.nodes import all_args, mutates_self, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, WishKind, all_args, mutates_self, norm_dim, op_name, size_at, val
+from dynashard.shard import LayoutMap, Read, Shard, WishKind
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ all_reduces (max, sum of exps, target logit); one gather of both numbers does it
 Applies when every reader of the ``_log_softmax`` along the cut dim is an ``nll_loss_forward``
 without class weights (what ``F.cross_entropy`` traces to; label smoothing adds a sum over the
 vocabulary, which gathers as before), on ``[tokens, vocab]`` logits of which every rank holds
-some. The lowering is :meth:`dynashard.rewrite._Sharder._loss_parallel`.
+some. The lowering is :meth:`dynashard.rewrite._Sharder._nll_loss`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.nodes import all_args, norm_dim, size_at
 from dynashard.rules.reductions import along_one_dim
 from dynashard.rules.registry import rule
-from dynashard.shard import LOSS_PARALLEL, Collective, CollectiveKind, LayoutMap, Read, all_args, norm_dim, size_at
+from dynashard.shard import LOSS_PARALLEL, Collective, CollectiveKind, LayoutMap, Read
 
 aten = torch.ops.aten
 

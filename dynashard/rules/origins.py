@@ -22,19 +22,9 @@ import math
 
 from dynashard.errors import UsageError
 from dynashard.match import LinearMatch
-from dynashard.shard import (
-    Collective,
-    CollectiveKind,
-    LayoutMap,
-    Read,
-    Shard,
-    Split,
-    WishKind,
-    all_args,
-    even,
-    size_at,
-    val,
-)
+from dynashard.nodes import all_args, size_at, val
+from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Shard, WishKind
+from dynashard.split import Split, even
 
 
 def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:

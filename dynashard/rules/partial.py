@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dynashard.shard import LayoutMap, mutates_self, tensor_args, val
+from dynashard.nodes import mutates_self, tensor_args, val
+from dynashard.shard import LayoutMap
 
 aten = torch.ops.aten
 

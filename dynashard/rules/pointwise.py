@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
+from dynashard.nodes import all_args, mutates_self, op_name, tensor_args, val
 from dynashard.rules.inplace import wish_state
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, all_args, finest, mutates_self, op_name, tensor_args, val
+from dynashard.shard import LayoutMap, Read, Shard, finest
 
 aten = torch.ops.aten
 COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)
@@ -35,7 +36,7 @@ def pointwise(lm: LayoutMap, node: torch.fx.Node) -> bool:
         and out_val is not None
         and out_val.dim() >= -first.dim
         # a shard never broadcasts: every sharded operand spans the output's whole cut dim
-        and all(private.known_equal(val(a).shape[lm.layouts[a].dim], out_val.shape[lm.layouts[a].dim])
+        and all(private_aten.known_equal(val(a).shape[lm.layouts[a].dim], out_val.shape[lm.layouts[a].dim])
                 for a in args if lm.layouts.get(a) is not None)
         and all(lm.can_read_as_shard(a, first, out_val.dim()) for a in args)
     )

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.nodes import all_args, norm_dim
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, all_args, norm_dim
+from dynashard.shard import LayoutMap, Read
 
 aten = torch.ops.aten
 

@@ -16,9 +16,11 @@ import operator
 import torch
 import torch.fx
 
-from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
+from dynashard.nodes import norm_dim, op_name, val, val_list
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, Split, WishKind, finest, joined, norm_dim, op_name, val, val_list
+from dynashard.shard import LayoutMap, Shard, WishKind, finest
+from dynashard.split import Split, joined
 
 aten = torch.ops.aten
 
@@ -49,7 +51,7 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> bool:
         lm.outputs[node] = [out] * n_out
         return True
     size = val(node.args[0]).shape[p]
-    if t is aten.unbind.int or not private.known_equal(size, src.size):
+    if t is aten.unbind.int or not private_aten.known_equal(size, src.size):
         return False
     widths = [node.args[1]] * n_out if t is aten.split.Tensor else list(node.args[1])
     edges = [0]
@@ -98,7 +100,7 @@ def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end, step = args[2] or 0, args[3], args[4] or 1
     size = val(node.args[0]).shape[p]
-    if step != 1 or not private.known_equal(size, src.size) or not isinstance(start, int):
+    if step != 1 or not private_aten.known_equal(size, src.size) or not isinstance(start, int):
         return False
     end = src.size if end is None or (isinstance(end, int) and end > src.size) else end
     if not isinstance(end, int):
@@ -145,9 +147,9 @@ def index(lm: LayoutMap, node: torch.fx.Node) -> bool:
 
 
 def _index_as_slice(lm: LayoutMap, node: torch.fx.Node, src: Shard, idx: torch.fx.Node) -> bool:
-    values = private.constant_value(idx)
+    values = private_aten.constant_value(idx)
     size = val(node.args[0]).shape[val(node.args[0]).dim() + src.dim]
-    if values is None or values.dim() != 1 or not values.numel() or not private.known_equal(size, src.size):
+    if values is None or values.dim() != 1 or not values.numel() or not private_aten.known_equal(size, src.size):
         return False
     positions = [int(v) % src.size for v in values.tolist()]
     start, end = positions[0], positions[-1] + 1
@@ -201,7 +203,7 @@ def _join(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays
     """cat along the cut dim: each rank's output is its operands' parts side by side, which is its
     part of the joined split (carved pieces put back in order are the original cut again)."""
     dim = lays[0].dim
-    if any(not private.known_equal(val(a).shape[dim], lay.size) for a, lay in zip(tensors, lays)):
+    if any(not private_aten.known_equal(val(a).shape[dim], lay.size) for a, lay in zip(tensors, lays)):
         return False  # a batch dim merged in front: the pieces would interleave
     split = joined([lay.split for lay in lays], lm.world)
     if split is None:
@@ -212,7 +214,7 @@ def _join(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays
 
 def _skipped_by_cat(arg: torch.fx.Node) -> bool:
     v = val(arg)
-    return v is not None and v.dim() == 1 and private.known_equal(v.shape[0], 0)
+    return v is not None and v.dim() == 1 and private_aten.known_equal(v.shape[0], 0)
 
 
 def _part_ranges(split: Split, edges: list[int]) -> list[tuple[int, int]] | None:

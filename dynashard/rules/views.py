@@ -25,9 +25,10 @@ import math
 import torch
 import torch.fx
 
-from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
+from dynashard.nodes import is_one, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, WishKind, is_one, norm_dim, op_name, size_at, val
+from dynashard.shard import LayoutMap, Shard, WishKind
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -75,7 +76,7 @@ def _expand(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
 
     def kept(i: int) -> bool:  # (a size computed in the graph is an fx node: not provably equal)
         size = node.args[1][i + shift]
-        return not isinstance(size, torch.fx.Node) and (size == -1 or private.known_equal(size, in_shape[i]))
+        return not isinstance(size, torch.fx.Node) and (size == -1 or private_aten.known_equal(size, in_shape[i]))
 
     return DimMap(tuple(i + shift if kept(i) else None for i in range(ndim)))
 
@@ -96,10 +97,11 @@ def _reshape(node: torch.fx.Node, ndim: int, out_ndim: int) -> DimMap:
     kept_out = tuple(i for i, d in enumerate(full_after) if not is_one(d))
     before, after = [full_before[i] for i in kept_in], [full_after[i] for i in kept_out]
     left = 0
-    while left < min(len(before), len(after)) and private.known_equal(before[left], after[left]):
+    while left < min(len(before), len(after)) and private_aten.known_equal(before[left], after[left]):
         left += 1
     right = 0
-    while right < min(len(before), len(after)) - left and private.known_equal(before[-1 - right], after[-1 - right]):
+    while (right < min(len(before), len(after)) - left
+           and private_aten.known_equal(before[-1 - right], after[-1 - right])):
         right += 1
     moves: list[int | None] = [None] * ndim
     for pos, i in enumerate(kept_in):
@@ -170,9 +172,9 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
             inner_out *= mid_out[o + 1]
         if elems % inner_out == 0:
             new_unit = elems // inner_out
-            if private.known_multiple(mid_out[o], units * new_unit):
+            if private_aten.known_multiple(mid_out[o], units * new_unit):
                 out = src.moved(dims.kept_out[out_start + o] - out_ndim, src.split.regrouped(new_unit))
-                merged = not private.known_equal(mid_out[o], units * new_unit)
+                merged = not private_aten.known_equal(mid_out[o], units * new_unit)
                 if merged and (out.split.fewest_units(lm.world) < 1 or src.split.whole):
                     return None  # a merged dim needs a part on every rank (its outer size is recovered from it)
                 return out  # (whole components stay whole: every unit keeps its elements)

@@ -1,0 +1,82 @@
+"""Private torch APIs for reading and emitting aten graphs: symbolic sizes without guards, views,
+tensor constants, and the ops a traced function dispatches.
+
+What the propagation rules, the rewrite, the lowering check and the report read of an aten graph
+(``_torch_private.py`` holds the rest: Dynamo, AOTAutograd, Inductor, process groups). Each function
+says which torch behaviour it depends on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx
+
+
+def size_hint(x: Any) -> int:
+    """A concrete example value for a possibly symbolic size, without adding a guard."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint) if x.node.hint is not None else 0
+    return int(x)
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """``a == b`` for sizes that may be symbolic, provable without adding a guard."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def known_multiple(a: Any, k: int) -> bool:
+    """``a % k == 0`` for a size that may be symbolic, provable without adding a guard."""
+    if isinstance(a, int):
+        return a % k == 0
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a % k == 0))
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
+    return t._is_view()
+
+
+def constant_value(node: Any) -> torch.Tensor | None:
+    """The value of a tensor constant in an aten graph (``x[..., [-2]]`` traces the list to
+    ``lift_fresh_copy(get_attr _tensor_constant0)``), or None if ``node`` is not one or only a fake
+    of it is held."""
+    if isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    value = getattr(node.graph.owning_module, str(node.target), None)
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not isinstance(value, torch.Tensor) or is_fake(value) or value.dtype.is_floating_point:
+        return None
+    return value
+
+
+@contextlib.contextmanager
+def recording_dispatch():
+    """``with recording_dispatch() as calls:`` every aten op dispatched inside, as ``(op, args,
+    kwargs)``, with the arguments the caller passed (a lowering's emitted ops, lowering.check).
+
+    NOTE: a ``TorchDispatchMode`` (``torch.utils._python_dispatch``) pushed inside make_fx's proxy
+    and fake modes sees each op first and re-dispatches it to them, so the trace is unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple[Any, tuple, dict]] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            calls.append((func, args, kwargs))
+            return func(*args, **kwargs)
+
+    with Recorder():
+        yield calls

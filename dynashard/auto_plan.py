@@ -1,0 +1,150 @@
+"""The auto plan (``plan="auto"``): a style per linear from the graph alone, Megatron-style pairs.
+
+Before: the matched linears of one graph, the current :class:`~dynashard.recut.Cuts`. After: a
+:class:`~dynashard.decision.Decision` per linear, from one walk of the graph in order::
+
+    up   (input replicated)                      -> colwise, "pairs with rowwise down"
+    gelu (pointwise: keeps up's shard)
+    down (input arrives sharded by up)           -> rowwise, "input sharded by up; one all_reduce"
+    head (no rowwise partner, in_features >= 256) -> colwise, output gathered
+
+A shardable linear whose input arrives sharded (a colwise output, through pointwise ops and
+last-dim-preserving views) becomes rowwise; every other shardable linear is tentatively colwise. A
+colwise linear whose shard never reaches a rowwise partner is kept colwise (its output gathered)
+when that pays, else replicated. Embeddings are vocab-parallel (rowwise). A weight used several
+times (a layer called twice, a tied LM head) gets one split for every use, also across graphs (a
+weight an earlier graph split is split the same way; one it reads whole stays whole).
+
+Invariants: it never mutates the graph; every linear gets exactly one decision with a reason.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from dynashard.decision import Decision, shared_conflicts, split_dim
+from dynashard.match import LinearMatch
+from dynashard.options import Options
+from dynashard.propagate import propagate
+from dynashard.recut import Cuts
+from dynashard.shard import LOSS_PARALLEL, LayoutMap, Shard, Wish
+
+# An unpaired colwise linear pays for its all-gather when each gathered element saves at least
+# this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
+# multiply-adds of one core, so 256 leaves a margin for the collective's fixed latency.
+_GATHER_MIN_IN_FEATURES = 256
+
+
+def auto_decisions(
+    linears, blocked, graph, options: Options, world: int, rank: int, modes: dict, cuts: Cuts,
+    wishes: list[Wish],
+) -> dict[torch.fx.Node, Decision]:
+    """Styles from one walk of the graph (tentatively colwise, rowwise where the input arrives
+    sharded); ``wishes`` collects what the shape rules asked for on the way."""
+    decisions: dict[torch.fx.Node, Decision] = {}
+    partners: dict[torch.fx.Node, list[str]] = {}
+
+    def choose(m: LinearMatch, src: Shard | None) -> str:
+        numel = m.numel
+        if m.node in cuts.forced:
+            decisions[m.node] = cuts.forced[m.node]
+        elif blocked[m.node]:
+            decisions[m.node] = Decision("replicate", blocked[m.node])
+        elif numel < options.min_shard_numel:
+            decisions[m.node] = Decision(
+                "replicate", f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
+            )
+        elif m.kind == "experts" and (modes["stacked"] or modes["per_rank"]):
+            mode = "weights='per_rank'" if modes["stacked"] else "inputs='per_rank'"
+            decisions[m.node] = Decision("replicate", f"experts with {mode}: kept whole (not supported yet)")
+        elif m.kind == "embedding" and modes["stacked"]:
+            decisions[m.node] = Decision("replicate", "embedding with weights='per_rank': kept whole")
+        elif m.kind == "embedding":
+            reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+            decisions[m.node] = Decision("rowwise", f"vocab-parallel embedding: masked local lookup, one {reduce}")
+        elif src is not None:
+            names = sorted(by_node[o].fqn for o in src.origins)
+            for o in src.origins:
+                partners.setdefault(o, []).append(m.fqn)
+            reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one {reduce}",
+                                         frozenset(names))
+        else:
+            decisions[m.node] = Decision("colwise", "")
+        return decisions[m.node].style
+
+    by_node = {m.node: m for m in linears}
+    walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, states=cuts.states, **modes)
+    wishes.extend(walked.wishes)
+    for m in linears:
+        d = decisions[m.node]
+        if d.style != "colwise":
+            continue
+        if m.node in partners:
+            decisions[m.node] = Decision("colwise", f"pairs with rowwise {', '.join(sorted(set(partners[m.node])))}")
+        elif _only_loss_parallel(walked, m):
+            decisions[m.node] = Decision(
+                "colwise", "vocab-parallel logits into cross_entropy (loss parallel): never gathered")
+        elif m.in_features >= _GATHER_MIN_IN_FEATURES:
+            decisions[m.node] = Decision(
+                "colwise", f"no rowwise partner{_stopped_at(walked, m)}; output gathered "
+                f"(in_features {m.in_features} >= {_GATHER_MIN_IN_FEATURES})"
+            )
+        else:
+            decisions[m.node] = Decision(
+                "replicate", f"no rowwise partner{_stopped_at(walked, m)} and in_features {m.in_features} < "
+                f"{_GATHER_MIN_IN_FEATURES}: a gather would not pay"
+            )
+    for ms in shared_conflicts(linears, decisions).values():
+        _settle_shared(ms, decisions, blocked, modes["stacked"])
+    return decisions
+
+
+def _stopped_at(walked: LayoutMap, m: LinearMatch) -> str:
+    """Where the tentatively colwise output of ``m`` was first gathered: the op no rule kept it
+    sharded through (or the graph output)."""
+    ops = [c.reason for c in walked.collectives if c.kind.gathers and m.node in c.origins and c.reason != LOSS_PARALLEL]
+    return f" (its shard is gathered before {ops[0]})" if ops else ""
+
+
+def _only_loss_parallel(walked: LayoutMap, m: LinearMatch) -> bool:
+    """The tentatively colwise output of ``m`` reaches a loss-parallel cross-entropy and nothing
+    gathers it: the shard pays for itself (no ``[tokens, vocab]`` gather), however small."""
+    mine = [c.reason for c in walked.collectives if m.node in c.origins]
+    return LOSS_PARALLEL in mine and all(r == LOSS_PARALLEL for r in mine)
+
+
+def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool) -> None:
+    """One split for a shared weight: a use replicated only for cost follows the sharded uses'
+    dim (a tied LM head follows its vocab-parallel embedding); otherwise all stay whole."""
+    names = ", ".join(sorted({f"{m.fqn} ({decisions[m.node].style})" for m in ms}))
+
+    def others(m: LinearMatch) -> str:  # the other uses (a tied head and its embedding share one FQN)
+        return ", ".join(sorted({f"{o.fqn} ({decisions[o.node].style} {o.kind})" for o in ms if o.node is not m.node}))
+
+    dims = {split_dim(m, decisions[m.node].style) for m in ms} - {None}
+    stuck = any(blocked[m.node] or (stacked and m.kind == "embedding") for m in ms)
+    if len(dims) == 1 and not stuck:
+        (dim,) = dims
+        for m in ms:
+            if decisions[m.node].style == "replicate":
+                style = "colwise" if m.out_dim == dim else "rowwise"
+                decisions[m.node] = Decision(style, f"shares its weight with {others(m)}: split on the same dim")
+        return
+    for m in ms:
+        decisions[m.node] = Decision("replicate", f"weight shared by uses that would split it differently: {names}")
+
+
+def follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dict[torch.fx.Node, int],
+                           prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> None:
+    """A weight an earlier graph split (and freed) is split the same way here, if it can be; one an
+    earlier graph reads whole stays whole (cutting it would free what that graph reads)."""
+    for m in linears:
+        if m.weight in prewhole and decisions[m.node].style != "replicate":
+            decisions[m.node] = Decision("replicate", "kept whole: a graph compiled earlier reads this weight whole")
+            continue
+        dim = presplit.get(m.weight)
+        if dim is None or split_dim(m, decisions[m.node].style) == dim or blocked[m.node]:
+            continue
+        style = "colwise" if m.out_dim == dim else "rowwise"
+        decisions[m.node] = Decision(style, f"weight already split on dim {dim} by an earlier graph")

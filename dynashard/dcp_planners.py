@@ -1,0 +1,142 @@
+"""DCP's planner protocol, both ways, for tensors that are one rank's pieces of a global tensor.
+
+Save: :func:`make_checkpointable` puts DTensor's ``_Checkpointable`` protocol on a plain shard, so
+``dcp.save(model.state_dict())`` writes each rank's pieces at their global offsets::
+
+    shard [4096, 1024] = rows [4096, 8192) of w [16384, 1024]
+        -> WriteItem(MetadataIndex("w", (4096, 0)), chunk offsets (4096, 0), sizes (4096, 1024))
+
+Load: :class:`LoadPlanner` (``dcp.load(..., planner=dynashard.LoadPlanner())``) shows DCP such a
+shard's global size, so the default plan reads exactly its chunks into it, from a checkpoint
+saved at any world size; :class:`SlicePlanner` reads chunks of one saved tensor into plain
+buffers (what :class:`~dynashard.checkpoint.DCPCheckpoint` reads a slice with).
+
+Invariants: a shard's chunks are the pieces it holds, no more; DCP's default planner does
+everything else (the classes only change what it is shown); nothing here runs a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+def _slice_planner_base():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    return DefaultLoadPlanner
+
+
+class SlicePlanner(_slice_planner_base()):
+    """Reads chunks ``(offsets, sizes)`` of one tensor into plain buffers (no DTensor): the plan
+    asks for exactly those chunks, and each read item lands in a view of its buffer."""
+
+    def __init__(self, fqn: str, md, wanted: list[tuple[list[int], list[int], torch.Tensor]]) -> None:
+        super().__init__()
+        self._fqn, self._md, self._wanted = fqn, md, wanted
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        items = []
+        for i, (offsets, sizes, _) in enumerate(self._wanted):
+            for item in create_read_items_for_chunk_list(
+                    self._fqn, self._md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]):
+                # one chunk per call: its items name chunk 0; tag them with this buffer's number instead
+                items.append(dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, index=i)))
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        return self._wanted[index.index][2]
+
+
+def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int,
+                        pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """``local`` (this rank's ``pieces`` of ``dim``, side by side) saved by DCP at their global offsets.
+
+    DCP asks a state-dict value for DTensor's ``_Checkpointable`` protocol (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``: torch/distributed/checkpoint/planner_helpers.py);
+    set on the tensor itself they describe any layout dynashard cuts, including fused components and
+    whole ones (the same chunk on every rank, which the save planner deduplicates). Measured:
+    tools/proto_dcp_shards.py. Loading goes through :class:`~dynashard.checkpoint.DCPCheckpoint` (DCP's default load
+    planner compares a plain tensor's own size with the saved one).
+    """
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    chunks, views, at = [], [], 0
+    for start, length in pieces:
+        if length:
+            offsets, sizes = [0] * len(full_shape), list(full_shape)
+            offsets[dim], sizes[dim] = start, length
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            views.append((at, length))
+        at += length
+    by_offset = {c.offsets: v for c, v in zip(chunks, views)}
+
+    def write_items(fqn: str, _obj: Any) -> list:
+        props = TensorProperties.create_from_tensor(local)
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=props, size=torch.Size(full_shape)))
+                for c in chunks]
+
+    def tensor_shard(index: Any) -> torch.Tensor:
+        at, length = by_offset[index.offset]
+        return local.detach().narrow(dim, at, length)
+
+    def reduce_ex(protocol: int) -> Any:
+        # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures
+        plain = local.detach()
+        if isinstance(local, torch.nn.Parameter):
+            plain = torch.nn.Parameter(plain, requires_grad=local.requires_grad)
+        return plain.__reduce_ex__(protocol)
+
+    local.__create_write_items__ = write_items
+    local.__create_chunk_list__ = lambda: list(chunks)
+    local.__get_tensor_shard__ = tensor_shard
+    local.__reduce_ex__ = reduce_ex
+    local._dynashard_global_shape = torch.Size(full_shape)  # (read by LoadPlanner)
+    return local
+
+
+def _load_planner_base():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    return DefaultLoadPlanner
+
+
+class LoadPlanner(_load_planner_base()):
+    """``dcp.load(state, checkpoint_id=..., planner=dynashard.LoadPlanner())`` into live shards: the
+    state of a parallelized model and its optimizer (``get_state_dict(model, optimizer)``), from a
+    checkpoint saved at any world size or unsharded. Each shard asks for its pieces of the saved
+    tensors (its checkpoint protocol's chunks) and is filled in place.
+
+    DCP's default planner first compares each tensor's own size with the saved one, which a shard's
+    local size fails; this planner shows DCP the global size of tensors that carry a shard's protocol
+    and leaves everything else to the default planner.
+    """
+
+    def create_local_plan(self):
+        real = self.state_dict
+        self.state_dict = {k: _GlobalSized(v) if hasattr(v, "_dynashard_global_shape") else v for k, v in real.items()}
+        try:
+            return super().create_local_plan()
+        finally:
+            self.state_dict = real
+
+
+class _GlobalSized:
+    """What the default load plan reads of a shard: its global size and its chunks."""
+
+    def __init__(self, shard: torch.Tensor) -> None:
+        self._shard = shard
+
+    def size(self) -> torch.Size:
+        return self._shard._dynashard_global_shape
+
+    def __create_chunk_list__(self) -> list:
+        return self._shard.__create_chunk_list__()

@@ -1,0 +1,38 @@
+"""What the plan decides for one linear (a :class:`Decision`: style and reason), and what the
+several uses of one weight must agree on: one split of it for all of them.
+
+Shared by the auto plan (``auto_plan.py``), the user plan (``user_plan.py``) and the re-cut
+fixpoint (``recut.py``); it decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx
+
+from dynashard.match import LinearMatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    style: str  # "colwise" | "rowwise" | "replicate"
+    reason: str
+    fed_by: frozenset[str] = frozenset()  # auto rowwise: the FQNs of the colwise linears sharding its input
+
+
+def split_dim(m: LinearMatch, style: str) -> int | None:
+    return None if style == "replicate" else m.out_dim if style == "colwise" else m.in_dim
+
+
+def shared_conflicts(linears: list[LinearMatch], decisions: dict) -> dict[torch.fx.Node, list[LinearMatch]]:
+    """Weights used more than once (a layer called twice, tied embedding and LM head) whose
+    uses do not all split it on the same dim: one copy cannot serve them all."""
+    by_weight: dict[torch.fx.Node, list[LinearMatch]] = {}
+    for m in linears:
+        by_weight.setdefault(m.weight, []).append(m)
+    return {
+        w: ms
+        for w, ms in by_weight.items()
+        if len({split_dim(m, decisions[m.node].style) for m in ms}) > 1
+    }

@@ -1,0 +1,75 @@
+"""A user plan (``plan={fqn_glob: style}``): each linear's style from the key that names it.
+
+Before: the matched linears of one graph and the plan dict. After: a
+:class:`~dynashard.decision.Decision` per linear::
+
+    {"layers.*.mlp.up": "colwise", "mlp.down": "rowwise"}
+    layers.0.mlp.up   -> colwise, "plan key 'layers.*.mlp.up'"
+    layers.0.mlp.down -> rowwise, "plan key 'mlp.down'"   (a key also matches a dotted suffix)
+    lm_head           -> replicate, "not named by the plan"
+
+Invariants: every key matches a linear, else an error naming the closest FQNs; a linear the plan
+names that cannot be sharded (its weight read by other ops, experts or embeddings in a per-rank
+mode, a shared weight split two ways) is an error, never skipped; the last matching key wins.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+
+import torch.fx
+
+from dynashard.decision import Decision, shared_conflicts
+from dynashard.errors import UsageError
+
+
+def key_matches(key: str, fqn: str) -> bool:
+    """A plan key matches a module FQN in full, or a dotted suffix of it (HF base-model plans)."""
+    return fnmatch.fnmatchcase(fqn, key) or fnmatch.fnmatchcase(fqn, "*." + key)
+
+
+def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool,
+                   per_rank: bool) -> dict[torch.fx.Node, Decision]:
+    names = sorted({m.fqn for m in linears})
+    for key in plan:
+        if not any(key_matches(key, n) for n in names):
+            close = difflib.get_close_matches(key, names, n=5, cutoff=0.3) or names[:5]
+            raise UsageError(
+                f"dynashard: plan key {key!r} matches no linear layer in the compiled graph; "
+                f"closest linear FQNs: {close}. Fix the key (globs like 'layers.*.mlp.up' are "
+                "matched against module FQNs as in model.named_modules())."
+            )
+    decisions: dict[torch.fx.Node, Decision] = {}
+    for m in linears:
+        keys = [k for k in plan if key_matches(k, m.fqn)]
+        if not keys:
+            decisions[m.node] = Decision("replicate", "not named by the plan")
+            continue
+        style = plan[keys[-1]]
+        if style != "replicate" and blocked[m.node]:
+            raise UsageError(
+                f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "
+                "cannot be sharded. Expected a weight used only by linear layers; set its style to "
+                "'replicate' or remove it from the plan."
+            )
+        if stacked and m.kind == "embedding" and style != "replicate":
+            raise UsageError(
+                f"dynashard: plan asks for {style} on embedding {m.fqn!r} with weights='per_rank'; expected "
+                "'replicate' (every rank's own embedding stays whole)."
+            )
+        if (stacked or per_rank) and m.kind == "experts" and style != "replicate":
+            mode = "weights='per_rank'" if stacked else "inputs='per_rank'"
+            raise UsageError(
+                f"dynashard: plan asks for {style} on experts {m.fqn!r} with {mode}, which experts do not support "
+                "yet; expected 'replicate' for them, or the default inputs='replicated', weights='replicated'."
+            )
+        decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
+    for ms in shared_conflicts(linears, decisions).values():
+        uses = ", ".join(sorted({f"{m.fqn} as {decisions[m.node].style}" for m in ms}))
+        raise UsageError(
+            f"dynashard: one weight is used by several layers that the plan splits differently ({uses}); "
+            "expected every use of a shared weight to have styles that split the same dim (e.g. a tied "
+            "embedding 'rowwise' with its LM head 'colwise'), or all 'replicate'."
+        )
+    return decisions
