@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dynashard import _torch_private as private
 from dynashard.errors import PeerError, UsageError
-from dynashard.facades import become, is_facade, unbecome
+from dynashard.facades import FREED, is_storage_less, mark_storage_less, unbecome
 from dynashard.protocol import exchange_status
 from dynashard.split import Split
 from dynashard.transport import broadcast_from_first, exchange_blocks
@@ -236,7 +236,7 @@ class WeightStore:
         if spec.stacked:
             (lengths,) = spec.split.lengths(spec.world)  # per_rank weights: one component
             shard = exchange_blocks(param, spec.dim, lengths, spec.rank, group)
-        elif source is not None and _storage_less(param):  # read from a checkpoint, never whole
+        elif source is not None and is_storage_less(param):  # read from a checkpoint, never whole
             shard = source(param, spec)
         else:
             shard = cut(param.detach(), spec.dim, spec.split, spec.world, spec.rank)
@@ -258,13 +258,13 @@ class WeightStore:
     def materialize(self, params: list[torch.Tensor], source: Source) -> None:
         """Storage-less ``params`` a graph reads whole (replicated), filled from ``source``."""
         for p in params:
-            if _storage_less(p) and not self.is_sharded(p):
+            if is_storage_less(p) and not self.is_sharded(p):
                 value = source(p, None)
                 p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
                 with torch.no_grad():
                     p.copy_(value)
                 p.__dict__.pop("__deepcopy__", None)  # whole again: copies and saves like any tensor
-                p.untyped_storage().__dict__.pop(_FREED, None)
+                p.untyped_storage().__dict__.pop(FREED, None)
                 unbecome(p)
 
     def trust(self, params: list[torch.Tensor]) -> None:
@@ -347,60 +347,6 @@ class WeightStore:
             broadcast_from_first([t for _, t in fresh], group)
         for _, t in fresh:
             self._agreed[t] = True
-
-
-def _storage_less(t: torch.Tensor) -> bool:
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
-
-
-_FREED = "_dynashard_freed"  # set on the (preserved) Python object of a storage dynashard freed
-_SAVE_REFUSAL: list[bool] = []  # the tagger refusing such storages is registered (on the first one, not on import)
-
-
-def mark_storage_less(t: torch.Tensor) -> None:
-    """Make copying or saving ``t``, a full-shape tensor whose storage dynashard freed (or never
-    filled), raise a UsageError naming the fix: ``copy.deepcopy`` of it kills the process (pytorch's
-    C++ reads the missing bytes), and ``torch.save`` (``model.state_dict()``'s detached views, pickle)
-    would write an empty storage without a word, a file that fails only when loaded. The copy is
-    refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
-    a storage tagger registered here the first time (``torch.serialization``'s are process-wide). Eager
-    math on ``t`` cannot be refused this way (the table in docs/facades.md)."""
-    become(t)  # a Facade: eager use answered (facades.py)
-    if not is_facade(t):  # (a subclass of the model's own keeps its class: copies and saves refused at least)
-        t.__deepcopy__ = _refuse_copy
-    setattr(t.untyped_storage(), _FREED, True)
-    if not _SAVE_REFUSAL:
-        torch.serialization.register_package(-100, _refuse_saving, _no_location)
-        _SAVE_REFUSAL.append(True)
-
-
-SAVE_REFUSED = (
-    "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
-    "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
-    "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
-    "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
-    "dynashard.export_safetensors(model, path), which works after a plain compile too.")
-
-
-def _refuse_saving(storage: Any) -> None:
-    """A ``torch.serialization`` location tagger, asked first for every storage ``torch.save`` writes:
-    refuses a storage dynashard freed, passes every other on (None: the next tagger names its device)."""
-    if getattr(storage, _FREED, False) and storage.nbytes() == 0:
-        raise UsageError(SAVE_REFUSED)
-
-
-def _no_location(storage: Any, location: str) -> None:
-    return None  # (loading: never ours, the next deserializer restores it)
-
-
-
-def _refuse_copy(memo: dict) -> None:
-    raise UsageError(
-        "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values (copying "
-        "a tensor without storage would kill the process). Expected the copy made before torch.compile or "
-        "dynashard.parallelize, e.g. reference = copy.deepcopy(model) first.")
-
-
 
 
 def cut(full: torch.Tensor, dim: int, split: Split, world: int, rank: int) -> torch.Tensor:

@@ -616,9 +616,9 @@ def test_importing_dynashard_registers_nothing_with_torch_serialization():
     import sys
 
     code = (
-        "import torch, io, dynashard, dynashard.weights as w\n"
+        "import torch, io, dynashard, dynashard.facades as w\n"
         "t = torch.zeros(0)\n"
-        "setattr(t.untyped_storage(), w._FREED, True)\n"  # what a freed storage carries
+        "setattr(t.untyped_storage(), w.FREED, True)\n"  # what a freed storage carries
         "torch.save(t, io.BytesIO())\n"  # no tagger yet: saved
         "w.mark_storage_less(torch.nn.Parameter(torch.zeros(0)))\n"  # dynashard frees its first storage
         "try:\n    torch.save(t, io.BytesIO())\n"
