@@ -580,7 +580,7 @@ def test_the_plan_follows_earlier_cuts_it_is_given_and_reads_no_store():
     gives three plans; and a weight the store holds a shard of changes nothing unless it is passed in."""
     from dynashard import _torch_private as private
     from dynashard.analysis import analyse
-    from dynashard.shard import even
+    from dynashard.split import even
     from dynashard.weights import STORE, EarlierCuts, ShardSpec
 
     def _styles(plan):
