@@ -2,11 +2,13 @@
 
 Every rank builds the same model (seed 0) and the same inputs, keeps the unsharded output as
 the reference, then compiles with dynashard and runs every input shape through one compiled
-model. Results go back to the parent as plain data; the tests assert on them. (Behaviours that
-assert where they run, on every rank: tests/scenarios.py.)
+model. Results go back to the parent as plain data (a numerics case's as a ``CaseResult``); the
+tests assert on them. (Behaviours that assert where they run, on every rank: tests/scenarios.py.)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -145,7 +147,18 @@ def _options(extra: dict, compiler: str) -> dict:
     return opts
 
 
-def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    """One case on one rank: the compiled model's outputs against the unsharded model's."""
+
+    max_err: float  # the largest absolute difference over every input shape
+    ref_scale: float  # the largest absolute value of the unsharded outputs (for a relative tolerance)
+    freed: list[str]  # the parameters whose full-size storage was freed: what the plan sharded
+    compiles: int  # how many graphs the backend compiled for all the shapes
+    shapes_ok: bool  # every output has the unsharded output's shape and dtype
+
+
+def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> CaseResult:
     """Compile one case; with per-rank inputs/weights the reference is this rank's own model."""
     model_name, hidden, ffn, shapes, extra = CASES[case]
     torch._dynamo.reset()
@@ -169,16 +182,16 @@ def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
         compiled = torch.compile(model, backend=counting_backend)
         outs = [compiled(x) for x in inputs]
     freed = {n for n, p in model.named_parameters() if p.untyped_storage().nbytes() == 0}
-    return {
-        "max_err": max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs)),
-        "ref_scale": max(float(r.float().abs().max()) for r in refs),
-        "freed": sorted(freed),
-        "compiles": len(compiles),
-        "shapes_ok": all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(outs, refs)),
-    }
+    return CaseResult(
+        max_err=max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs)),
+        ref_scale=max(float(r.float().abs().max()) for r in refs),
+        freed=sorted(freed),
+        compiles=len(compiles),
+        shapes_ok=all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(outs, refs)),
+    )
 
 
-def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict:
+def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict[str, CaseResult]:
     dtype = getattr(torch, dtype_name)
     return {case: run_case(case, compiler, dtype, rank) for case in cases}
 
