@@ -1,11 +1,14 @@
-"""Rank-side bodies of the multi-process tests: compile with dynashard, compare with the unsharded model.
+"""Rank-side bodies of the numerics and faults tests: compile with dynashard, compare with the unsharded model.
 
 Every rank builds the same model (seed 0) and the same inputs, keeps the unsharded output as
 the reference, then compiles with dynashard and runs every input shape through one compiled
-model. Results go back to the parent as plain data; the tests assert on them.
+model. Results go back to the parent as plain data (a numerics case's as a ``CaseResult``); the
+tests assert on them. (Behaviours that assert where they run, on every rank: tests/scenarios.py.)
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -144,7 +147,18 @@ def _options(extra: dict, compiler: str) -> dict:
     return opts
 
 
-def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    """One case on one rank: the compiled model's outputs against the unsharded model's."""
+
+    max_err: float  # the largest absolute difference over every input shape
+    ref_scale: float  # the largest absolute value of the unsharded outputs (for a relative tolerance)
+    freed: list[str]  # the parameters whose full-size storage was freed: what the plan sharded
+    compiles: int  # how many graphs the backend compiled for all the shapes
+    shapes_ok: bool  # every output has the unsharded output's shape and dtype
+
+
+def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> CaseResult:
     """Compile one case; with per-rank inputs/weights the reference is this rank's own model."""
     model_name, hidden, ffn, shapes, extra = CASES[case]
     torch._dynamo.reset()
@@ -168,16 +182,16 @@ def run_case(case: str, compiler: str, dtype: torch.dtype, rank: int) -> dict:
         compiled = torch.compile(model, backend=counting_backend)
         outs = [compiled(x) for x in inputs]
     freed = {n for n, p in model.named_parameters() if p.untyped_storage().nbytes() == 0}
-    return {
-        "max_err": max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs)),
-        "ref_scale": max(float(r.float().abs().max()) for r in refs),
-        "freed": sorted(freed),
-        "compiles": len(compiles),
-        "shapes_ok": all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(outs, refs)),
-    }
+    return CaseResult(
+        max_err=max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs)),
+        ref_scale=max(float(r.float().abs().max()) for r in refs),
+        freed=sorted(freed),
+        compiles=len(compiles),
+        shapes_ok=all(o.shape == r.shape and o.dtype == r.dtype for o, r in zip(outs, refs)),
+    )
 
 
-def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict:
+def battery(rank: int, world: int, cases: list[str], compiler: str, dtype_name: str) -> dict[str, CaseResult]:
     dtype = getattr(torch, dtype_name)
     return {case: run_case(case, compiler, dtype, rank) for case in cases}
 
@@ -187,250 +201,12 @@ def battery_of_configs(rank: int, world: int, groups: list[tuple[str, str, tuple
     return {(compiler, dtype): battery(rank, world, list(cases), compiler, dtype) for compiler, dtype, cases in groups}
 
 
-def models_mlp_ref(x: torch.Tensor) -> torch.Tensor:
-    """The unsharded MLP(32, 96) of seed 0 on ``x``."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        return models.MLP(32, 96)(x)
-
-
-def _compile_mlp(seed: int, **options):
-    torch._dynamo.reset()
-    torch.manual_seed(seed)
-    model = models.MLP(32, 96)
-    options = {"compiler": "eager", "min_shard_numel": 0, **options}
-    return model, torch.compile(model, backend="dynashard", options=options)
-
-
 def _error_of(fn) -> tuple[str, str] | None:
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the test inspects type and message
         return type(e).__name__, str(e)
     return None
-
-
-def scenarios(rank: int, world: int) -> dict:
-    """Behaviours and bad inputs that must act the same on every rank."""
-    import dynashard
-
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
-    out: dict = {}
-    with torch.no_grad():
-        # Weights that differ across ranks (each rank seeds itself): an error naming the parameter.
-        _, bad = _compile_mlp(seed=rank)
-        out["mismatch"] = _error_of(lambda: bad(x))
-        # The same models with weights="rank0": every rank computes rank 0's model.
-        torch.manual_seed(0)
-        ref = models.MLP(32, 96)(x)
-        model, fixed = _compile_mlp(seed=rank, weights="rank0")
-        out["rank0_err"] = float((fixed(x) - ref).abs().max())
-        # A plan key that matches no linear lists the closest names.
-        _, typo = _compile_mlp(seed=0, plan={"upp": "colwise", "down": "rowwise"})
-        out["typo"] = _error_of(lambda: typo(x))
-        # A plan naming a layer whose weight is also read by something else.
-        out["unknown_style"] = _error_of(lambda: _compile_mlp(seed=0, plan={"up": "diagonal"})[1](x))
-        out["unknown_option"] = _error_of(lambda: _compile_mlp(seed=0, shard_everything=True)[1](x))
-        out["bad_compiler"] = _error_of(lambda: _compile_mlp(seed=0, compiler="tvm")[1](x))
-        # dynashard.backend(**options) binds options up front.
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = models.MLP(32, 96)
-        out["explain_in_group"] = dynashard.explain(model, x, options={"min_shard_numel": 0}).layers
-        y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(x)
-        out["explain_after_compile"] = _error_of(lambda: dynashard.explain(model, x))
-        out["bound_backend_err"] = float((y - ref).abs().max())
-        out["bound_backend_sharded"] = model.up.weight.untyped_storage().nbytes() == 0
-        # The shards die with the model, although Dynamo keeps compiled functions alive.
-        import gc
-        import weakref
-
-        from dynashard.weights import STORE
-
-        shard = weakref.ref(STORE.shard_of(model.up.weight))
-        del model
-        torch._dynamo.reset()
-        gc.collect()
-        out["shard_freed_with_model"] = shard() is None
-        # Two instances of one class share Dynamo's compiled program: the second model's weights
-        # are agreed, cut and freed on its first call, never swapped for the first model's shards.
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        first, second = models.MLP(32, 96), models.MLP(32, 96)
-        refs = first(x), second(x)
-        opts = {"compiler": "eager", "min_shard_numel": 0}
-        outs = [torch.compile(m, backend="dynashard", options=opts)(x) for m in (first, second)]
-        out["two_instances_err"] = max(float((o - r).abs().max()) for o, r in zip(outs, refs))
-        out["two_instances_freed"] = [m.up.weight.untyped_storage().nbytes() == 0 for m in (first, second)]
-        # Each block of a stack compiled on its own (one program for all three blocks).
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        stack = models.MLPStack(32, 96)
-        ref = stack(x)
-        for layer in stack.layers:
-            layer.compile(backend="dynashard", options=opts)
-        out["per_block_err"] = float((stack(x) - ref).abs().max())
-        out["per_block_freed"] = [layer.down.weight.untyped_storage().nbytes() == 0 for layer in stack.layers]
-    # inputs="per_rank": batch sizes that differ across ranks within a call are an error, not a hang.
-    per_rank = {"inputs": "per_rank", "compiler": "eager", "min_shard_numel": 0}
-    with torch.no_grad():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
-        out["pr_first_call_mismatch"] = _error_of(lambda: compiled(torch.randn(3 + rank, 32)))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
-        compiled(torch.randn(3, 32))
-        compiled(torch.randn(5, 32))  # now dynamic: a rank-dependent size passes Dynamo's guards
-        out["pr_later_call_mismatch"] = _error_of(lambda: compiled(torch.randn(6 + rank, 32)))
-        # A static graph: rank 0's guards pass (it calls), rank 1's fail (it recompiles). Both must raise.
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=per_rank)
-        compiled(torch.randn(5, 32))
-        out["pr_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
-        # The same with a graph the plan leaves whole: no shards, but still no hang.
-        torch._dynamo.reset()
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**per_rank, "plan": {}})
-        compiled(torch.randn(5, 32))
-        out["pr_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
-    # inputs="replicated" (the default): ranks calling with other shapes than each other are an error
-    # naming every rank's shapes, on the first call, on a dynamic graph, and when only some ranks'
-    # guards fail (they recompile while the others call); never a gloo abort or a hang.
-    replicated = {"compiler": "eager", "min_shard_numel": 0}
-
-    def same(*shape):  # the same values on every rank (the global RNG differs once ranks drew different sizes)
-        return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
-
-    with torch.no_grad():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        out["rep_first_call_mismatch"] = _error_of(lambda: compiled(torch.randn(3 + rank, 32)))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        compiled(same(2, 3, 32))
-        compiled(same(2, 5, 32))  # now dynamic
-        out["rep_later_call_mismatch"] = _error_of(lambda: compiled(torch.randn(2, 10 + 2 * rank, 32)))
-        out["rep_after_mismatch_err"] = float((compiled(x) - models_mlp_ref(x)).abs().max())  # the group survives
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        compiled(same(5, 32))
-        out["rep_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
-        torch._dynamo.reset()
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**replicated, "plan": {}})
-        compiled(same(5, 32))
-        out["rep_whole_call_vs_recompile"] = _error_of(lambda: compiled(torch.randn(5 + 2 * rank, 32)))
-        # Inputs of another dtype on one rank: named like shapes (the collectives would differ in bytes).
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        out["rep_dtype_mismatch"] = _error_of(lambda: compiled(x.to(torch.float64 if rank == 1 else torch.float32)))
-        # A parameter of another dtype on one rank (the model casts to its weights): its dtypes named.
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        casts = models.CastsToWeights(32, 96).to(torch.float64 if rank == 1 else torch.float32)
-        out["param_dtype_mismatch"] = _error_of(
-            lambda: torch.compile(casts, backend="dynashard", options=replicated)(x))
-        # The model's own error inside the sharded program, on every rank: raised as it is, not as
-        # a process group failure ("every rank got there. The process group said: ...").
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        programs = []
-
-        def keeps_program(gm, example_inputs):
-            from dynashard.dynamo_backend import dynashard_backend
-
-            programs.append(dynashard_backend(gm, example_inputs, replicated))
-            return programs[-1]
-
-        compiled = torch.compile(models.MLP(32, 96), backend=keeps_program)
-        compiled(x)
-
-        def model_error(*args):
-            raise RuntimeError("expected scalar type Float but found Half")  # what the model's code raised
-
-        programs[0].compiled = model_error
-        out["model_error"] = _error_of(lambda: compiled(x))
-        # check_inputs="values": equal shapes, other values on one rank, caught by a checksum.
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        values = {**replicated, "check_inputs": "values"}
-        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=values)
-        out["checked_same_err"] = float((compiled(x) - models_mlp_ref(x)).abs().max())
-        out["checked_other_values"] = _error_of(lambda: compiled(x + (rank == world - 1)))
-        # check_inputs="ids" (the default): every input's values compared when a graph compiles, integer
-        # inputs' (token ids) on every call; float values that differ only in later calls are not compared
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        default = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        out["default_other_values_at_compile"] = _error_of(lambda: default(x + rank))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        default = torch.compile(models.MLP(32, 96), backend="dynashard", options=replicated)
-        default(x)
-        out["default_other_floats_later"] = _error_of(lambda: default(x + rank))
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        lm = torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options=replicated)
-        ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
-        lm(ids)
-        out["default_other_ids"] = _error_of(lambda: lm(ids if rank == 0 else ids.flip(-1)))  # (a per-rank loader)
-        off = {**replicated, "check_inputs": "off"}
-        out["off_other_ids"] = _error_of(
-            lambda: torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options=off)(ids + rank))
-    # A graph left whole keeps its gradients (plan {}: every layer replicated).
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    whole = models.MLP(32, 96)
-    torch.compile(whole, backend="dynashard", options={"compiler": "aot_eager", "plan": {}})(x).sum().backward()
-    out["whole_graph_has_grads"] = whole.up.weight.grad is not None and float(whole.up.weight.grad.abs().sum()) > 0
-    # Dynamic shapes: six batch sizes and six sequence lengths, one recompile at most.
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = models.ResidualBlock(32, 70)  # 70 does not divide by 4: uneven shards
-    shapes = [(b, t, 32) for b, t in ((2, 3), (3, 5), (4, 7), (5, 2), (6, 9), (7, 4), (2, 11), (3, 13))]
-    inputs = [torch.randn(s) for s in shapes]
-    with torch.no_grad():
-        refs = [model(i) for i in inputs]
-        graphs: list[int] = []
-
-        def counting(gm, example_inputs):
-            from dynashard.dynamo_backend import dynashard_backend
-
-            graphs.append(len(gm.graph.nodes))
-            return dynashard_backend(gm, example_inputs, {"compiler": "eager", "min_shard_numel": 0})
-
-        compiled = torch.compile(model, backend=counting)
-        out["dynamic_err"] = max(float((compiled(i) - r).abs().max()) for i, r in zip(inputs, refs))
-    out["dynamic_compiles"] = graphs
-    # Grad enabled on a model only compiled (not parallelized): the forward is right and the backward
-    # runs, but its gradients land in the shards the model does not list, so an optimizer over
-    # model.parameters() (the freed full-size ones) raises at its first step instead of training nothing.
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = models.MLP(32, 96)
-    ref = model(x).detach()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    y = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})(x)
-    out["grad_forward_err"] = float((y.detach() - ref).abs().max())
-    out["grad_backward"] = _error_of(lambda: y.sum().backward())
-    out["grad_step"] = _error_of(opt.step)
-    with torch.inference_mode():
-        again = torch.compile(model, backend="dynashard", options={"compiler": "eager", "min_shard_numel": 0})
-        out["inference_mode_err"] = float((again(x) - ref).abs().max())
-        # Compiling the now-sharded model again with other options: the automatic plan follows the
-        # existing split; a plan that needs the full (freed) weights is a clear error.
-        torch._dynamo.reset()
-        out["auto_follows_split_err"] = float((torch.compile(model, backend="dynashard")(x) - ref).abs().max())
-        torch._dynamo.reset()
-        out["other_options_later"] = _error_of(
-            lambda: torch.compile(model, backend="dynashard", options={"plan": {}})(x)
-        )
-    return out
 
 
 def faults(rank: int, world: int, which: str) -> dict:

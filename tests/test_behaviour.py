@@ -1,161 +1,336 @@
-"""Errors and behaviours that must be identical on every rank (real gloo groups, one spawn)."""
+"""Errors and behaviours that must be identical on every rank (real gloo groups, one spawn per world).
+
+Each ``@on_ranks`` test runs on every rank and asserts there (tests/scenarios.py): one spawn per world
+size runs them all in order, each after ``torch._dynamo.reset()`` and ``torch.manual_seed(0)``, and
+each test reports its own ranks' failures.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import dynashard
+from dynashard.dynamo_backend import dynashard_backend
 from dynashard.options import Options
-from tests.battery import scenarios
-from tests.multiproc import SUBPROCESS_DEADLINE_S, run_ranks, shared_run
+from dynashard.weights import STORE
+from tests import models
+from tests.multiproc import SUBPROCESS_DEADLINE_S
+from tests.scenarios import Scenarios, raised
 
 # One spawn per world runs every scenario: about 20 s at world 2 or 4 on the quiet 2-core machine,
 # so 300 s covers a 3x slower machine that is also running another job, with a 2x margin; the first
-# test that reads it (its fixture's setup) waits that long at most, plus the teardown.
+# test that reads it waits that long at most, plus the teardown.
 SCENARIOS_DEADLINE_S = 300
 pytestmark = [pytest.mark.gloo, pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)]
+on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=SCENARIOS_DEADLINE_S)
 
 # float32 sharded vs unsharded MLP(32, 96): sums of <= 96 O(1) terms in another order, a few ulps.
 ATOL = 1e-5
+EAGER = {"compiler": "eager", "min_shard_numel": 0}
+PER_RANK = {**EAGER, "inputs": "per_rank"}
+X = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
 
 
-@shared_run
-def _results(world: int) -> list[dict]:
-    return run_ranks(scenarios, world, timeout=SCENARIOS_DEADLINE_S)
+def _mlp_ref(x: torch.Tensor) -> torch.Tensor:
+    """The unsharded MLP(32, 96) of seed 0 on ``x``."""
+    torch.manual_seed(0)
+    return models.MLP(32, 96)(x)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def per_rank(request):
-    return _results(request.param)
+def _compile_mlp(seed: int, **options):
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model = models.MLP(32, 96)
+    return model, torch.compile(model, backend="dynashard", options={**EAGER, **options})
 
 
-def test_weights_differing_across_ranks_raise_on_every_rank(per_rank):
-    for r in per_rank:
-        kind, msg = r["mismatch"]
-        assert kind == "BackendCompilerFailed" and "UsageError" in msg, msg  # (a ValueError)
-        assert "differs across ranks" in msg and "'up.weight'" in msg and "weights': 'rank0'" in msg, msg
+def _same(*shape) -> torch.Tensor:
+    """The same values on every rank (the global RNG differs once ranks drew different sizes)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-def test_rank0_weights_use_rank_zero_values(per_rank):
-    for r in per_rank:
-        assert r["rank0_err"] <= ATOL
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
 
 
-def test_plan_key_matching_nothing_lists_closest(per_rank):
-    for r in per_rank:
-        kind, msg = r["typo"]
-        assert "plan key 'upp' matches no linear" in msg and "['up'" in msg, msg
+@on_ranks
+@torch.no_grad()
+def test_weights_differing_across_ranks_raise_on_every_rank(rank, world):
+    _, bad = _compile_mlp(seed=rank)  # each rank seeds itself
+    error = raised(lambda: bad(X))
+    msg = str(error)
+    assert type(error).__name__ == "BackendCompilerFailed" and "UsageError" in msg, msg  # (a ValueError)
+    assert "differs across ranks" in msg and "'up.weight'" in msg and "weights': 'rank0'" in msg, msg
 
 
-def test_unknown_style_option_and_compiler(per_rank):
-    for r in per_rank:
-        assert "expected one of ['colwise', 'rowwise', 'replicate']" in r["unknown_style"][1]
-        assert "unknown option(s) ['shard_everything']" in r["unknown_option"][1]
-        valid = [f.name for f in dataclasses.fields(Options)]  # every option, in the order they are listed
-        assert valid[:3] == ["plan", "group", "compiler"] and "mode" in valid
-        assert f"valid options are {valid}" in r["unknown_option"][1]
-        assert "expected one of ['inductor', 'aot_eager', 'eager']" in r["bad_compiler"][1]
+@on_ranks
+@torch.no_grad()
+def test_rank0_weights_use_rank_zero_values(rank, world):
+    ref = _mlp_ref(X)
+    _, fixed = _compile_mlp(seed=rank, weights="rank0")  # every rank computes rank 0's model
+    assert _err(fixed(X), ref) <= ATOL, _err(fixed(X), ref)
 
 
-def test_bound_backend(per_rank):
-    for r in per_rank:
-        assert r["bound_backend_err"] <= ATOL and r["bound_backend_sharded"]
-        assert r["shard_freed_with_model"]
-        assert r["explain_in_group"] == {"up": "colwise", "down": "rowwise"}
-        assert "call explain before torch.compile" in r["explain_after_compile"][1]
+@on_ranks
+@torch.no_grad()
+def test_plan_key_matching_nothing_lists_closest(rank, world):
+    _, typo = _compile_mlp(seed=0, plan={"upp": "colwise", "down": "rowwise"})
+    msg = str(raised(lambda: typo(X)))
+    assert "plan key 'upp' matches no linear" in msg and "['up'" in msg, msg
 
 
-def test_instances_sharing_a_compiled_program_use_their_own_weights(per_rank):
+@on_ranks
+@torch.no_grad()
+def test_unknown_style_option_and_compiler(rank, world):
+    msg = str(raised(lambda: _compile_mlp(seed=0, plan={"up": "diagonal"})[1](X)))
+    assert "expected one of ['colwise', 'rowwise', 'replicate']" in msg, msg
+    msg = str(raised(lambda: _compile_mlp(seed=0, shard_everything=True)[1](X)))
+    assert "unknown option(s) ['shard_everything']" in msg, msg
+    valid = [f.name for f in dataclasses.fields(Options)]  # every option, in the order they are listed
+    assert valid[:3] == ["plan", "group", "compiler"] and "mode" in valid, valid
+    assert f"valid options are {valid}" in msg, msg
+    msg = str(raised(lambda: _compile_mlp(seed=0, compiler="tvm")[1](X)))
+    assert "expected one of ['inductor', 'aot_eager', 'eager']" in msg, msg
+
+
+@on_ranks
+@torch.no_grad()
+def test_bound_backend(rank, world):
+    model = models.MLP(32, 96)
+    layers = dynashard.explain(model, X, options={"min_shard_numel": 0}).layers
+    assert layers == {"up": "colwise", "down": "rowwise"}, layers
+    y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(X)  # options bound
+    assert _err(y, _mlp_ref(X)) <= ATOL and model.up.weight.untyped_storage().nbytes() == 0, _err(y, _mlp_ref(X))
+    msg = str(raised(lambda m=model: dynashard.explain(m, X)))  # (a string: the error's frames hold the model)
+    assert "call explain before torch.compile" in msg, msg
+    # The shards die with the model, although Dynamo keeps compiled functions alive.
+    shard = weakref.ref(STORE.shard_of(model.up.weight))
+    del model
+    torch._dynamo.reset()
+    gc.collect()
+    assert shard() is None, "the shard outlived its model"
+
+
+@on_ranks
+@torch.no_grad()
+def test_instances_sharing_a_compiled_program_use_their_own_weights(rank, world):
     # Found by the benchmark work: the second instance ran on the first one's shards (error ~1).
-    for r in per_rank:
-        assert r["two_instances_err"] <= ATOL and r["two_instances_freed"] == [True, True]
-        assert r["per_block_err"] <= ATOL and r["per_block_freed"] == [True, True, True]
+    # Two instances of one class share Dynamo's compiled program: the second model's weights are
+    # agreed, cut and freed on its first call, never swapped for the first model's shards.
+    first, second = models.MLP(32, 96), models.MLP(32, 96)
+    refs = first(X), second(X)
+    outs = [torch.compile(m, backend="dynashard", options=EAGER)(X) for m in (first, second)]
+    err = max(_err(o, r) for o, r in zip(outs, refs))
+    freed = [m.up.weight.untyped_storage().nbytes() == 0 for m in (first, second)]
+    assert err <= ATOL and freed == [True, True], (err, freed)
+    # Each block of a stack compiled on its own (one program for all three blocks).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stack = models.MLPStack(32, 96)
+    ref = stack(X)
+    for layer in stack.layers:
+        layer.compile(backend="dynashard", options=EAGER)
+    err = _err(stack(X), ref)
+    freed = [layer.down.weight.untyped_storage().nbytes() == 0 for layer in stack.layers]
+    assert err <= ATOL and freed == [True, True, True], (err, freed)
 
 
-def test_dynamic_shapes_one_recompile_same_on_every_rank(per_rank):
-    compiles = [r["dynamic_compiles"] for r in per_rank]
-    assert len(compiles[0]) <= 2, compiles
-    assert all(c == compiles[0] for c in compiles), f"ranks compiled differently: {compiles}"
-    for r in per_rank:
-        assert r["dynamic_err"] <= ATOL
+@on_ranks
+@torch.no_grad()
+def test_dynamic_shapes_one_recompile_same_on_every_rank(rank, world):
+    # Six batch sizes and six sequence lengths, one recompile at most.
+    model = models.ResidualBlock(32, 70)  # 70 does not divide by 4: uneven shards
+    shapes = [(b, t, 32) for b, t in ((2, 3), (3, 5), (4, 7), (5, 2), (6, 9), (7, 4), (2, 11), (3, 13))]
+    inputs = [torch.randn(s) for s in shapes]
+    refs = [model(i) for i in inputs]
+    graphs: list[int] = []
+
+    def counting(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return dynashard_backend(gm, example_inputs, EAGER)
+
+    compiled = torch.compile(model, backend=counting)
+    err = max(_err(compiled(i), r) for i, r in zip(inputs, refs))
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, graphs)
+    assert len(graphs) <= 2, graphs
+    assert all(c == every_rank[0] for c in every_rank), f"ranks compiled differently: {every_rank}"
+    assert err <= ATOL, err
 
 
-def test_grad_enabled_forward_right_and_an_optimizer_of_freed_weights_refused(per_rank):
-    for r in per_rank:
-        assert r["grad_forward_err"] <= ATOL
-        assert r["grad_backward"] is None, r["grad_backward"]
-        kind, msg = r["grad_step"]
-        assert kind == "UsageError" and "holds a full-size parameter" in msg and "dynashard.parallelize" in msg
-        assert r["inference_mode_err"] <= ATOL
-        assert r["auto_follows_split_err"] <= ATOL
-        assert r["whole_graph_has_grads"]
-        assert "sharded by an earlier dynashard compile" in r["other_options_later"][1]
+@on_ranks
+def test_grad_enabled_forward_right_and_an_optimizer_of_freed_weights_refused(rank, world):
+    # A graph left whole keeps its gradients (plan {}: every layer replicated).
+    whole = models.MLP(32, 96)
+    torch.compile(whole, backend="dynashard", options={"compiler": "aot_eager", "plan": {}})(X).sum().backward()
+    grad = whole.up.weight.grad
+    assert grad is not None and float(grad.abs().sum()) > 0, grad
+    # Grad enabled on a model only compiled (not parallelized): the forward is right and the backward
+    # runs, but its gradients land in the shards the model does not list, so an optimizer over
+    # model.parameters() (the freed full-size ones) raises at its first step instead of training nothing.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.MLP(32, 96)
+    ref = model(X).detach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.compile(model, backend="dynashard", options=EAGER)(X)
+    assert _err(y.detach(), ref) <= ATOL, _err(y.detach(), ref)
+    y.sum().backward()  # runs
+    error = raised(opt.step)
+    msg = str(error)
+    assert type(error).__name__ == "UsageError" and "holds a full-size parameter" in msg, msg
+    assert "dynashard.parallelize" in msg, msg
+    with torch.inference_mode():
+        again = torch.compile(model, backend="dynashard", options=EAGER)
+        assert _err(again(X), ref) <= ATOL, _err(again(X), ref)
+        # Compiling the now-sharded model again with other options: the automatic plan follows the
+        # existing split; a plan that needs the full (freed) weights is a clear error.
+        torch._dynamo.reset()
+        err = _err(torch.compile(model, backend="dynashard")(X), ref)
+        assert err <= ATOL, err
+        torch._dynamo.reset()
+        msg = str(raised(lambda: torch.compile(model, backend="dynashard", options={"plan": {}})(X)))
+        assert "sharded by an earlier dynashard compile" in msg, msg
 
 
-def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(per_rank):
-    world = len(per_rank)
-    for r in per_rank:
-        for case in ("pr_first_call_mismatch", "pr_later_call_mismatch"):
-            kind, msg = r[case]
-            assert "inputs='per_rank' needs every rank to pass inputs of the same shape" in msg, (case, msg)
-        assert f"rank {world - 1}: float32[{6 + world - 1}, 32]" in r["pr_later_call_mismatch"][1]
-        for case in ("pr_call_vs_recompile", "pr_whole_call_vs_recompile"):
-            kind, msg = r[case]
-            assert "not running the same compiled graph" in msg, (case, msg)
-            assert "rank 0 calls the compiled graph" in msg, (case, msg)
-            assert "rank 1 compiles a new graph" in msg and "rank 1: float32[7, 32]" in msg, (case, msg)
+@on_ranks
+@torch.no_grad()
+def test_per_rank_inputs_of_different_sizes_raise_on_every_rank(rank, world):
+    # inputs="per_rank": batch sizes that differ across ranks within a call are an error, not a hang.
+    needs_same = "inputs='per_rank' needs every rank to pass inputs of the same shape"
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=PER_RANK)
+    msg = str(raised(lambda: compiled(torch.randn(3 + rank, 32))))  # on the first call
+    assert needs_same in msg, msg
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=PER_RANK)
+    compiled(torch.randn(3, 32))
+    compiled(torch.randn(5, 32))  # now dynamic: a rank-dependent size passes Dynamo's guards
+    msg = str(raised(lambda: compiled(torch.randn(6 + rank, 32))))
+    assert needs_same in msg and f"rank {world - 1}: float32[{6 + world - 1}, 32]" in msg, msg
+    # A static graph: rank 0's guards pass (it calls), rank 1's fail (it recompiles). Both must raise;
+    # the same with a graph the plan leaves whole: no shards, but still no hang.
+    for plan in ({}, {"plan": {}}):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**PER_RANK, **plan})
+        compiled(torch.randn(5, 32))
+        msg = str(raised(lambda: compiled(torch.randn(5 + 2 * rank, 32))))  # noqa: B023 - called here
+        assert "not running the same compiled graph" in msg, (plan, msg)
+        assert "rank 0 calls the compiled graph" in msg, (plan, msg)
+        assert "rank 1 compiles a new graph" in msg and "rank 1: float32[7, 32]" in msg, (plan, msg)
 
 
-def test_replicated_inputs_of_different_shapes_raise_on_every_rank_naming_them(per_rank):
+@on_ranks
+@torch.no_grad()
+def test_replicated_inputs_of_different_shapes_raise_on_every_rank_naming_them(rank, world):
     """Found by a new user: after a first call, batch 4 on one rank and 5 on another killed the job
-    with a gloo SIGABRT and no dynashard message; on a first call it read 'different graphs'."""
-    world = len(per_rank)
-    for r in per_rank:
-        kind, msg = r["rep_first_call_mismatch"]
-        assert "inputs='replicated' needs every rank to call with the same inputs" in msg, msg
-        assert "found different shapes or dtypes" in msg, msg
-        assert "rank 0: float32[3, 32]; rank 1: float32[4, 32]" in msg, msg
-        kind, msg = r["rep_later_call_mismatch"]
-        assert "found different shapes or dtypes" in msg, msg
-        assert f"rank {world - 1}: float32[2, {10 + 2 * (world - 1)}, 32]" in msg, msg
-        assert r["rep_after_mismatch_err"] <= ATOL
-        for case in ("rep_call_vs_recompile", "rep_whole_call_vs_recompile"):
-            kind, msg = r[case]
-            assert "not running the same compiled graph" in msg and "rank 1: float32[7, 32]" in msg, (case, msg)
+    with a gloo SIGABRT and no dynashard message; on a first call it read 'different graphs'.
+    inputs="replicated" (the default): ranks calling with other shapes than each other are an error
+    naming every rank's shapes, on the first call, on a dynamic graph, and when only some ranks'
+    guards fail (they recompile while the others call); never a gloo abort or a hang."""
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=EAGER)
+    msg = str(raised(lambda: compiled(torch.randn(3 + rank, 32))))
+    assert "inputs='replicated' needs every rank to call with the same inputs" in msg, msg
+    assert "found different shapes or dtypes" in msg, msg
+    assert "rank 0: float32[3, 32]; rank 1: float32[4, 32]" in msg, msg
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=EAGER)
+    compiled(_same(2, 3, 32))
+    compiled(_same(2, 5, 32))  # now dynamic
+    msg = str(raised(lambda: compiled(torch.randn(2, 10 + 2 * rank, 32))))
+    assert "found different shapes or dtypes" in msg, msg
+    assert f"rank {world - 1}: float32[2, {10 + 2 * (world - 1)}, 32]" in msg, msg
+    assert _err(compiled(X), _mlp_ref(X)) <= ATOL, "the group did not survive the mismatch"
+    for plan in ({}, {"plan": {}}):  # only some ranks' guards fail; then a graph left whole
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**EAGER, **plan})
+        compiled(_same(5, 32))
+        msg = str(raised(lambda: compiled(torch.randn(5 + 2 * rank, 32))))  # noqa: B023 - called here
+        assert "not running the same compiled graph" in msg and "rank 1: float32[7, 32]" in msg, (plan, msg)
 
 
-def test_dtypes_that_differ_across_ranks_are_named(per_rank):
-    for r in per_rank:
-        kind, msg = r["rep_dtype_mismatch"]
-        assert "found different shapes or dtypes" in msg and "rank 1: float64[4, 32]" in msg, msg
-        kind, msg = r["param_dtype_mismatch"]
-        assert "parameter 'up.weight' has dtype float32 on rank 0, float64 on rank 1" in msg, msg
+@on_ranks
+@torch.no_grad()
+def test_dtypes_that_differ_across_ranks_are_named(rank, world):
+    # Inputs of another dtype on one rank: named like shapes (the collectives would differ in bytes).
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options=EAGER)
+    msg = str(raised(lambda: compiled(X.to(torch.float64 if rank == 1 else torch.float32))))
+    assert "found different shapes or dtypes" in msg and "rank 1: float64[4, 32]" in msg, msg
+    # A parameter of another dtype on one rank (the model casts to its weights): its dtypes named.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    casts = models.CastsToWeights(32, 96).to(torch.float64 if rank == 1 else torch.float32)
+    msg = str(raised(lambda: torch.compile(casts, backend="dynashard", options=EAGER)(X)))
+    assert "parameter 'up.weight' has dtype float32 on rank 0, float64 on rank 1" in msg, msg
 
 
-def test_the_models_own_error_is_not_blamed_on_the_process_group(per_rank):
-    for r in per_rank:
-        kind, msg = r["model_error"]
-        assert kind == "RuntimeError" and msg == "expected scalar type Float but found Half", msg
+@on_ranks
+@torch.no_grad()
+def test_the_models_own_error_is_not_blamed_on_the_process_group(rank, world):
+    # The model's own error inside the sharded program, on every rank: raised as it is, not as
+    # a process group failure ("every rank got there. The process group said: ...").
+    programs = []
+
+    def keeps_program(gm, example_inputs):
+        programs.append(dynashard_backend(gm, example_inputs, EAGER))
+        return programs[-1]
+
+    compiled = torch.compile(models.MLP(32, 96), backend=keeps_program)
+    compiled(X)
+
+    def model_error(*args):
+        raise RuntimeError("expected scalar type Float but found Half")  # what the model's code raised
+
+    programs[0].compiled = model_error
+    error = raised(lambda: compiled(X))
+    assert type(error).__name__ == "RuntimeError", repr(error)
+    assert str(error) == "expected scalar type Float but found Half", repr(error)
 
 
-def test_check_inputs_catches_other_values_of_equal_shape(per_rank):
-    for r in per_rank:
-        assert r["checked_same_err"] <= ATOL
-        kind, msg = r["checked_other_values"]
-        assert "shapes agree" in msg and "values differ" in msg and "rank 1: float32[4, 32]" in msg, msg
-        # The default compares every input at compile time and integer inputs (token ids) on every call
-        assert "values differ" in r["default_other_values_at_compile"][1], r
-        assert "values differ" in r["default_other_ids"][1] and "int64[2, 5]" in r["default_other_ids"][1], r
-        assert "seed every rank alike" in r["default_other_ids"][1], r
-        # float values differing only after the compile, and anything with check_inputs="off", are the user's
-        # promise: no error (each rank computes on its own inputs, combined as if they were one)
-        assert r["default_other_floats_later"] is None and r["off_other_ids"] is None, r
+@on_ranks
+@torch.no_grad()
+def test_check_inputs_catches_other_values_of_equal_shape(rank, world):
+    # check_inputs="values": equal shapes, other values on one rank, caught by a checksum.
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={**EAGER, "check_inputs": "values"})
+    assert _err(compiled(X), _mlp_ref(X)) <= ATOL, _err(compiled(X), _mlp_ref(X))
+    msg = str(raised(lambda: compiled(X + (rank == world - 1))))
+    assert "shapes agree" in msg and "values differ" in msg and "rank 1: float32[4, 32]" in msg, msg
+    # check_inputs="ids" (the default): every input's values compared when a graph compiles, integer
+    # inputs' (token ids) on every call; float values that differ only in later calls are not compared
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    default = torch.compile(models.MLP(32, 96), backend="dynashard", options=EAGER)
+    msg = str(raised(lambda: default(X + rank)))
+    assert "values differ" in msg, msg
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    default = torch.compile(models.MLP(32, 96), backend="dynashard", options=EAGER)
+    default(X)
+    # float values differing only after the compile, and anything with check_inputs="off", are the user's
+    # promise: no error (each rank computes on its own inputs, combined as if they were one)
+    default(X + rank)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lm = torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options=EAGER)
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+    lm(ids)
+    msg = str(raised(lambda: lm(ids if rank == 0 else ids.flip(-1))))  # (a per-rank loader)
+    assert "values differ" in msg and "int64[2, 5]" in msg and "seed every rank alike" in msg, msg
+    torch.compile(models.build("tiny_lm", 32, 50), backend="dynashard", options={**EAGER, "check_inputs": "off"})(
+        ids + rank)
 
 
 def test_seed_example_on_four_ranks():

@@ -1,14 +1,17 @@
-"""The test harness's own promise: a spawn shared by many tests runs once, even when it fails."""
+"""The test harness's own promises: a spawn shared by many tests runs once, even when it fails; a
+scenario run on ranks in a shared spawn is reported by its own test, with its ranks' errors."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.multiproc import SharedRunFailed, shared_run
+from tests.scenarios import ScenarioFailed, Scenarios
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.unit
 def test_a_failed_shared_run_fails_every_reader_at_once_and_never_runs_again():
     calls = []
 
@@ -25,6 +28,7 @@ def test_a_failed_shared_run_fails_every_reader_at_once_and_never_runs_again():
     assert calls == [4]
 
 
+@pytest.mark.unit
 def test_a_shared_run_stopped_by_pytest_timeout_is_remembered():
     calls = []
 
@@ -40,6 +44,7 @@ def test_a_shared_run_stopped_by_pytest_timeout_is_remembered():
     assert calls == [2]
 
 
+@pytest.mark.unit
 def test_a_shared_run_result_is_computed_once_per_key():
     calls = []
 
@@ -50,3 +55,92 @@ def test_a_shared_run_result_is_computed_once_per_key():
 
     assert battery(2) == [2, 2] and battery(2) == [2, 2] and battery(4) == [4] * 4
     assert calls == [2, 4]
+
+
+# Scenarios of the harness's own test: not named test_*, so pytest runs them only through the test below.
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=120)
+
+
+@on_ranks
+def scenario_passes(rank, world):
+    assert world == 2 and rank in (0, 1)
+
+
+@on_ranks
+@torch.no_grad()
+def scenario_fails_on_rank_1(rank, world):
+    torch.manual_seed(5)  # (the next scenario starts from seed 0 again)
+    assert rank != 1, f"rank {rank} saw something else"
+
+
+@on_ranks
+def scenario_raises_on_every_rank(rank, world):
+    raise RuntimeError(f"the model's own error on rank {rank}")
+
+
+COMPILES: list[int] = []
+
+
+def _add_one(x):
+    return x + 1
+
+
+def _counting(gm, example_inputs):
+    COMPILES.append(1)
+    return gm
+
+
+@on_ranks
+def scenario_starts_afresh_and_shares_a_directory(rank, world, tmp_path):
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(0))), "not seeded 0"
+    torch.compile(_add_one, backend=_counting)(torch.ones(2))
+    assert len(COMPILES) == 1, COMPILES
+    if rank == 0:
+        (tmp_path / "from_rank0").write_text("written")
+    dist.barrier()
+    assert (tmp_path / "from_rank0").read_text() == "written", "ranks do not share tmp_path"
+    assert tmp_path.name == "scenario_starts_afresh_and_shares_a_directory", tmp_path
+
+
+@on_ranks
+def scenario_compiles_again_after_a_reset(rank, world):
+    torch.compile(_add_one, backend=_counting)(torch.ones(2))  # Dynamo's cache was reset: compiled again
+    assert len(COMPILES) == 2, COMPILES
+
+
+@pytest.mark.gloo
+@pytest.mark.timeout(180)
+def test_each_scenario_reports_its_own_outcome_on_every_rank():
+    """One spawn runs every scenario of a module; each test reads its own: a failure names its rank(s),
+    message and the line of the scenario that raised, and does not hide the scenarios after it."""
+    scenario_passes()
+    with pytest.raises(ScenarioFailed) as failed:
+        scenario_fails_on_rank_1()
+    text = str(failed.value)
+    assert text.startswith("scenario_fails_on_rank_1 failed on rank(s) [1] of 2\n"), text
+    assert text.endswith("AssertionError: rank 1 saw something else") and "rank 0" not in text, text
+    # the traceback from the scenario's own frame (not the runner's, nor its decorators'), with its line
+    assert text.split("\n")[2].endswith(", in scenario_fails_on_rank_1") and "_run_on_rank" not in text, text
+    assert 'assert rank != 1, f"rank {rank} saw something else"' in text, text
+    with pytest.raises(ScenarioFailed) as failed:
+        scenario_raises_on_every_rank()
+    text = str(failed.value)
+    assert "\nrank 0: Traceback" in text and "RuntimeError: the model's own error on rank 0\n" in text, text
+    assert text.endswith("\nrank 1, at the same line: RuntimeError: the model's own error on rank 1"), text
+    scenario_starts_afresh_and_shares_a_directory()
+    scenario_compiles_again_after_a_reset()
+
+
+@pytest.mark.unit
+def test_a_scenario_test_is_one_pytest_test_per_world_with_the_spawns_deadline():
+    scenarios = Scenarios("tests.not_spawned", worlds=(2, 4), deadline_s=100)
+
+    @scenarios
+    def test_something(rank, world):
+        pass
+
+    marks = {m.name: m for m in test_something.pytestmark}
+    assert marks["parametrize"].args == ("world", (2, 4)) and marks["parametrize"].kwargs["ids"] == ["world2", "world4"]
+    assert marks["timeout"].args == (160,) and test_something.__name__ == "test_something"
+    with pytest.raises(TypeError, match=r"takes \['path'\]"):
+        scenarios(lambda rank, path: None)

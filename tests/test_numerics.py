@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.battery import CASES, SHARDED, SHARDED_BY_CASE, battery, battery_of_configs
+from tests.battery import CASES, SHARDED, SHARDED_BY_CASE, CaseResult, battery, battery_of_configs
 from tests.multiproc import run_ranks, shared_run
 
 pytestmark = pytest.mark.gloo
@@ -105,7 +105,7 @@ def _spawns() -> list[tuple[int, str, str, tuple[str, ...], bool]]:
 
 
 @shared_run
-def _spawn(world: int, compiler: str, dtype: str, cases: tuple[str, ...]) -> list[dict]:
+def _spawn(world: int, compiler: str, dtype: str, cases: tuple[str, ...]) -> list[dict[str, CaseResult]]:
     return run_ranks(battery, world, list(cases), compiler, dtype, timeout=SPAWN_DEADLINE_S)
 
 
@@ -115,7 +115,7 @@ def _shared_spawn() -> list[dict]:
     return run_ranks(battery_of_configs, 2, groups, timeout=SPAWN_DEADLINE_S)
 
 
-def _results(world: int, compiler: str, dtype: str, cases: tuple[str, ...]) -> list[dict]:
+def _results(world: int, compiler: str, dtype: str, cases: tuple[str, ...]) -> list[dict[str, CaseResult]]:
     if (world, compiler, dtype) in SHARED_SPAWN:
         return [per_rank[(compiler, dtype)] for per_rank in _shared_spawn()]
     return _spawn(world, compiler, dtype, cases)
@@ -135,10 +135,10 @@ def test_matches_unsharded(world, compiler, dtype, spawn, case):
     model_name = CASES[case][0]
     for rank, per_rank in enumerate(_results(world, compiler, dtype, spawn)):
         r = per_rank[case]
-        assert r["shapes_ok"], f"rank {rank}: output shape/dtype differs from the unsharded model"
-        assert r["max_err"] <= atol + rtol * r["ref_scale"], f"rank {rank}: {r}"
+        assert r.shapes_ok, f"rank {rank}: output shape/dtype differs from the unsharded model"
+        assert r.max_err <= atol + rtol * r.ref_scale, f"rank {rank}: {r}"
         expected = set() if world == 1 else SHARDED_BY_CASE.get(case, SHARDED[model_name])
-        assert set(r["freed"]) == expected, f"rank {rank}: sharded (freed) params {r['freed']}, expected {expected}"
+        assert set(r.freed) == expected, f"rank {rank}: sharded (freed) params {r.freed}, expected {expected}"
         # One compile for the first shape and at most one more (Dynamo's dynamic recompile on the
         # second shape), never one per shape: the rewritten graph keeps sizes symbolic.
-        assert r["compiles"] <= 2, f"rank {rank}: {r['compiles']} compiles for {len(CASES[case][3])} shapes"
+        assert r.compiles <= 2, f"rank {rank}: {r.compiles} compiles for {len(CASES[case][3])} shapes"
