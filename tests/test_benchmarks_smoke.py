@@ -21,9 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
     "script,ranks",
     # (the seed scenario and the collectives comparison are documented at 4 ranks; 2 prove the scripts run)
-    [("bench_seed.py", 2), ("bench_memory.py", 2), ("bench_collectives.py", 2), ("suite.py", 2),
-     ("bench_overlap.py", 2), ("bench_fused_kv.py", 2), ("bench_call_check.py", 2), ("bench_train.py", 2),
-     ("bench_decode.py", 2)],
+    # (suite.py and bench_train.py, the longest, 26 s and 20 s, in the slow tier: their systems are the
+    # numerics' and the training tests' compiles again, at smoke sizes)
+    [("bench_seed.py", 2), ("bench_memory.py", 2), ("bench_collectives.py", 2),
+     pytest.param("suite.py", 2, marks=pytest.mark.slow), ("bench_overlap.py", 2), ("bench_fused_kv.py", 2),
+     ("bench_call_check.py", 2), pytest.param("bench_train.py", 2, marks=pytest.mark.slow), ("bench_decode.py", 2)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):
     """Each script's ``main()`` with ``--smoke`` on the test harness's gloo ranks (forked from a
@@ -42,6 +44,7 @@ def _main(rank: int, world: int, module: str, out: str) -> None:
     importlib.import_module(f"benchmarks.{module}").main()
 
 
+@pytest.mark.slow  # 29 s: two torchrun launches; tests/test_parallelize.py loads every format on the harness's ranks
 def test_bench_load_smoke(tmp_path):
     """bench_load.py is a driver: it writes the checkpoints, then launches one torchrun of 2 ranks per
     loading path (a fresh process each, for its peak RSS). The smoke run takes one, at a tiny size:

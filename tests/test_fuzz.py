@@ -153,7 +153,7 @@ def transformer_attention_cases(draw):
     return model, heads * dh
 
 
-def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, dynamic=False):
+def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, dynamic=False, autocast=False):
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     for p in model.parameters():  # keep activations O(1) whatever the widths
@@ -166,8 +166,20 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, d
     options = {"min_shard_numel": 0, "plan": plan, "inputs": "per_rank" if per_rank else "replicated"}
     if own_weights:
         options.update(inputs="per_rank", weights="per_rank")
+    if autocast:  # under bf16 autocast, verified; the plan is the one without it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            report = dynashard.explain(model, x, world_size=world, options=options, verify=True)
+        assert report.layers == dynashard.explain(model, x, world_size=world, options=options).layers, str(report)
+        assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
+        return
     report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=dynamic)
     assert set(report.layers) == set(names)
+
+
+# bfloat16 autocast: verify's own bf16 tolerance is loose (it serves bf16 models of any scale); these
+# cases keep activations O(1), where the sharded and unsharded bf16 results measured within 8e-3 of each
+# other: 3e-2 leaves room, and a wrong term is O(1).
+BF16_ABS = 3e-2
 
 
 SETTINGS = settings(
@@ -196,6 +208,20 @@ def test_random_attention(case, world, plan_draw, dynamic, data):
 @given(case=transformer_attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
 def test_random_transformer_attention(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data)
+
+
+@settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 8)))
+@given(case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
+       per_rank=st.booleans(), data=st.data())
+def test_random_mlp_stacks_under_autocast(case, world, shape3d, plan_draw, per_rank, data):
+    """Issue 28: under torch.autocast every weight reaches its matmul through a bf16 conversion."""
+    _check(case, world, shape3d, plan_draw, per_rank, data, autocast=True)
+
+
+@settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 8)))
+@given(case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
+def test_random_attention_under_autocast(case, world, plan_draw, data):
+    _check(case, world, True, plan_draw, False, data, autocast=True)
 
 
 def _zeros_written(y, x):
