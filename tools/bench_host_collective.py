@@ -11,8 +11,10 @@ one thread each, a barrier before every timed step, the same step in five varian
 
 Launch: ``torchrun --standalone --nproc-per-node 2 tools/bench_host_collective.py [--iters 100]``.
 Prints each rank's medians (ms). On the project's 2-core machine (2026-12-02): A 6.4, blocking 10.0,
-overlapped 8.3-9.4, compute 4.9-5.5; in another run A 7.8, sleep 9.1: two ranks computing on two
-cores leave no core for gloo's threads, so any extra host collective costs more than its latency.
+overlapped 8.3-9.4, compute 4.9-5.5; in another run A 7.8, sleep 9.1; as committed (--iters 40) A 8.0,
+blocking 10.0, overlapped 9.4-9.6, sleep 8.3-8.7, compute 5.1-5.3. The small all_reduce costs 2 ms blocking
+and 1.4-1.6 ms overlapped, several times its own latency: two ranks computing on two cores leave no core
+for gloo's threads (a sleep of its latency costs 0.3-1.3 ms, varying between runs).
 """
 
 from __future__ import annotations
