@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dynashard import _torch_private as private
 from dynashard.errors import PeerError, UsageError
 from dynashard.facades import FREED, is_storage_less, mark_storage_less, unbecome
+from dynashard.integrity import checksum, close
 from dynashard.protocol import exchange_status
 from dynashard.split import Split
 from dynashard.transport import broadcast_from_first, exchange_blocks
@@ -316,7 +317,7 @@ class WeightStore:
             fresh = []  # per_rank: every rank's weights are its own by design
         if error is not None:
             fresh = []
-        sums = [(_checksum(t), str(t.dtype).removeprefix("torch.")) for _, t in fresh] if mode == "replicated" else []
+        sums = [(checksum(t), str(t.dtype).removeprefix("torch.")) for _, t in fresh] if mode == "replicated" else []
         everyone = exchange_status((fingerprint, sums), error, group, "planning")
         prints = [p for p, _ in everyone]
         if len(set(prints)) != 1:
@@ -335,8 +336,8 @@ class WeightStore:
                         "rank with weights='replicated': convert the model the same way on every rank."
                     )
                 per_rank = [s[i][0] for _, s in everyone]
-                if any(not _close(per_rank[0], s) for s in per_rank[1:]):
-                    bad = [r for r, s in enumerate(per_rank) if not _close(per_rank[0], s)]
+                if any(not close(per_rank[0], s) for s in per_rank[1:]):
+                    bad = [r for r, s in enumerate(per_rank) if not close(per_rank[0], s)]
                     raise UsageError(
                         f"dynashard: parameter {name!r} differs across ranks (ranks {bad} differ from "
                         "rank 0). Expected identical weights on every rank with weights='replicated'. "
@@ -353,23 +354,6 @@ def cut(full: torch.Tensor, dim: int, split: Split, world: int, rank: int) -> to
     """Rank's pieces of ``full`` along ``dim``, side by side (a view when there is one piece)."""
     pieces = [full.narrow(dim, start, length) for start, length in split.pieces(world, rank)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-
-def _checksum(t: torch.Tensor) -> tuple[float, float, float]:
-    """Cheap and position-sensitive enough to tell differently initialised weights apart."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bool:  # (a mask buffer: abs has no bool kernel)
-        flat = flat.to(torch.int64)
-    return (
-        float(flat.sum(dtype=torch.float64)),
-        float(flat.abs().sum(dtype=torch.float64)),
-        float(flat[1::3].sum(dtype=torch.float64)),
-    )
-
-
-def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    # Same data summed with another thread count may differ in the last bits only.
-    return all(abs(x - y) <= 1e-12 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
 
 
 STORE = WeightStore()

@@ -75,6 +75,17 @@ def test_weights_differing_across_ranks_raise_on_every_rank(rank, world):
 
 @on_ranks
 @torch.no_grad()
+def test_weights_differing_by_swapped_rows_raise(rank, world):
+    # down.weight is [32, 96]: rows a multiple of 3 long, which a strided checksum does not see moved.
+    model, bad = _compile_mlp(seed=0)
+    if rank == 1:
+        model.down.weight[[3, 7]] = model.down.weight[[7, 3]].clone()
+    msg = str(raised(lambda: bad(X)))
+    assert "differs across ranks" in msg and "'down.weight'" in msg and "ranks [1]" in msg, msg
+
+
+@on_ranks
+@torch.no_grad()
 def test_rank0_weights_use_rank_zero_values(rank, world):
     ref = _mlp_ref(X)
     _, fixed = _compile_mlp(seed=rank, weights="rank0")  # every rank computes rank 0's model

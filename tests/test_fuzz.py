@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import dynashard
+from dynashard.integrity import checksum, close
 from tests import models
 
 pytestmark = pytest.mark.unit
@@ -373,3 +374,25 @@ def test_random_caches(world, kv, rep, dh, form, batch, t, data):
     report = dynashard.explain(model, torch.randint(0, 50, (batch, t)), pos, world_size=world,
                                options={"min_shard_numel": 0}, verify=True)
     assert {"layers.0.wqkv", "layers.1.wqkv"} <= set(report.layers), str(report)
+
+
+@SETTINGS
+@given(rows=st.integers(2, 40), row_len=st.sampled_from([1, 3, 96, 768]),
+       dtype=st.sampled_from(["float32", "bfloat16"]), moved=st.sampled_from(["rows", "elements", "heads"]), data=st.data())
+def test_weight_checksum_sees_values_moved(rows, row_len, dtype, moved, data):
+    """Replicated weights are compared across ranks by a checksum before they are cut: any values
+    moved (rows swapped, two elements, a permuted block of rows) must change it, else a rank with
+    another model computes with rank 0's shards silently (the seed's strided sum missed row swaps)."""
+    w = torch.randn(rows, row_len, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))).to(
+        getattr(torch, dtype))
+    v = w.clone()
+    i, j = data.draw(st.lists(st.integers(0, rows - 1), min_size=2, max_size=2, unique=True))
+    if moved == "rows":
+        v[[i, j]] = w[[j, i]]
+    elif moved == "elements":
+        v.view(-1)[[i * row_len, j * row_len + row_len - 1]] = w.view(-1)[[j * row_len + row_len - 1, i * row_len]]
+    else:
+        v[: rows // 2 * 2] = w[: rows // 2 * 2].view(2, rows // 2, row_len).flip(0).reshape(-1, row_len)
+    assume(not torch.equal(v, w))  # (equal values swapped move nothing)
+    assert not close(checksum(w), checksum(v))
+    assert close(checksum(w), checksum(w.clone()))
