@@ -378,7 +378,8 @@ def test_random_caches(world, kv, rep, dh, form, batch, t, data):
 
 @SETTINGS
 @given(rows=st.integers(2, 40), row_len=st.sampled_from([1, 3, 96, 768]),
-       dtype=st.sampled_from(["float32", "bfloat16"]), moved=st.sampled_from(["rows", "elements", "heads"]), data=st.data())
+       dtype=st.sampled_from(["float32", "bfloat16"]), moved=st.sampled_from(["rows", "elements", "heads"]),
+       data=st.data())
 def test_weight_checksum_sees_values_moved(rows, row_len, dtype, moved, data):
     """Replicated weights are compared across ranks by a checksum before they are cut: any values
     moved (rows swapped, two elements, a permuted block of rows) must change it, else a rank with
