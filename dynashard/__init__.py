@@ -19,7 +19,8 @@ def backend(mode=None, **options):
 
 def explain(model, *args, world_size=None, options=None, **kwargs):
     """Plan ``model`` on example inputs and return a report (``str()`` is a table); ``verify=True``
-    checks every simulated rank against the model, ``dynamic=True`` captures with symbolic sizes."""
+    checks every simulated rank against the model (``train=True``: the graph a training compile
+    emits), ``dynamic=True`` captures with symbolic sizes."""
     from dynashard.explainer import explain as _explain
 
     return _explain(model, *args, world_size=world_size, options=options, **kwargs)

@@ -13,9 +13,10 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard.decision import split_dim
 from dynashard.match import ParamInfo, find_linears
 from dynashard.nodes import val
-from dynashard.options import Options
+from dynashard.options import Options, Style
 from dynashard.plan import Plan, make_plan
 from dynashard.split import Split
 from dynashard.weights import EarlierCuts
@@ -49,10 +50,10 @@ class Analysis:
             out[i] = (self.names[i], val(node).dim() + shard.dim, shard.split)
         for m in self.plan.sharded():
             style = self.plan.decisions[m.node].style
-            dim = m.out_dim if style == "colwise" else m.in_dim
-            split = self.plan.layouts.weight_splits[m.node]
+            dim = split_dim(m, style)
+            split = self.plan.layouts.weight_split(m.node)
             out[index[m.weight]] = (self.params[index[m.weight]][0], dim, split)
-            if self.stacked and style == "colwise" and m.bias in index:
+            if self.stacked and style == Style.COLWISE and m.bias in index:
                 out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)
         return out
 

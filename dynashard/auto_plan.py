@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch.fx
 
-from dynashard.decision import Decision, shared_conflicts, split_dim
+from dynashard.decision import Decision, shared_conflicts, split_dim, style_along
 from dynashard.match import LinearMatch
-from dynashard.options import Options
+from dynashard.options import Options, Style
 from dynashard.propagate import propagate
 from dynashard.recut import Cuts
-from dynashard.shard import LOSS_PARALLEL, LayoutMap, Shard, Wish
+from dynashard.shard import LayoutMap, Shard, Wish
 
 # An unpaired colwise linear pays for its all-gather when each gathered element saves at least
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
@@ -49,28 +49,28 @@ def auto_decisions(
         if m.node in cuts.forced:
             decisions[m.node] = cuts.forced[m.node]
         elif blocked[m.node]:
-            decisions[m.node] = Decision("replicate", blocked[m.node])
+            decisions[m.node] = Decision(Style.REPLICATE, blocked[m.node])
         elif numel < options.min_shard_numel:
             decisions[m.node] = Decision(
-                "replicate", f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
+                Style.REPLICATE, f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
             )
         elif m.kind == "experts" and (modes["stacked"] or modes["per_rank"]):
             mode = "weights='per_rank'" if modes["stacked"] else "inputs='per_rank'"
-            decisions[m.node] = Decision("replicate", f"experts with {mode}: kept whole (not supported yet)")
+            decisions[m.node] = Decision(Style.REPLICATE, f"experts with {mode}: kept whole (not supported yet)")
         elif m.kind == "embedding" and modes["stacked"]:
-            decisions[m.node] = Decision("replicate", "embedding with weights='per_rank': kept whole")
+            decisions[m.node] = Decision(Style.REPLICATE, "embedding with weights='per_rank': kept whole")
         elif m.kind == "embedding":
             reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
-            decisions[m.node] = Decision("rowwise", f"vocab-parallel embedding: masked local lookup, one {reduce}")
+            decisions[m.node] = Decision(Style.ROWWISE, f"vocab-parallel embedding: masked local lookup, one {reduce}")
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
                 partners.setdefault(o, []).append(m.fqn)
             reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
-            decisions[m.node] = Decision("rowwise", f"input sharded by {', '.join(names)}; one {reduce}",
+            decisions[m.node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {reduce}",
                                          frozenset(names))
         else:
-            decisions[m.node] = Decision("colwise", "")
+            decisions[m.node] = Decision(Style.COLWISE, "")
         return decisions[m.node].style
 
     by_node = {m.node: m for m in linears}
@@ -78,21 +78,22 @@ def auto_decisions(
     wishes.extend(walked.wishes)
     for m in linears:
         d = decisions[m.node]
-        if d.style != "colwise":
+        if d.style != Style.COLWISE:
             continue
         if m.node in partners:
-            decisions[m.node] = Decision("colwise", f"pairs with rowwise {', '.join(sorted(set(partners[m.node])))}")
+            partner = ", ".join(sorted(set(partners[m.node])))
+            decisions[m.node] = Decision(Style.COLWISE, f"pairs with rowwise {partner}")
         elif _only_loss_parallel(walked, m):
             decisions[m.node] = Decision(
-                "colwise", "vocab-parallel logits into cross_entropy (loss parallel): never gathered")
+                Style.COLWISE, "vocab-parallel logits into cross_entropy (loss parallel): never gathered")
         elif m.in_features >= _GATHER_MIN_IN_FEATURES:
             decisions[m.node] = Decision(
-                "colwise", f"no rowwise partner{_stopped_at(walked, m)}; output gathered "
+                Style.COLWISE, f"no rowwise partner{_stopped_at(walked, m)}; output gathered "
                 f"(in_features {m.in_features} >= {_GATHER_MIN_IN_FEATURES})"
             )
         else:
             decisions[m.node] = Decision(
-                "replicate", f"no rowwise partner{_stopped_at(walked, m)} and in_features {m.in_features} < "
+                Style.REPLICATE, f"no rowwise partner{_stopped_at(walked, m)} and in_features {m.in_features} < "
                 f"{_GATHER_MIN_IN_FEATURES}: a gather would not pay"
             )
     for ms in shared_conflicts(linears, decisions).values():
@@ -103,15 +104,15 @@ def auto_decisions(
 def _stopped_at(walked: LayoutMap, m: LinearMatch) -> str:
     """Where the tentatively colwise output of ``m`` was first gathered: the op no rule kept it
     sharded through (or the graph output)."""
-    ops = [c.reason for c in walked.collectives if c.kind.gathers and m.node in c.origins and c.reason != LOSS_PARALLEL]
+    ops = [c.reason for c in walked.collectives if c.kind.gathers and m.node in c.origins and not c.loss_parallel]
     return f" (its shard is gathered before {ops[0]})" if ops else ""
 
 
 def _only_loss_parallel(walked: LayoutMap, m: LinearMatch) -> bool:
     """The tentatively colwise output of ``m`` reaches a loss-parallel cross-entropy and nothing
     gathers it: the shard pays for itself (no ``[tokens, vocab]`` gather), however small."""
-    mine = [c.reason for c in walked.collectives if m.node in c.origins]
-    return LOSS_PARALLEL in mine and all(r == LOSS_PARALLEL for r in mine)
+    mine = [c.loss_parallel for c in walked.collectives if m.node in c.origins]
+    return any(mine) and all(mine)
 
 
 def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool) -> None:
@@ -127,12 +128,12 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
     if len(dims) == 1 and not stuck:
         (dim,) = dims
         for m in ms:
-            if decisions[m.node].style == "replicate":
-                style = "colwise" if m.out_dim == dim else "rowwise"
-                decisions[m.node] = Decision(style, f"shares its weight with {others(m)}: split on the same dim")
+            if decisions[m.node].style == Style.REPLICATE:
+                decisions[m.node] = Decision(style_along(m, dim),
+                                             f"shares its weight with {others(m)}: split on the same dim")
         return
     for m in ms:
-        decisions[m.node] = Decision("replicate", f"weight shared by uses that would split it differently: {names}")
+        decisions[m.node] = Decision(Style.REPLICATE, f"weight shared by uses that would split it differently: {names}")
 
 
 def follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dict[torch.fx.Node, int],
@@ -140,11 +141,11 @@ def follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dic
     """A weight an earlier graph split (and freed) is split the same way here, if it can be; one an
     earlier graph reads whole stays whole (cutting it would free what that graph reads)."""
     for m in linears:
-        if m.weight in prewhole and decisions[m.node].style != "replicate":
-            decisions[m.node] = Decision("replicate", "kept whole: a graph compiled earlier reads this weight whole")
+        if m.weight in prewhole and decisions[m.node].style != Style.REPLICATE:
+            decisions[m.node] = Decision(Style.REPLICATE,
+                                         "kept whole: a graph compiled earlier reads this weight whole")
             continue
         dim = presplit.get(m.weight)
         if dim is None or split_dim(m, decisions[m.node].style) == dim or blocked[m.node]:
             continue
-        style = "colwise" if m.out_dim == dim else "rowwise"
-        decisions[m.node] = Decision(style, f"weight already split on dim {dim} by an earlier graph")
+        decisions[m.node] = Decision(style_along(m, dim), f"weight already split on dim {dim} by an earlier graph")

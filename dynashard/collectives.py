@@ -196,18 +196,23 @@ class _ReduceFromShards(torch.autograd.Function):
 
 class _GatherFromShards(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
-        ctx.lengths, ctx.rank = lengths, rank
+    def forward(ctx, x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str,
+                whole: tuple[int, ...]) -> torch.Tensor:
+        ctx.lengths, ctx.rank, ctx.whole = lengths, rank, whole
         with torch.no_grad():
-            return all_gather_last_dim(x, lengths, rank, group_name)
+            return all_gather_last_dim(x, lengths, rank, group_name, frozenset(whole))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         pieces, offset = [], 0
-        for ls in ctx.lengths:  # component by component: this rank's pieces of each
+        for c, ls in enumerate(ctx.lengths):  # component by component: this rank's pieces of each
+            if c in ctx.whole:  # held whole by every rank (computed alike on each): all of it
+                pieces.append(grad.narrow(-1, offset, ls[ctx.rank]))
+                offset += ls[ctx.rank]
+                continue
             pieces.append(grad.narrow(-1, offset + sum(ls[: ctx.rank]), ls[ctx.rank]))
             offset += sum(ls)
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)), None, None, None
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)), None, None, None, None
 
 
 BACKWARD = "the backward of the sharded program"
@@ -227,8 +232,10 @@ def reduce_from_shards(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return conversion(x, _ReduceFromShards, group_name)
 
 
-def gather_from_shards(x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str) -> torch.Tensor:
-    return conversion(x, _GatherFromShards, [list(ls) for ls in lengths], rank, group_name)
+def gather_from_shards(
+    x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str, whole: frozenset[int] = frozenset()
+) -> torch.Tensor:
+    return conversion(x, _GatherFromShards, [list(ls) for ls in lengths], rank, group_name, tuple(sorted(whole)))
 
 
 def group_name(group: dist.ProcessGroup) -> str:

@@ -12,17 +12,24 @@ import dataclasses
 import torch.fx
 
 from dynashard.match import LinearMatch
+from dynashard.options import Style
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    style: str  # "colwise" | "rowwise" | "replicate"
+    style: Style
     reason: str
     fed_by: frozenset[str] = frozenset()  # auto rowwise: the FQNs of the colwise linears sharding its input
 
 
-def split_dim(m: LinearMatch, style: str) -> int | None:
-    return None if style == "replicate" else m.out_dim if style == "colwise" else m.in_dim
+def split_dim(m: LinearMatch, style: Style) -> int | None:
+    """The dim of ``m``'s weight a style cuts (None: whole)."""
+    return None if style == Style.REPLICATE else m.out_dim if style == Style.COLWISE else m.in_dim
+
+
+def style_along(m: LinearMatch, dim: int) -> Style:
+    """The style that cuts ``m``'s weight on ``dim`` (the inverse of :func:`split_dim`)."""
+    return Style.COLWISE if m.out_dim == dim else Style.ROWWISE
 
 
 def shared_conflicts(linears: list[LinearMatch], decisions: dict) -> dict[torch.fx.Node, list[LinearMatch]]:

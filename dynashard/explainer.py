@@ -56,12 +56,14 @@ class Report:
 
 def explain(
     model, *args: Any, world_size: int | None = None, options: Any = None, verify: bool = False,
-    dynamic: bool = False, **kwargs: Any
+    dynamic: bool = False, train: bool = False, **kwargs: Any
 ) -> Report:
     """The plan per linear; with ``verify=True`` also every rank simulated and checked (see simulate.py).
 
     ``dynamic``: captured as ``torch.compile(..., dynamic=True)`` captures (symbolic sizes, and a
-    module's float attributes as inputs); by default sizes are the example's.
+    module's float attributes as inputs); by default sizes are the example's. ``train``: verify
+    the graph a training compile emits (its conversions carry Megatron's backward; their forwards
+    are simulated, the backward is not).
 
     A verified mismatch beyond the dtype's tolerance raises ``RuntimeError`` with the table.
     """
@@ -103,7 +105,7 @@ def explain(
             report = GraphReport.build(analysis, example_inputs)
             if verify and world > 1:
                 analyses = [analyse(gm, fake_args, opts, world, r, earlier) for r in range(world)]
-                per_layer, out_err = simulate.verify(analyses, example_inputs)
+                per_layer, out_err = simulate.verify(analyses, example_inputs, train=train)
                 report = report.with_errors(per_layer, out_err)
             graphs.append(report)
             return gm.forward

@@ -30,8 +30,8 @@ from dynashard.errors import InternalError
 
 aten = torch.ops.aten
 
-_PART_SIZES = "this rank's part of the range or sizes (LayoutMap.part_sizes)"
-_LOCAL_SHAPE = "this rank's shape (LayoutMap.view_sizes / LayoutMap.states)"
+_PART_SIZES = "this rank's part of the range or sizes (lowerings.TakeParts)"
+_LOCAL_SHAPE = "this rank's shape (a Record.resize / lowerings.AllocateLocal)"
 _STACKED = "weights='per_rank': the bmm reads the stacked weight's transpose itself"
 
 # Source op -> {argument: how its lowering expresses it, other than passing it to the same op}.

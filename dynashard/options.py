@@ -7,13 +7,29 @@ other module has to second-guess what it was given.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from dynashard.errors import OptionTypeError, UsageError
 
-STYLES = ("colwise", "rowwise", "replicate")
+
+class Style(str, enum.Enum):
+    """What a plan does with one linear: cut its output features (``colwise``), its input
+    features (``rowwise``, partial sums all-reduced), or keep it whole on every rank."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    REPLICATE = "replicate"
+
+    def __str__(self) -> str:  # (the value, in messages and tables, on every Python version)
+        return self.value
+
+    __format__ = str.__format__
+
+
+STYLES = tuple(s.value for s in Style)
 COMPILERS = ("inductor", "aot_eager", "eager")
 WEIGHTS = ("replicated", "rank0", "per_rank")
 INPUTS = ("replicated", "per_rank")
@@ -23,10 +39,10 @@ CHECKS = ("ids", "shapes", "values", "off")
 # tensor_parallel.py), as dynashard reads them. Where HF gathers an output or splits an input
 # explicitly, dynashard does so wherever the graph needs it, so those map to the plain style.
 HF_STYLES = {
-    "colwise_gather_output": "colwise", "colwise_rep": "colwise", "packed_colwise": "colwise",
-    "embedding_colwise": "colwise",
-    "rowwise_split_input": "rowwise", "rowwise_rep": "rowwise", "packed_rowwise": "rowwise",
-    "embedding_rowwise": "rowwise",
+    "colwise_gather_output": Style.COLWISE, "colwise_rep": Style.COLWISE, "packed_colwise": Style.COLWISE,
+    "embedding_colwise": Style.COLWISE,
+    "rowwise_split_input": Style.ROWWISE, "rowwise_rep": Style.ROWWISE, "packed_rowwise": Style.ROWWISE,
+    "embedding_rowwise": Style.ROWWISE,
 }
 # Styles that name no linear layer for dynashard to cut. None: the meaning is what dynashard does
 # anyway (no warning); a string: why the entry has no effect (a warning names the key).
@@ -93,7 +109,7 @@ def _style_name(value: Any, key: str) -> str:
     """Map a plan value (string, HF style name, DTensor ParallelStyle object) to one of STYLES."""
     if isinstance(value, str):
         if value in STYLES:
-            return value
+            return Style(value)
         if value in HF_STYLES:
             return HF_STYLES[value]
         raise UsageError(
@@ -104,9 +120,9 @@ def _style_name(value: Any, key: str) -> str:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if isinstance(value, ColwiseParallel):
-        return "colwise"
+        return Style.COLWISE
     if isinstance(value, RowwiseParallel):
-        return "rowwise"
+        return Style.ROWWISE
     raise OptionTypeError(
         f"dynashard: plan[{key!r}] is a {type(value).__name__}; expected one of "
         f"{list(STYLES)} or a DTensor ColwiseParallel()/RowwiseParallel() object."

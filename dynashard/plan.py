@@ -27,7 +27,7 @@ from dynashard.auto_plan import auto_decisions, follow_earlier_splits
 from dynashard.decision import Decision
 from dynashard.errors import UsageError
 from dynashard.match import LinearMatch
-from dynashard.options import Options
+from dynashard.options import Options, Style
 from dynashard.propagate import propagate
 from dynashard.recut import Cuts, recut_until_stable
 from dynashard.rules.inplace import unsafe_mutations
@@ -44,12 +44,12 @@ class Plan:
     held_biases: frozenset[torch.fx.Node] = frozenset()  # colwise biases held cut (in layouts.states)
 
     def sharded(self) -> list[LinearMatch]:
-        return [m for m in self.linears if self.decisions[m.node].style != "replicate"]
+        return [m for m in self.linears if self.decisions[m.node].style != Style.REPLICATE]
 
     def fingerprint(self, shapes: list[str]) -> str:
         """A hash every rank must agree on before the first collective."""
-        cuts = self.layouts.weight_splits
-        rows = [(m.fqn, m.node.name, self.decisions[m.node].style, str(cuts.get(m.node))) for m in self.linears]
+        cut = self.layouts.weight_split
+        rows = [(m.fqn, m.node.name, self.decisions[m.node].style, str(cut(m.node))) for m in self.linears]
         states = sorted((n.name, s.dim, str(s.split)) for n, s in self.layouts.states.items())
         return hashlib.sha256(repr((rows, states, shapes)).encode()).hexdigest()[:16]
 
@@ -109,11 +109,11 @@ def make_plan(
                     f"or mark {names} 'replicate'."
                 )
             for o in origins:  # keep the written-to layers whole and plan again
-                decisions[o] = Decision("replicate", f"an in-place {node.target} writes into its output")
+                decisions[o] = Decision(Style.REPLICATE, f"an in-place {node.target} writes into its output")
             for n, d in list(decisions.items()):  # partners now read a replicated input: say so
-                if d.style == "rowwise" and d.fed_by & set(names):
+                if d.style == Style.ROWWISE and d.fed_by & set(names):
                     decisions[n] = Decision(
-                        "rowwise", f"input replicated ({', '.join(names)} kept whole): narrowed locally")
+                        Style.ROWWISE, f"input replicated ({', '.join(names)} kept whole): narrowed locally")
 
     cuts = Cuts()
     plan = finish(cuts)
@@ -149,7 +149,7 @@ def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, mode
     for b, ms in readers.items():
         if b.op != "placeholder" or b not in modes["uniform_inputs"] or b in prewhole:
             continue
-        if any(m.kind != "linear" or decisions[m.node].style != "colwise" for m in ms):
+        if any(m.kind != "linear" or decisions[m.node].style != Style.COLWISE for m in ms):
             continue
         v = b.meta.get("val")
         cuts = {splits.get(m.node, even(m.out_features)) for m in ms}
@@ -162,13 +162,13 @@ def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, mode
 
 
 def _sharded_numel(linears: list[LinearMatch], decisions: dict) -> int:
-    return sum(m.numel for m in linears if decisions[m.node].style != "replicate")
+    return sum(m.numel for m in linears if decisions[m.node].style != Style.REPLICATE)
 
 
 def _describe_cuts(linears: list[LinearMatch], decisions: dict, splits: dict) -> None:
     for m in linears:
         split, d = splits.get(m.node), decisions[m.node]
-        if split is None or d.style != "colwise":
+        if split is None or d.style != Style.COLWISE:
             continue
         what = str(split.parts[0])
         if len(split.parts) > 1:

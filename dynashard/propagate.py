@@ -28,15 +28,17 @@ import torch
 import torch.fx
 
 from dynashard import rules
+from dynashard.lowerings import AllocateLocal, Renorm, StackedTranspose
 from dynashard.match import LinearMatch
 from dynashard.nodes import all_args
+from dynashard.options import Style
 from dynashard.rules.inplace import alias_roots, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
-from dynashard.shard import LayoutMap, Read, Shard
+from dynashard.shard import LayoutMap, Read, Record, Shard
 from dynashard.split import Split
 
-StyleChooser = Callable[[LinearMatch, Shard | None], str]
+StyleChooser = Callable[[LinearMatch, Shard | None], Style]
 
 
 def propagate(
@@ -60,49 +62,64 @@ def propagate(
     lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}),
                    written=mutated_roots(graph))
     for node in graph.nodes:
+        if node in (states or {}):  # a cache held sharded (a graph input, or allocated by the graph)
+            split, dim, origins = states[node]
+            lm.states[node] = shard = lm.shard(split, origins, dim)
+            lm.commit(node, Record(shard, lowering=AllocateLocal(shard) if node.op == "call_function" else None))
+            continue
         if node.op in ("placeholder", "get_attr"):
-            lm.layouts[node] = None
-            if node in (states or {}):
-                split, dim, origins = states[node]
-                lm.layouts[node] = lm.states[node] = lm.shard(split, origins, dim)
-                continue
             if node.op == "get_attr" or node in uniform_inputs:
                 lm.uniform.add(node)
-            continue
-        if node in (states or {}):  # a cache the graph allocates (rules.inplace.FACTORIES): at this rank's size
-            split, dim, origins = states[node]
-            lm.layouts[node] = lm.states[node] = lm.shard(split, origins, dim)
+            lm.commit(node, Record())
             continue
         seeded = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())  # randn differs per rank
         if node.op == "call_function" and not seeded and all(a in lm.uniform for a in all_args(node)):
             lm.uniform.add(node)
-        partial = [a for a in all_args(node) if a in lm.partial]
+        partial = frozenset(a for a in all_args(node) if a in lm.partial)
         if partial:
             lm.uniform.discard(node)
-            if keeps_partial(lm, node):
-                for arg in all_args(node):
-                    lm.read(node, arg, Read.LOCAL)
-                lm.layouts[node] = None
+            kept = keeps_partial(lm, node)
+            if kept is not None:
+                lm.commit(node, lm.keep(node, None, partial=kept))
                 continue
-            for arg in partial:
-                lm.sum_partial(node, arg)
-        if node in linears:
-            match = linears[node]
-            style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)
-            lm.styles[node] = style
-            linear(lm, match, style)
-            continue
-        if node.op == "output":  # (partial sums reduced above) returned whole, but a cache the graph
-            # allocated is returned as it is held (program.py wraps it)
-            roots = alias_roots(graph)
-            for arg in all_args(node):
-                root, lay = roots.get(arg, arg), lm.layouts.get(arg)
-                if root.op == "call_function" and root in lm.states and lay is not None and lay.alike(lm.states[root]):
-                    lm.held_outputs[arg] = lay
-                lm.read(node, arg, Read.GATHER if lay is not None and arg not in lm.held_outputs else Read.LOCAL)
-            lm.layouts[node] = None
-            continue
-        found = rules.lookup(node, per_rank)
-        if found is None or not found(lm, node):
-            lm.gather_all(node)
+        record = _record(lm, node, graph, linears, choose)
+        record.reduced = partial
+        lm.commit(node, record)
     return lm
+
+
+def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: dict[torch.fx.Node, LinearMatch],
+            choose: StyleChooser) -> Record:
+    """``node``'s record: its linear's, the graph output's, or its rule's (a gather where none applies)."""
+    if node in linears:
+        match = linears[node]
+        style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)
+        lm.styles[node] = style
+        record = linear(lm, match, style)
+        _lower_weight_uses(lm, match, style, record)
+        return record
+    if node.op == "output":  # (partial sums reduced) returned whole, but a cache the graph allocated
+        # is returned as it is held (program.py wraps it)
+        roots = alias_roots(graph)
+        record = Record()
+        for arg in all_args(node):
+            root, lay = roots.get(arg, arg), lm.layouts.get(arg)
+            if root.op == "call_function" and root in lm.states and lay is not None and lay.alike(lm.states[root]):
+                lm.held_outputs[arg] = lay
+            record.read(arg, Read.GATHER if lay is not None and arg not in lm.held_outputs else Read.LOCAL)
+        return record
+    found = rules.lookup(node, lm.per_rank)
+    record = found(lm, node) if found is not None else None
+    return record if record is not None else lm.gathered(node)
+
+
+def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> None:
+    """The nodes before a sharded linear that read its weight as the linear's own cut: an
+    embedding's ``max_norm`` renorm, a stacked weight's transpose (the bmm reads the weight)."""
+    if style == Style.REPLICATE:
+        return
+    if match.renorm is not None:
+        rows = lm.shard(record.weight_split, frozenset(), -1) if style == Style.ROWWISE else None
+        lm.records[match.renorm].lowering = Renorm(match, rows)
+    if lm.stacked and match.transpose is not None:
+        lm.records[match.transpose].lowering = StackedTranspose()

@@ -24,6 +24,7 @@ import torch.fx
 
 from dynashard.decision import Decision
 from dynashard.match import LinearMatch
+from dynashard.options import Style
 from dynashard.propagate import propagate
 from dynashard.shard import Wish, WishKind
 from dynashard.split import Split, even
@@ -133,7 +134,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
             if partly is not None:
                 splits[member] = partly
             else:
-                forced[member] = Decision("replicate", f"kept whole: {w.reason}")
+                forced[member] = Decision(Style.REPLICATE, f"kept whole: {w.reason}")
         changed = True
     recut = {o: (before.get(o, even(by_node[o].out_features)), split) for o, split in splits.items()
              if split != before.get(o)}

@@ -9,16 +9,18 @@ from typing import Any
 import torch
 
 from dynashard import _torch_private_aten as private_aten
+from dynashard.decision import split_dim
 from dynashard.nodes import mutates_self, op_name
+from dynashard.options import Style
 from dynashard.rules.inplace import alias_roots
-from dynashard.shard import LOSS_PARALLEL, CollectiveKind
+from dynashard.shard import CollectiveKind
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerRow:
     fqn: str
     weight_shape: tuple[int, ...]
-    style: str
+    style: Style
     reason: str
     collectives: str  # e.g. "all_reduce" / "all_gather (before sum)" / "-"
     comm_bytes: int  # collective payload per call at the example shape, charged to this layer
@@ -66,8 +68,8 @@ class GraphReport:
                 nbytes = nbytes * cut // sum(lay.split.parts)
             owners = sorted((o for o in c.origins if o in charged), key=lambda o: o.name)
             label = c.kind.value if c.kind.reduces else f"{c.kind.value} (before {c.reason})"
-            if c.reason == LOSS_PARALLEL:  # per token, every rank's log-sum-exp and target logit (fp32)
-                label = f"{c.kind.value} ({LOSS_PARALLEL})"
+            if c.loss_parallel:  # per token, every rank's log-sum-exp and target logit (fp32)
+                label = f"{c.kind.value} ({c.reason})"
                 nbytes = math.prod(private_aten.size_hint(s) for s in val.shape[:-1]) * 2 * analysis.world * 4
             for o in owners:
                 charged[o].append((label, nbytes // max(1, len(owners))))
@@ -76,9 +78,9 @@ class GraphReport:
             d = plan.decisions[m.node]
             val = m.weight.meta["val"]
             numel = val.numel()
-            if d.style != "replicate":
-                dim = m.out_dim if d.style == "colwise" else m.in_dim
-                split = plan.layouts.weight_splits[m.node]
+            if d.style != Style.REPLICATE:
+                dim = split_dim(m, d.style)
+                split = plan.layouts.weight_split(m.node)
                 numel = numel // val.shape[dim] * split.local(analysis.world, analysis.rank)
                 numel *= analysis.world if analysis.stacked else 1
             comms = charged[m.node]

@@ -4,8 +4,8 @@ Values are Replicated (``None``) or a :class:`Shard`: one dim cut by a :class:`S
 per component, balanced over ranks). A :class:`LayoutMap` records, for one graph and one rank, the
 layout of every value, how each consumer reads each producer (a :class:`Read`), the collectives
 that follow from those reads, and the :class:`Wish` es of rules that could keep a value sharded if
-its origins were cut differently. The rules (``dynashard/rules/``) fill it in; the plan and the
-rewrite read it. This module imports no rule.
+its origins were cut differently. Each rule (``dynashard/rules/``) returns one :class:`Record` per
+node; the plan and the rewrite read them. This module imports no rule.
 
 With ``inputs="per_rank"`` every rank computes its own batch, so a replicated value is this
 rank's rows only, while a Shard holds the rows of *all* ranks (concatenated, rank-major) and
@@ -24,6 +24,7 @@ from typing import Any
 import torch.fx
 
 from dynashard.nodes import all_args, op_name, size_at, val
+from dynashard.options import Style
 from dynashard.split import Split
 
 
@@ -39,7 +40,6 @@ class Read(str, enum.Enum):
     NARROW_GROUPS = "narrow_groups"  # of whole K/V heads, those of this rank's query heads (GQA)
 
 
-LOSS_PARALLEL = "loss parallel"  # the reason of the one collective of a loss-parallel cross-entropy
 
 
 class CollectiveKind(str, enum.Enum):
@@ -123,43 +123,106 @@ class Collective:
     node: torch.fx.Node  # where it is inserted (the producer for a gather, the linear for a reduce)
     origins: frozenset[torch.fx.Node]  # the linears it is charged to
     reason: str  # for a gather: the op that could not read the shard ("" for a linear's reduce)
+    loss_parallel: bool = False  # the one gather of a loss-parallel cross-entropy (rules/loss.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resize:
+    """A size argument naming the cut dim (view, reshape, expand), at this rank's size: ``full``
+    becomes ``local`` at ``dim`` (``k * full``, a batch dim merged in front, ``k * local``).
+    ``rows_scaled``: under ``inputs="per_rank"`` the first size is every rank's rows."""
+
+    dim: int
+    full: int
+    local: int
+    rows_scaled: bool = False
+
+
+class Lowering:
+    """How the rewrite emits a node other than as its own op on its converted operands (a rowwise
+    matmul and its all_reduce, a loss-parallel nll_loss, a cache at this rank's size). Subclasses
+    (``dynashard/lowerings.py``) hold what they need and emit through the rewrite's interpreter."""
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Record:
+    """What one node is on this rank, as its rule decided it: the layout of its value (or of each
+    of its outputs), how it reads each operand, and how the rewrite emits it. A rule returns one;
+    :meth:`LayoutMap.commit` files it and derives the collectives its reads imply."""
+
+    layout: Shard | None = None
+    reads: dict[torch.fx.Node, Read] = dataclasses.field(default_factory=dict)
+    outputs: tuple[Shard | None, ...] | None = None  # a tuple-valued op's, per output
+    resize: Resize | None = None
+    lowering: Lowering | None = None
+    # Partial sums (the value is whole-shaped; each rank holds a term, their sum is the value): the
+    # origins, as for a Shard. A rowwise expert matmul makes one; ops linear in it keep it
+    # (rules/partial.py); any other reader reads it all-reduced (``reduced``).
+    partial: frozenset[torch.fx.Node] | None = None
+    reduced: frozenset[torch.fx.Node] = frozenset()  # partial operands read all-reduced
+    weight_split: Split | None = None  # a sharded linear's weight cut
+    collectives: list[Collective] = dataclasses.field(default_factory=list)  # its own: a reduce, a loss's gather
+
+    def read(self, producer: torch.fx.Node, how: Read) -> Record:
+        self.reads[producer] = how
+        return self
 
 
 @dataclasses.dataclass
 class LayoutMap:
+    """The records of one graph on one rank, in graph order, and what they add up to: the
+    collectives and the wishes. ``layouts``, ``outputs`` and ``partial`` index the records."""
+
     world: int
     rank: int
-    styles: dict[torch.fx.Node, str]  # linear node -> style
+    styles: dict[torch.fx.Node, Style]  # linear node -> style
     per_rank: bool = False  # inputs="per_rank": replicated values are this rank's rows only
     stacked: bool = False  # weights="per_rank": sharded weights hold one block of every rank's weight
     uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
+    records: dict[torch.fx.Node, Record] = dataclasses.field(default_factory=dict)
     layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
-    reads: dict[tuple[torch.fx.Node, torch.fx.Node], Read] = dataclasses.field(default_factory=dict)
-    splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # colwise output splits (plan)
-    # A shape argument to rewrite: (dim, full size of the split, this rank's part); a dim of
-    # ``k * full`` (a batch dim merged in front) becomes ``k * local``.
-    view_sizes: dict[torch.fx.Node, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
-    outputs: dict[torch.fx.Node, list[Shard | None]] = dataclasses.field(default_factory=dict)  # tuple-valued ops
-    part_sizes: dict[torch.fx.Node, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # split/slice, local
-    weight_splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # linear -> its weight's
-    wishes: list[Wish] = dataclasses.field(default_factory=list)
-    view_rows_scaled: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # per_rank: first size x world
-    collectives: list[Collective] = dataclasses.field(default_factory=list)
-    # Partial sums (the layout is None: the value is whole-shaped): each rank holds a term of the
-    # value, their sum is the value; origins as for a Shard. A rowwise expert matmul makes one; ops
-    # linear in it keep it (rules/partial.py); any other reader reads it all-reduced (``reduced``).
+    outputs: dict[torch.fx.Node, list[Shard | None]] = dataclasses.field(default_factory=dict)
     partial: dict[torch.fx.Node, frozenset[torch.fx.Node]] = dataclasses.field(default_factory=dict)
-    reduced: set[tuple[torch.fx.Node, torch.fx.Node]] = dataclasses.field(default_factory=set)
+    splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # colwise output splits (plan)
+    wishes: list[Wish] = dataclasses.field(default_factory=list)
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
     written: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # values an in-place op writes into
-    # Loss parallel (rules/loss.py): log_softmax nodes kept vocab-sharded, their nll_loss readers
-    # computed from each rank's log-sum-exp and target logit, exchanged in one small all_gather.
-    loss_parallel: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     # Graph inputs held sharded because the graph writes Shards into them in place (KV caches):
     # placeholder -> its layout, seeded by the plan (Cuts.states) before the walk.
     states: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     # values of states the graph allocates itself (rules.inplace.FACTORIES) that it returns: as shards
     held_outputs: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
+    _summed: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+
+    def commit(self, node: torch.fx.Node, record: Record) -> None:
+        """File ``node``'s record; charge the collectives its reads imply (one per value and
+        conversion, shared by every consumer)."""
+        self.records[node] = record
+        self.layouts[node] = record.layout
+        if record.outputs is not None:
+            self.outputs[node] = list(record.outputs)
+        if record.partial is not None:
+            self.partial[node] = record.partial
+        for producer in record.reduced:
+            if producer not in self._summed:
+                self._summed.add(producer)
+                self.collectives.append(
+                    Collective(CollectiveKind.ALL_REDUCE, producer, self.partial[producer], op_name(node)))
+        for producer, how in record.reads.items():
+            self._charge(node, producer, how)
+        self.collectives.extend(record.collectives)
+
+    def read_of(self, consumer: torch.fx.Node, producer: torch.fx.Node) -> Read | None:
+        record = self.records.get(consumer)
+        return None if record is None else record.reads.get(producer)
+
+    def weight_split(self, linear: torch.fx.Node) -> Split | None:
+        record = self.records.get(linear)
+        return None if record is None else record.weight_split
 
     def shard(self, split: Split, origins: frozenset[torch.fx.Node], dim: int = -1) -> Shard:
         return Shard(split, origins, dim, self.world, self.rank)
@@ -167,8 +230,7 @@ class LayoutMap:
     def wish(self, origins: frozenset[torch.fx.Node], kind: WishKind, arg: Any, reason: str) -> None:
         self.wishes.append(Wish(origins, kind, arg, reason))
 
-    def read(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: Read) -> None:
-        self.reads[(consumer, producer)] = how
+    def _charge(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: Read) -> None:
         if how in (Read.LOCAL, Read.NARROW, Read.NARROW_GROUPS) or (how, producer) in self._gathered:
             return
         self._gathered.add((how, producer))
@@ -185,43 +247,29 @@ class LayoutMap:
             self.collectives.append(
                 Collective(CollectiveKind.ALL_TO_ALL, producer, frozenset([consumer]), op_name(consumer)))
 
-    def reduce(self, linear: torch.fx.Node) -> None:
+    def reduce(self, linear: torch.fx.Node) -> Collective:
         """A rowwise linear's (or vocab-parallel embedding's) partial sums, combined."""
         kind = CollectiveKind.REDUCE_SCATTER if self.per_rank else CollectiveKind.ALL_REDUCE
-        self.collectives.append(Collective(kind, linear, frozenset([linear]), ""))
+        return Collective(kind, linear, frozenset([linear]), "")
 
-    def sum_partial(self, consumer: torch.fx.Node, producer: torch.fx.Node) -> None:
-        """``consumer`` reads the partial sums ``producer`` all-reduced (one reduction per value,
-        shared by its consumers, as a gather is)."""
-        if not any(p is producer for _, p in self.reduced):
-            self.collectives.append(
-                Collective(CollectiveKind.ALL_REDUCE, producer, self.partial[producer], op_name(consumer)))
-        self.reduced.add((consumer, producer))
+    # Records shared by many rules.
 
-    # Reads shared by many rules.
-
-    def gather_all(self, node: torch.fx.Node) -> None:
+    def gathered(self, node: torch.fx.Node) -> Record:
         """The default: every sharded operand gathered, the output replicated."""
-        for arg in all_args(node):
-            self.read(node, arg, Read.GATHER if self.layouts.get(arg) is not None else Read.LOCAL)
-        self.layouts[node] = None
+        return Record(None, {a: Read.GATHER if self.layouts.get(a) is not None else Read.LOCAL for a in all_args(node)})
 
-    def keep(self, node: torch.fx.Node, out: Shard | None) -> bool:
-        """Every operand used as it is; the output's layout is ``out``. True (the rule applied)."""
-        for arg in all_args(node):
-            self.read(node, arg, Read.LOCAL)
-        self.layouts[node] = out
-        return True
+    def keep(self, node: torch.fx.Node, out: Shard | None, **fields: Any) -> Record:
+        """Every operand used as it is; the output's layout is ``out``."""
+        return Record(out, dict.fromkeys(all_args(node), Read.LOCAL), **fields)
 
-    def read_as_shard(self, consumer: torch.fx.Node, arg: torch.fx.Node, out: Shard) -> None:
-        """Read ``arg`` in a computation whose output is ``out`` (broadcast, slice or use a shard)."""
+    def as_shard(self, arg: torch.fx.Node, out: Shard) -> Read:
+        """How a computation whose output is ``out`` reads ``arg`` (use a shard, slice or broadcast)."""
         v = val(arg)
         if self.layouts.get(arg) is not None:
-            self.read(consumer, arg, Read.LOCAL)
-        elif v is not None and v.dim() >= -out.dim and size_at(arg, out.dim) != 1:
-            self.read(consumer, arg, Read.NARROW)  # (a symbolic size is never 1: Dynamo specialises 0 and 1)
-        else:
-            self.read(consumer, arg, Read.LOCAL)  # broadcasts over the sharded dim (size 1, or does not reach it)
+            return Read.LOCAL
+        if v is not None and v.dim() >= -out.dim and size_at(arg, out.dim) != 1:
+            return Read.NARROW  # (a symbolic size is never 1: Dynamo specialises 0 and 1)
+        return Read.LOCAL  # broadcasts over the sharded dim (size 1, or does not reach it)
 
     def can_read_as_shard(self, arg: torch.fx.Node, out: Shard, out_ndim: int) -> bool:
         lay = self.layouts.get(arg)

@@ -19,6 +19,7 @@ import torch.fx
 
 from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import InternalError
+from dynashard.options import Style
 from dynashard.rewrite import _Sharder
 from dynashard.weights import cut
 
@@ -56,6 +57,16 @@ class SimulatedCollectives:
 
     def all_gather_last_dim(self, x, lengths, rank, group_name, whole=frozenset()):
         return _join(self._all(x), lengths, whole)
+
+    # With gradients (a training compile): the same forward; their backwards are not simulated.
+    def copy_to_shards(self, x, group_name):
+        return x
+
+    def reduce_from_shards(self, x, group_name):
+        return self.all_reduce_sum(x, group_name)
+
+    def gather_from_shards(self, x, lengths, rank, group_name, whole=frozenset()):
+        return self.all_gather_last_dim(x, lengths, rank, group_name, whole)
 
     def all_gather_rows(self, x, group_name):
         return torch.cat(self._all(x), 0)
@@ -103,10 +114,11 @@ def _cut(full: torch.Tensor, dim: int, split, world: int, rank: int, stacked: bo
     return torch.stack([block] * world) if stacked else block  # replicated model: every rank's block alike
 
 
-def verify(analyses: list[Any], inputs: list[Any]) -> tuple[dict[str, float], float]:
+def verify(analyses: list[Any], inputs: list[Any], train: bool = False) -> tuple[dict[str, float], float]:
     """Max abs error per sharded linear (by FQN) and over the graph outputs, all ranks simulated.
 
-    ``analyses[r]`` is rank r's analysis of the same graph; ``inputs`` the real example inputs.
+    ``analyses[r]`` is rank r's analysis of the same graph; ``inputs`` the real example inputs;
+    ``train``: the conversions of a training compile (forward only).
     """
     # Under dynamic=True Dynamo's example for a size input is the SymInt itself; the simulated ranks run
     # real tensors, on the example's value of it.
@@ -126,7 +138,8 @@ def verify(analyses: list[Any], inputs: list[Any]) -> tuple[dict[str, float], fl
         for i, (_, dim, split) in a.sharded_inputs().items():
             args[i] = _cut(inputs[i], dim, split, world, rank, a.stacked)
         comm = SimulatedCollectives(rank, world, exchange)
-        sharder = _Recording(a.aten, a.plan, "simulated", False, comm, linears=[m.node for m in a.plan.linears])
+        sharder = _Recording(a.aten, a.plan, "simulated", False, comm, train=train,
+                             linears=[m.node for m in a.plan.linears])
         try:
             with torch.no_grad():
                 results[rank] = (sharder.run(*args), sharder.seen)
@@ -182,16 +195,16 @@ def _layer_errors(analyses, results, reference: dict) -> dict[str, float]:
     first = analyses[0]
     for i, m in enumerate(first.plan.linears):
         style = first.plan.layouts.styles[m.node]
-        if style == "replicate" or first.plan.layouts.per_rank:
+        if style == Style.REPLICATE or first.plan.layouts.per_rank:
             continue  # replicated layers are the unsharded ones; per-rank rows are checked at the outputs
         values = [seen[analyses[r].plan.linears[i].node] for r, (_, seen) in enumerate(results)]
-        if style == "colwise":  # features moved last, joined rank by rank, moved back
+        if style == Style.COLWISE:  # features moved last, joined rank by rank, moved back
             d = m.output_dim
-            got = _assemble([v.movedim(d, -1) for v in values], first.plan.layouts.weight_splits[m.node]).movedim(-1, d)
+            got = _assemble([v.movedim(d, -1) for v in values], first.plan.layouts.weight_split(m.node)).movedim(-1, d)
         elif m.node in first.plan.layouts.partial:  # each rank's term of the output
             got, values = torch.stack(values).sum(0), []
         else:
             got = values[0]
-        err = max([_err(got, reference[m.node])] + [_err(v, values[0]) for v in values[1:] if style == "rowwise"])
+        err = max([_err(got, reference[m.node])] + [_err(v, values[0]) for v in values[1:] if style == Style.ROWWISE])
         errors[m.fqn] = max(errors.get(m.fqn, 0.0), err)
     return errors

@@ -22,6 +22,7 @@ import torch.fx
 
 from dynashard.decision import Decision, shared_conflicts
 from dynashard.errors import UsageError
+from dynashard.options import Style
 
 
 def key_matches(key: str, fqn: str) -> bool:
@@ -44,21 +45,21 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool,
     for m in linears:
         keys = [k for k in plan if key_matches(k, m.fqn)]
         if not keys:
-            decisions[m.node] = Decision("replicate", "not named by the plan")
+            decisions[m.node] = Decision(Style.REPLICATE, "not named by the plan")
             continue
         style = plan[keys[-1]]
-        if style != "replicate" and blocked[m.node]:
+        if style != Style.REPLICATE and blocked[m.node]:
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "
                 "cannot be sharded. Expected a weight used only by linear layers; set its style to "
                 "'replicate' or remove it from the plan."
             )
-        if stacked and m.kind == "embedding" and style != "replicate":
+        if stacked and m.kind == "embedding" and style != Style.REPLICATE:
             raise UsageError(
                 f"dynashard: plan asks for {style} on embedding {m.fqn!r} with weights='per_rank'; expected "
                 "'replicate' (every rank's own embedding stays whole)."
             )
-        if (stacked or per_rank) and m.kind == "experts" and style != "replicate":
+        if (stacked or per_rank) and m.kind == "experts" and style != Style.REPLICATE:
             mode = "weights='per_rank'" if stacked else "inputs='per_rank'"
             raise UsageError(
                 f"dynashard: plan asks for {style} on experts {m.fqn!r} with {mode}, which experts do not support "

@@ -159,3 +159,21 @@ def test_compiling_again_reuses_the_conversions_it_traced(monkeypatch):
         step_graphs(monkeypatch, models.ResidualBlock(32, 80), torch.randn(2, 5, 32))
         sizes.append(len(collectives._CONVERSIONS))
     assert sizes[0] == 2 and sizes == [sizes[0]] * 3, sizes  # f before gate/up, g after down
+
+
+def test_explain_verifies_a_training_compiles_conversions(monkeypatch):
+    """``explain(verify=True, train=True)`` runs the rewrite of a training compile, whose
+    conversions (Megatron's f, g and gather) go through the same communicator as inference: a
+    Llama with loss parallel verifies, and a wrong g (no sum) is caught only in that mode."""
+    import dynashard
+    import dynashard.simulate as simulate
+
+    torch.manual_seed(0)
+    model = WithLoss(models.build("llama", 64, 96))
+    ids, target = torch.randint(0, 96, (2, 7)), torch.randint(0, 96, (2, 7))
+    options = {"min_shard_numel": 0}
+    dynashard.explain(model, ids, target, world_size=2, options=options, verify=True, train=True)
+    monkeypatch.setattr(simulate.SimulatedCollectives, "reduce_from_shards", lambda self, x, group_name: x)
+    dynashard.explain(model, ids, target, world_size=2, options=options, verify=True)  # (inference: no g)
+    with pytest.raises(RuntimeError, match="differs from the model"):
+        dynashard.explain(model, ids, target, world_size=2, options=options, verify=True, train=True)

@@ -25,7 +25,7 @@ import torch.fx
 from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import all_args, op_name, val, val_list
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, WishKind, finest
+from dynashard.shard import LayoutMap, Read, Record, Shard, WishKind, finest
 from dynashard.split import Split
 
 aten = torch.ops.aten
@@ -95,38 +95,37 @@ def _op_arg(node: torch.fx.Node, where: int | str | None, name: str) -> object:
 
 
 @rule(*_ATTENTION)
-def attention(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def attention(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     spec = _ATTENTION[node.target]
     q, k, v = node.args[:3]
     mask = _op_arg(node, spec.mask, "attn_bias")
     if mask is not None and (lm.layouts.get(mask) is not None or val(mask) is None):
-        return False
+        return None
     if spec.debug_mask is not None and _op_arg(node, spec.debug_mask, "return_debug_mask"):
-        return False  # a debug mask output per head pair: run whole
+        return None  # a debug mask output per head pair: run whole
     groups = _kv_groups(q, k)
     if groups is None or (groups > 1 and not spec.gqa):
-        return False
+        return None
     if groups > 1:
         first = _gqa_heads(lm, node, q, k, v, groups)
     else:
         first = _heads_alike(lm, node, [q, k, v], -3)
     if first is None or (lm.layouts.get(q) is None and groups > 1):
         _off_heads_wish(lm, node, [q, k, v])
-        return False  # (a replicated q with K/V cut alike by heads is narrowed to this rank's heads)
+        return None  # (a replicated q with K/V cut alike by heads is narrowed to this rank's heads)
     origins = frozenset().union(*(lm.layouts[a].origins for a in (q, k, v) if lm.layouts.get(a) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
+    record = Record(outputs=(out, out.moved(spec.lse_dim)) + (None,) * (len(val_list(node)) - 2))
     for arg in all_args(node):
         if arg in (q, k, v) and lm.layouts.get(arg) is not None:
-            lm.read(node, arg, Read.LOCAL)
+            record.read(arg, Read.LOCAL)
         elif arg in (k, v) and groups > 1:
-            lm.read(node, arg, Read.NARROW_GROUPS)
+            record.read(arg, Read.NARROW_GROUPS)
         elif arg in (q, k, v) or arg is mask:
-            lm.read_as_shard(node, arg, out)
+            record.read(arg, lm.as_shard(arg, out))
         else:
-            lm.read(node, arg, Read.LOCAL)
-    lm.outputs[node] = [out, out.moved(spec.lse_dim)] + [None] * (len(val_list(node)) - 2)
-    lm.layouts[node] = None
-    return True
+            record.read(arg, Read.LOCAL)
+    return record
 
 
 def _off_heads_wish(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node]) -> None:
@@ -191,7 +190,7 @@ def _gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx
 
 
 @rule(aten.bmm.default, aten.baddbmm.default)
-def bmm(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def bmm(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """bmm on a batch dim that merges batch and heads (softmax-matmul attention), or baddbmm with
     a bias added to it (BLOOM's ALiBi, ``[B * H, 1, T]``): a bias spanning the merged dim is cut
     like the operands (narrowed if replicated); one of size 1 there broadcasts."""
@@ -202,10 +201,7 @@ def bmm(lm: LayoutMap, node: torch.fx.Node) -> bool:
     first = _heads_alike(lm, node, [a, b, bias] if spans else [a, b], -3)
     if first is None:
         _off_heads_wish(lm, node, [a, b])
-        return False
+        return None
     origins = frozenset().union(*(lm.layouts[x].origins for x in (a, b, bias) if lm.layouts.get(x) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
-    for arg in all_args(node):
-        lm.read_as_shard(node, arg, out) if arg in (a, b, bias) else lm.read(node, arg, Read.LOCAL)
-    lm.layouts[node] = out
-    return True
+    return Record(out, {arg: lm.as_shard(arg, out) if arg in (a, b, bias) else Read.LOCAL for arg in all_args(node)})

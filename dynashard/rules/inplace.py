@@ -15,7 +15,7 @@ import torch.fx
 
 from dynashard.nodes import all_args, mutates_self, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, WishKind
+from dynashard.shard import LayoutMap, Read, Record, Shard, WishKind
 
 aten = torch.ops.aten
 
@@ -58,9 +58,10 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
     root = alias_roots(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     gathers: dict[torch.fx.Node, list[int]] = {}
-    for (consumer, producer), how in lm.reads.items():
-        if how in (Read.GATHER, Read.GLOBAL) and lm.layouts.get(producer) is not None:
-            gathers.setdefault(producer, []).append(order[consumer])
+    for consumer, record in lm.records.items():
+        for producer, how in record.reads.items():
+            if how in (Read.GATHER, Read.GLOBAL) and lm.layouts.get(producer) is not None:
+                gathers.setdefault(producer, []).append(order[consumer])
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or not mutates_self(node) or not isinstance(node.args[0], torch.fx.Node):
@@ -75,7 +76,7 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         if shard is None:
             continue
         # a write into a copy: of a replicated alias of the shard, or of a gather the op itself reads
-        read = lm.reads.get((node, node.args[0]))
+        read = lm.read_of(node, node.args[0])
         through_copy = lm.layouts.get(node.args[0]) is None or read in (Read.GATHER, Read.GLOBAL)
         stale = any(min(gathers.get(m, [order[node]])) < order[node] < max(gathers.get(m, [0])) for m in members)
         if through_copy or stale:
@@ -94,62 +95,62 @@ FACTORIES = (aten.zeros.default, aten.empty.memory_format, aten.full.default)
 
 
 @rule(aten.index_put_.default)
-def index_put(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def index_put(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """``self[..., idx, ...] = values`` with one 1-D index tensor on a dim that is not cut."""
     target, indices, values = node.args[0], node.args[1], node.args[2]
     indexed = [i for i, ix in enumerate(indices) if ix is not None]
     if len(indexed) != 1 or not isinstance(values, torch.fx.Node) or val(indices[indexed[0]]) is None:
-        return False
+        return None
     if val(indices[indexed[0]]).dim() != 1 or val(indices[indexed[0]]).dtype == torch.bool:
-        return False
+        return None
     return _write_along(lm, node, target, values, indexed[0])
 
 
 @rule(aten.index_copy_.default)
-def index_copy(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def index_copy(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """``self.index_copy_(dim, index, source)`` along a dim that is not cut."""
     target, dim, source = node.args[0], node.args[1], node.args[3]
     t = val(target)
-    return t is not None and _write_along(lm, node, target, source, norm_dim(dim, t.dim()))
+    return None if t is None else _write_along(lm, node, target, source, norm_dim(dim, t.dim()))
 
 
 @rule(aten.copy_.default)
-def copy(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def copy(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """``self.copy_(src)`` (a slice assignment): a Shard into a Shard cut alike, or a replicated
     value narrowed (or broadcast) into a Shard."""
     target, source = node.args[0], node.args[1]
     held, written = lm.layouts.get(target), lm.layouts.get(source)
     if not isinstance(source, torch.fx.Node) or val(target) is None or val(source) is None:
-        return False
+        return None
     if held is None or (written is not None and not held.alike(written)):
         if written is not None:
             wish_state(lm, node, target, written)
-        return False
+        return None
     if val(source).dim() < -held.dim and written is not None:
-        return False
-    for arg in all_args(node):
-        lm.read_as_shard(node, arg, held) if arg is source else lm.read(node, arg, Read.LOCAL)
-    lm.layouts[node] = held
-    return True
+        return None
+    return _writes(lm, node, source, held)
 
 
-def _write_along(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, source: torch.fx.Node, d: int) -> bool:
+def _write_along(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, source: torch.fx.Node,
+                 d: int) -> Record | None:
     """The source's dims line up with the target's from the end (index_put_ broadcasts its values:
     a batch of one may arrive as ``[heads, T, D]`` for a ``[1, heads, max_len, D]`` cache)."""
     t, s = val(target), val(source)
     if t is None or s is None or s.dim() > t.dim():
-        return False
+        return None
     held, written = lm.layouts.get(target), lm.layouts.get(source)
     if held is None or (written is not None and not held.alike(written)):
         if written is not None:
             wish_state(lm, node, target, written)
-        return False
+        return None
     if t.dim() + held.dim == d:
-        return False  # written along the cut dim itself
-    for arg in all_args(node):
-        lm.read_as_shard(node, arg, held) if arg is source else lm.read(node, arg, Read.LOCAL)
-    lm.layouts[node] = held
-    return True
+        return None  # written along the cut dim itself
+    return _writes(lm, node, source, held)
+
+
+def _writes(lm: LayoutMap, node: torch.fx.Node, source: torch.fx.Node, held: Shard) -> Record:
+    """``source`` written into the Shard ``held``: read as a part of it; the rest as they are."""
+    return Record(held, {a: lm.as_shard(a, held) if a is source else Read.LOCAL for a in all_args(node)})
 
 
 def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, written: Shard) -> None:

@@ -14,7 +14,7 @@ all_reduces (max, sum of exps, target logit); one gather of both numbers does it
 Applies when every reader of the ``_log_softmax`` along the cut dim is an ``nll_loss_forward``
 without class weights (what ``F.cross_entropy`` traces to; label smoothing adds a sum over the
 vocabulary, which gathers as before), on ``[tokens, vocab]`` logits of which every rank holds
-some. The lowering is :meth:`dynashard.rewrite._Sharder._nll_loss`.
+some. The lowerings are :class:`~dynashard.lowerings.LogSumExp` and :class:`~dynashard.lowerings.VocabNll`.
 """
 
 from __future__ import annotations
@@ -22,43 +22,41 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.lowerings import LogSumExp, VocabNll
 from dynashard.nodes import all_args, norm_dim, size_at
 from dynashard.rules.reductions import along_one_dim
 from dynashard.rules.registry import rule
-from dynashard.shard import LOSS_PARALLEL, Collective, CollectiveKind, LayoutMap, Read
+from dynashard.shard import Collective, CollectiveKind, LayoutMap, Record
 
 aten = torch.ops.aten
 
 
 @rule(aten._log_softmax.default)
-def log_softmax(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def log_softmax(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """Along a dim that is not cut, each rank's own; along the cut vocab dim, loss parallel."""
-    if along_one_dim(lm, node, index=1):
-        return True
+    along = along_one_dim(lm, node, index=1)
+    if along is not None:
+        return along
     found = lm.input_shard(node)
     if found is None or lm.stacked:
-        return False
+        return None
     src, ndim, p = found
     if ndim != 2 or norm_dim(node.args[1], ndim) != p or p != 1 or size_at(node.args[0], -1) != src.size:
-        return False  # [tokens, vocab] along the vocab only (a merged or batched dim: gather)
+        return None  # [tokens, vocab] along the vocab only (a merged or batched dim: gather)
     if src.split.fewest_units(lm.world) < 1 or not node.users or not all(_plain_nll(u, node) for u in node.users):
-        return False
-    lm.keep(node, src)
-    lm.loss_parallel.add(node)
-    lm.collectives.append(Collective(CollectiveKind.ALL_GATHER, node, src.origins, LOSS_PARALLEL))
-    return True
+        return None
+    gather = Collective(CollectiveKind.ALL_GATHER, node, src.origins, "loss parallel", loss_parallel=True)
+    return lm.keep(node, src, lowering=LogSumExp(), collectives=[gather])
 
 
 @rule(aten.nll_loss_forward.default)
-def nll_loss(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def nll_loss(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """The negative log-likelihood of loss-parallel log-probabilities: replicated outputs."""
-    if node.args[0] not in lm.loss_parallel:
-        return False
-    for arg in all_args(node):
-        lm.read(node, arg, Read.LOCAL)
-    lm.outputs[node] = [None, None]  # the loss and the total weight, the same on every rank
-    lm.layouts[node] = None
-    return True
+    record = lm.records.get(node.args[0])
+    if record is None or not isinstance(record.lowering, LogSumExp):
+        return None
+    # the loss and the total weight, the same on every rank
+    return lm.keep(node, None, outputs=(None, None), lowering=VocabNll(record.layout))
 
 
 def _plain_nll(user: torch.fx.Node, lsm: torch.fx.Node) -> bool:

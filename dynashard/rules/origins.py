@@ -21,9 +21,11 @@ from __future__ import annotations
 import math
 
 from dynashard.errors import UsageError
+from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
 from dynashard.match import LinearMatch
-from dynashard.nodes import all_args, size_at, val
-from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Shard, WishKind
+from dynashard.nodes import size_at, val
+from dynashard.options import Style
+from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard, WishKind
 from dynashard.split import Split, even
 
 
@@ -35,40 +37,39 @@ def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
             and src.size == match.in_features == size_at(match.input, match.input_dim))
 
 
-def linear(lm: LayoutMap, match: LinearMatch, style: str) -> None:
+def linear(lm: LayoutMap, match: LinearMatch, style: Style) -> Record:
     node = match.node
-    if style == "replicate":
-        lm.gather_all(node)
-        return
-    for arg in all_args(node):
-        lm.read(node, arg, Read.LOCAL)  # the weight's transpose reads the (already sharded) weight
+    if style == Style.REPLICATE:
+        return lm.gathered(node)
+    record = lm.keep(node, None)  # the weight's transpose reads the (already sharded) weight
     if match.kind == "experts":
-        _experts(lm, match, style)
-    elif style == "colwise":
-        _colwise(lm, match)
-    elif match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
-        lm.weight_splits[node] = even(match.in_features)
-        lm.read(node, match.input, Read.GLOBAL if lm.per_rank else Read.LOCAL)
-        lm.reduce(node)
-        lm.layouts[node] = None
-    else:
-        _rowwise(lm, match)
+        return _experts(lm, match, style, record)
+    if style == Style.COLWISE:
+        return _colwise(lm, match, record)
+    if match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
+        record.weight_split = even(match.in_features)
+        record.read(match.input, Read.GLOBAL if lm.per_rank else Read.LOCAL)
+        record.collectives.append(lm.reduce(node))
+        record.lowering = VocabParallelLookup(match, lm.shard(record.weight_split, frozenset(), match.input_dim))
+        return record
+    return _rowwise(lm, match, record)
 
 
-def _colwise(lm: LayoutMap, match: LinearMatch) -> None:
+def _colwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
     node, src = match.node, lm.layouts.get(match.input)
     if lm.per_rank:
-        lm.read(node, match.input, Read.GLOBAL)
+        record.read(match.input, Read.GLOBAL)
     elif src is not None:
-        lm.read(node, match.input, Read.GATHER)
+        record.read(match.input, Read.GATHER)
     out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]))
-    lm.weight_splits[node] = out.split
-    lm.layouts[node] = out
+    record.weight_split, record.layout = out.split, out
+    if lm.stacked:
+        record.lowering = StackedColwise(match)
     if match.renorm is not None:  # max_norm: each looked-up row's norm from every rank's part of it (vocab.py):
         # an fp32 per id and rank, charged as the int64 ids (the same bytes at world 2)
-        lm.collectives.append(Collective(CollectiveKind.ALL_GATHER, match.input, frozenset([node]), "max_norm"))
+        record.collectives.append(Collective(CollectiveKind.ALL_GATHER, match.input, frozenset([node]), "max_norm"))
     if match.bias is None:
-        return
+        return record
     bias = val(match.bias)
     if lm.stacked:
         if match.bias.op != "placeholder" or bias.dim() != 1:
@@ -76,14 +77,13 @@ def _colwise(lm: LayoutMap, match: LinearMatch) -> None:
                 f"dynashard: colwise {match.fqn!r} with weights='per_rank' needs its bias to be a "
                 "1-D parameter (it is exchanged like the weight). Mark it 'replicate' in the plan."
             )
-        lm.read(node, match.bias, Read.LOCAL)  # the rewrite adds every rank's bias block itself
-        return
+        return record.read(match.bias, Read.LOCAL)  # the rewrite adds every rank's bias block itself
     if lm.per_rank and not (match.bias in lm.uniform and bias.dim() <= 1):
         raise UsageError(
             f"dynashard: colwise {match.fqn!r} with inputs='per_rank' needs a 1-D bias that is the "
             f"same on every rank; found a {bias.dim()}-D bias. Mark it 'replicate' in the plan."
         )
-    lm.read_as_shard(node, match.bias, out)
+    return record.read(match.bias, lm.as_shard(match.bias, out))
 
 
 def _alignment(match: LinearMatch) -> int:
@@ -111,36 +111,38 @@ def _align(lm: LayoutMap, shard: Shard, match: LinearMatch) -> None:
             f"{lm.world} ranks some")
 
 
-def _experts(lm: LayoutMap, match: LinearMatch, style: str) -> None:
+def _experts(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> Record:
     """Every expert's own colwise / rowwise linear (the weight chain runs on this rank's cut)."""
     node, src = match.node, lm.layouts.get(match.input)
-    if style == "colwise":
+    if style == Style.COLWISE:
         if src is not None:
-            lm.read(node, match.input, Read.GATHER)
+            record.read(match.input, Read.GATHER)
         out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]), match.output_dim)
         _align(lm, out, match)
-        lm.weight_splits[node] = out.split
-        lm.layouts[node] = out
-        return
+        record.weight_split, record.layout = out.split, out
+        return record
     usable = feeds_features(lm, match)
     unit = _alignment(match)
+    split = even(match.in_features)
     if usable:
         _align(lm, src, match)
+        split = src.split
     elif unit > 1 and match.in_features // unit < lm.world:
         raise UsageError(
             f"dynashard: experts {match.fqn!r} run by aten._grouped_mm need every rank's part in whole 16 bytes: "
             f"{match.in_features} input features are {match.in_features // unit} parts of {unit}, fewer than "
             f"{lm.world} ranks; expected 'replicate' for it in the plan.")
     elif match.in_features % unit == 0:
-        lm.weight_splits[node] = Split((match.in_features // unit,), unit)
-    lm.weight_splits[node] = src.split if usable else lm.weight_splits.get(node, even(match.in_features))
-    # an input sharded some other way is gathered, then this rank's features taken (rewrite.py)
-    lm.read(node, match.input, Read.LOCAL if usable else Read.GATHER if src is not None else Read.NARROW)
-    lm.layouts[node] = None
-    lm.partial[node] = frozenset([node])
+        split = Split((match.in_features // unit,), unit)
+    record.weight_split = split
+    # an input sharded some other way is gathered, then this rank's features taken (lowerings.py)
+    record.read(match.input, Read.LOCAL if usable else Read.GATHER if src is not None else Read.NARROW)
+    record.partial = frozenset([node])
+    record.lowering = RowwiseExperts(match, _input_shard(lm, match, record, usable))
+    return record
 
 
-def _rowwise(lm: LayoutMap, match: LinearMatch) -> None:
+def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
     node, src = match.node, lm.layouts.get(match.input)
     usable = feeds_features(lm, match)
     if src is not None and not usable and lm.per_rank:
@@ -149,16 +151,25 @@ def _rowwise(lm: LayoutMap, match: LinearMatch) -> None:
             f"{match.in_features} input features; found it sharded on dim {src.dim}. Mark it 'colwise' or "
             "'replicate' in the plan."
         )
-    lm.weight_splits[node] = src.split if usable else even(match.in_features)
-    # an input sharded some other way is gathered, then this rank's features taken (rewrite.py)
+    record.weight_split = src.split if usable else even(match.in_features)
+    # an input sharded some other way is gathered, then this rank's features taken (lowerings.py)
     if usable:
         how = Read.LOCAL
     elif src is not None:
         how = Read.GATHER
     else:
         how = Read.GLOBAL_NARROW if lm.per_rank else Read.NARROW
-    lm.read(node, match.input, how)
+    record.read(match.input, how)
     if match.bias is not None and lm.layouts.get(match.bias) is not None:
-        lm.read(node, match.bias, Read.GATHER)
-    lm.reduce(node)
-    lm.layouts[node] = None
+        record.read(match.bias, Read.GATHER)
+    record.collectives.append(lm.reduce(node))
+    record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable))
+    return record
+
+
+def _input_shard(lm: LayoutMap, match: LinearMatch, record: Record, usable: bool) -> Shard:
+    """This rank's input features of a rowwise linear: its input's own shard when it feeds them as
+    it is, else the weight's cut on the input's feature dim (narrowed or gathered, then taken)."""
+    if usable:
+        return lm.layouts[match.input]
+    return lm.shard(record.weight_split, frozenset(), match.input_dim)

@@ -17,7 +17,7 @@ partial once: ``p * p`` is not linear), a selection of rows (``index``, ``select
 sums over dims, a sum, difference or concatenation of partials only, or of zeros nothing writes
 into (``p + 1.0`` would add the number once per rank). Every other reader -- every in-place op,
 any op with a Shard operand, the graph's outputs -- reads it all-reduced
-(:meth:`~dynashard.shard.LayoutMap.sum_partial`).
+(``Record.reduced``).
 """
 
 from __future__ import annotations
@@ -70,16 +70,16 @@ def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> bool:
-    """True (and the output's partial origins recorded) when ``node`` reads partial operands and is
-    linear in them; the driver then records every operand read locally."""
+def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node] | None:
+    """The partial origins of ``node``'s output when it reads partial operands and is linear in
+    them (the driver then records every operand read locally); None otherwise."""
     if node.op != "call_function" or mutates_self(node):
-        return False
+        return None
     args = tensor_args(node)
     reads = [a for a in _operands(node) if a in lm.partial]  # with repeats
     others = [a for a in args if a not in lm.partial]
     if not reads or any(lm.layouts.get(a) is not None for a in args):
-        return False
+        return None
     if node.target in _LINEAR_IN_FIRST or (node.target is aten._to_copy.default and _widening_copy(node)):
         ok = reads == [node.args[0]]
     elif node.target in _SCALED:  # by a replicated tensor or a number: p * w, p / w, p * 2.0
@@ -91,6 +91,4 @@ def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> bool:
               and all(_is_zeros(lm, a) for a in others))
     else:
         ok = False
-    if ok:
-        lm.partial[node] = frozenset().union(*(lm.partial[a] for a in reads))
-    return ok
+    return frozenset().union(*(lm.partial[a] for a in reads)) if ok else None

@@ -16,20 +16,20 @@ from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import all_args, mutates_self, op_name, tensor_args, val
 from dynashard.rules.inplace import wish_state
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Shard, finest
+from dynashard.shard import LayoutMap, Read, Record, Shard, finest
 
 aten = torch.ops.aten
 COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)
 
 
 @rule(*COPIES, per_rank=True, tags=(torch.Tag.pointwise,))
-def pointwise(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def pointwise(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     args = tensor_args(node)
     sharded = [lm.layouts[a] for a in args if lm.layouts.get(a) is not None]
     first = finest(sharded) if sharded else None
     if first is not None and not all(first.alike(s) for s in sharded):
         lm.unify(sharded, op_name(node))
-        return False
+        return None
     out_val = val(node)
     ok = (
         first is not None
@@ -45,9 +45,6 @@ def pointwise(lm: LayoutMap, node: torch.fx.Node) -> bool:
             wish_state(lm, node, node.args[0], first)
         ok = False  # writing into a replicated tensor needs it whole
     if not ok:
-        return False
+        return None
     out = Shard(first.split, frozenset().union(*(s.origins for s in sharded)), first.dim, lm.world, lm.rank)
-    for arg in all_args(node):
-        lm.read_as_shard(node, arg, out) if arg in args else lm.read(node, arg, Read.LOCAL)
-    lm.layouts[node] = out
-    return True
+    return Record(out, {arg: lm.as_shard(arg, out) if arg in args else Read.LOCAL for arg in all_args(node)})

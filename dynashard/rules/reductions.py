@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dynashard.nodes import all_args, norm_dim
+from dynashard.nodes import norm_dim
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read
+from dynashard.shard import LayoutMap, Record
 
 aten = torch.ops.aten
 
@@ -30,46 +30,43 @@ _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin
 
 
 @rule(*_ALONG_ONE_DIM)
-def along_one_dim(lm: LayoutMap, node: torch.fx.Node, index: int | None = None) -> bool:
+def along_one_dim(lm: LayoutMap, node: torch.fx.Node, index: int | None = None) -> Record | None:
     """Along a dim that is not cut: each rank works on its own part (``index``: of the dim argument)."""
     found = lm.input_shard(node)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     index = _ALONG_ONE_DIM[node.target] if index is None else index
     d = norm_dim(node.args[index] if len(node.args) > index else 0, ndim)
-    return d != p and lm.keep(node, src)
+    return lm.keep(node, src) if d != p else None
 
 
 @rule(*_REDUCTIONS)
-def reduce(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def reduce(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """A reduction over dims that do not include the cut dim: each rank reduces its own part."""
     found = lm.input_shard(node)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return False  # every dim reduced
+        return None  # every dim reduced
     dims = {norm_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
     if p in dims:
-        return False
+        return None
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     new = p if keepdim else p - sum(1 for d in dims if d < p)
     return lm.keep(node, src.moved(new - (ndim if keepdim else ndim - len(dims))))
 
 
 @rule(aten.native_layer_norm.default)
-def layer_norm(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def layer_norm(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """LayerNorm over trailing dims that are not cut (Phi / StableLM qk_layernorm)."""
     found = lm.input_shard(node)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     if p >= ndim - len(node.args[1]) or any(lm.layouts.get(a) is not None for a in node.args[2:4]):
-        return False  # the cut dim normalized, or a weight / bias that is itself cut: gather
-    for arg in all_args(node):
-        lm.read(node, arg, Read.LOCAL)  # weight and bias span the normalized dims only
-    lm.outputs[node] = [src, src, src]  # out, mean, rstd: the same dims before the normalized ones
-    lm.layouts[node] = None
-    return True
+        return None  # the cut dim normalized, or a weight / bias that is itself cut: gather
+    # weight and bias span the normalized dims only; out, mean, rstd: the same dims before them
+    return lm.keep(node, None, outputs=(src, src, src))

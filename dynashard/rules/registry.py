@@ -1,15 +1,17 @@
 """One table from aten op to its propagation rule.
 
-A rule is ``fn(lm, node) -> bool``: it records in the :class:`~dynashard.shard.LayoutMap` how
-``node`` reads each operand and the layout of its output, and returns True; False means "no
-sharded form here", and the driver gathers every sharded operand instead (always correct).
-Rules decide from sizes only, never from this rank's offsets, so every rank takes the same
-collectives.
+A rule is ``fn(lm, node) -> Record | None``: it reads the records of earlier nodes in the
+:class:`~dynashard.shard.LayoutMap` and returns ``node``'s :class:`~dynashard.shard.Record` (how it
+reads each operand, the layout of its output, a size argument to rewrite, a lowering where the op
+is not emitted as itself); None means "no sharded form here", and the driver gathers every sharded
+operand instead (always correct). The driver files the record and charges its collectives. A rule
+may also leave wishes (``lm.wish``). Rules decide from sizes only, never from this rank's offsets,
+so every rank takes the same collectives.
 
 Register a rule next to its kin::
 
     @rule(aten.cumsum.default)                    # in rules/reductions.py: along one dim
-    def _cumsum(lm, node): ...
+    def _cumsum(lm, node): ...                    # -> lm.keep(node, shard) or None
 
 ``per_rank=True`` when the rule also holds under ``inputs="per_rank"`` (a Shard there holds
 every rank's rows); other rules are not consulted in that mode. A tag rule (``torch.Tag.pointwise``)
@@ -24,9 +26,9 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from dynashard.shard import LayoutMap
+from dynashard.shard import LayoutMap, Record
 
-Rule = Callable[[LayoutMap, torch.fx.Node], bool]
+Rule = Callable[[LayoutMap, torch.fx.Node], Record | None]
 
 
 @dataclasses.dataclass(frozen=True)

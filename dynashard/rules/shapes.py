@@ -17,42 +17,41 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private_aten as private_aten
+from dynashard.lowerings import TakeParts
 from dynashard.nodes import norm_dim, op_name, val, val_list
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, WishKind, finest
+from dynashard.shard import LayoutMap, Record, Shard, WishKind, finest
 from dynashard.split import Split, joined
 
 aten = torch.ops.aten
 
 
 @rule(operator.getitem)
-def getitem(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def getitem(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     outs = lm.outputs.get(node.args[0])
     if outs is None or not isinstance(node.args[1], int):
-        return False
+        return None
     return lm.keep(node, outs[node.args[1]])
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
-def split(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def split(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     t = node.target
     found = lm.input_shard(node, whole_ok=t is not aten.unbind.int)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     dim = node.args[1] if t is aten.unbind.int and len(node.args) > 1 else node.args[2] if len(node.args) > 2 else 0
     d = norm_dim(dim, ndim)
     if any(u.target is not operator.getitem for u in node.users):
-        return False
+        return None
     n_out = len(val_list(node))
     if d != p:
         out = src if t is not aten.unbind.int else src.moved(src.dim + (1 if d > p else 0))
-        lm.keep(node, None)
-        lm.outputs[node] = [out] * n_out
-        return True
+        return lm.keep(node, None, outputs=(out,) * n_out)
     size = val(node.args[0]).shape[p]
     if t is aten.unbind.int or not private_aten.known_equal(size, src.size):
-        return False
+        return None
     widths = [node.args[1]] * n_out if t is aten.split.Tensor else list(node.args[1])
     edges = [0]
     for w in widths:
@@ -62,15 +61,12 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> bool:
         carved = _carve(lm, src, edges)
         if carved is None:
             _cut_wish(lm, node, src, edges)
-            return False
-        lm.keep(node, None)
-        lm.outputs[node] = carved
-        lm.part_sizes[node] = tuple(s.length for s in carved)
-        return True
-    lm.keep(node, None)
-    lm.outputs[node] = [_sub(src, i, j) for i, j in ranges]  # a whole component is a replicated output
-    lm.part_sizes[node] = tuple(_sub_length(src, i, j) for i, j in ranges)
-    return True
+            return None
+        return lm.keep(node, None, outputs=tuple(carved),
+                       lowering=TakeParts(tuple(s.length for s in carved), src.dim))
+    outputs = tuple(_sub(src, i, j) for i, j in ranges)  # a whole component is a replicated output
+    return lm.keep(node, None, outputs=outputs,
+                   lowering=TakeParts(tuple(_sub_length(src, i, j) for i, j in ranges), src.dim))
 
 
 def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
@@ -88,12 +84,12 @@ def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
 
 
 @rule(aten.slice.Tensor)
-def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def slice_(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """Along another dim: the cut kept. ``x[..., a:b]`` on the cut dim: whole components only (a
     fused output's q, k or v)."""
     found = lm.input_shard(node, whole_ok=True)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     if norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim) != p:
         return lm.keep(node, src)
@@ -101,85 +97,86 @@ def slice_(lm: LayoutMap, node: torch.fx.Node) -> bool:
     start, end, step = args[2] or 0, args[3], args[4] or 1
     size = val(node.args[0]).shape[p]
     if step != 1 or not private_aten.known_equal(size, src.size) or not isinstance(start, int):
-        return False
+        return None
     end = src.size if end is None or (isinstance(end, int) and end > src.size) else end
     if not isinstance(end, int):
-        return False
+        return None
     start, end = start % src.size if start < 0 else start, end % src.size if end < 0 else end
     return _cut_range(lm, node, src, start, end)
 
 
-def _cut_range(lm: LayoutMap, node: torch.fx.Node, src: Shard, start: int, end: int) -> bool:
+def _cut_range(lm: LayoutMap, node: torch.fx.Node, src: Shard, start: int, end: int) -> Record | None:
     """Elements ``[start, end)`` of the cut dim: whole components (a wish to cut at those bounds
-    otherwise); this rank's part of them, narrowed by the rewrite (``part_sizes``)."""
+    otherwise); this rank's part of them, narrowed by the rewrite (``TakeParts``)."""
     ranges = _part_ranges(src.split, [start, end])
     if ranges is None:
         _cut_wish(lm, node, src, [0, start, end, src.size])
-        return False
+        return None
     (i, j), = ranges
-    lm.part_sizes[node] = (_sub_length(src, 0, i), _sub_length(src, i, j))
-    return lm.keep(node, _taken(lm, node, src, i, j))  # None: whole components, held by every rank (replicated)
+    # (None: whole components, held by every rank: replicated)
+    return lm.keep(node, _taken(lm, node, src, i, j),
+                   lowering=TakeParts((_sub_length(src, 0, i), _sub_length(src, i, j)), src.dim))
 
 
 @rule(aten.index.Tensor)
-def index(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def index(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """``x[..., idx, ...]`` with one integer index tensor, on a dim that is not cut: the cut is kept
     (HF Falcon's ``qkv[:, :, :, [-2]]`` takes one part of every KV group, the groups cut). On the
     cut dim, a constant index of consecutive positions is the slice it equals (Falcon-7B's
     multi-query ``fused[..., [-2], :]`` takes the one k head out of ``[q heads | k | v]``)."""
     found = lm.input_shard(node, whole_ok=True)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     given = [(d, i) for d, i in enumerate(node.args[1]) if i is not None]
     if len(given) != 1:
-        return False  # several index tensors broadcast together and may move their dims first
+        return None  # several index tensors broadcast together and may move their dims first
     (d, idx), = given
     if lm.layouts.get(idx) is not None or val(idx) is None or val(idx).dtype in (torch.bool, torch.uint8):
-        return False  # a sharded index, or a mask (it spans several dims)
+        return None  # a sharded index, or a mask (it spans several dims)
     if d == p:
         return _index_as_slice(lm, node, src, idx)
     if src.split.whole:
-        return False
+        return None
     out_ndim = val(node).dim()
     # Dims before the indexed one keep their place from the left, dims after it from the right.
     return lm.keep(node, src.moved(p - out_ndim) if p < d else src)
 
 
-def _index_as_slice(lm: LayoutMap, node: torch.fx.Node, src: Shard, idx: torch.fx.Node) -> bool:
+def _index_as_slice(lm: LayoutMap, node: torch.fx.Node, src: Shard, idx: torch.fx.Node) -> Record | None:
     values = private_aten.constant_value(idx)
     size = val(node.args[0]).shape[val(node.args[0]).dim() + src.dim]
     if values is None or values.dim() != 1 or not values.numel() or not private_aten.known_equal(size, src.size):
-        return False
+        return None
     positions = [int(v) % src.size for v in values.tolist()]
     start, end = positions[0], positions[-1] + 1
     if positions != list(range(start, end)):
-        return False
+        return None
     return _cut_range(lm, node, src, start, end)
 
 
 @rule(aten.cat.default)
-def cat(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def cat(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     return _cat(lm, node, stack=False)
 
 
 @rule(aten.stack.default)
-def stack(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def stack(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     return _cat(lm, node, stack=True)
 
 
-def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> bool:
+def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> Record | None:
     """cat (or stack) of operands cut alike, along a dim that is not the cut one. ``cat`` skips
     1-D empty operands (torch's legacy rule: HF's DynamicCache starts as ``torch.tensor([])``)."""
     tensors = [a for a in node.args[0] if stack or not _skipped_by_cat(a)]
     if not tensors:
-        return False
+        return None
     lays = [lm.layouts.get(a) for a in tensors]
     if any(lay is None or lay.split.whole for lay in lays):
-        return False
+        return None
     first = finest(lays)
     if not all(first.alike(lay) for lay in lays) and not _along_cut(node, tensors, lays, stack):
-        return False
+        return None
     ndim = val(tensors[0]).dim()
     out_ndim = ndim + 1 if stack else ndim
     d = norm_dim(node.args[1] if len(node.args) > 1 else 0, out_ndim)
@@ -199,15 +196,15 @@ def _along_cut(node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Sha
     return norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim) == ndim + lays[0].dim
 
 
-def _join(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard]) -> bool:
+def _join(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard]) -> Record | None:
     """cat along the cut dim: each rank's output is its operands' parts side by side, which is its
     part of the joined split (carved pieces put back in order are the original cut again)."""
     dim = lays[0].dim
     if any(not private_aten.known_equal(val(a).shape[dim], lay.size) for a, lay in zip(tensors, lays)):
-        return False  # a batch dim merged in front: the pieces would interleave
+        return None  # a batch dim merged in front: the pieces would interleave
     split = joined([lay.split for lay in lays], lm.world)
     if split is None:
-        return False
+        return None
     origins = frozenset().union(*(lay.origins for lay in lays))
     return lm.keep(node, Shard(split, origins, dim, lm.world, lm.rank))
 

@@ -28,7 +28,7 @@ import torch.fx
 from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import is_one, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Shard, WishKind
+from dynashard.shard import LayoutMap, Record, Resize, Shard, WishKind
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -127,29 +127,28 @@ _DIM_MAPS = {
 
 
 @rule(*(op for op in _DIM_MAPS if op not in RESHAPES))
-def follow(lm: LayoutMap, node: torch.fx.Node) -> bool:
-    """Keep the input's Shard through ``node``'s dim map; False: gather instead."""
+def follow(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """Keep the input's Shard through ``node``'s dim map; None: gather instead."""
     reshape = node.target in RESHAPES
     found = lm.input_shard(node, whole_ok=reshape)  # (a reshape keeps whole components only one to one)
     if found is None:
-        return False
+        return None
     src, ndim, p = found
     out_ndim = val(node).dim()
     if reshape and is_one(val(node.args[0]).shape[p]):
-        return False
+        return None
     dims = _DIM_MAPS[node.target](node, ndim, out_ndim)
     if dims.moves[p] is not None:
         return _moved(lm, node, src.moved(dims.moves[p] - out_ndim))
     if dims.group is None:
-        return False
+        return None
     out = _regroup(lm, node, src, dims, dims.kept_in.index(p))
-    return out is not None and _moved(lm, node, out)
+    return None if out is None else _moved(lm, node, out)
 
 
-def _moved(lm: LayoutMap, node: torch.fx.Node, out: Shard) -> bool:
-    if node.target in _SIZED:
-        lm.view_sizes[node] = (out.dim, out.size, out.length)
-    return lm.keep(node, out)
+def _moved(lm: LayoutMap, node: torch.fx.Node, out: Shard, rows_scaled: bool = False) -> Record:
+    sized = node.target in _SIZED
+    return lm.keep(node, out, resize=Resize(out.dim, out.size, out.length, rows_scaled) if sized else None)
 
 
 def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: int) -> Shard | None:
@@ -194,13 +193,12 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
 
 
 @rule(*RESHAPES, per_rank=True)
-def reshape(lm: LayoutMap, node: torch.fx.Node) -> bool:
+def reshape(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     """Reshapes under both input modes: ``inputs="per_rank"`` keeps only a last-dim cut whose dim
     is unchanged (every rank's rows: the first size scales by the world size)."""
     if not lm.per_rank:
         return follow(lm, node)
     src = lm.layouts.get(node.args[0])
     if src is None or not (src.dim == -1 and size_at(node) == src.size == size_at(node.args[0])):
-        return False
-    lm.view_rows_scaled.add(node)
-    return _moved(lm, node, src)
+        return None
+    return _moved(lm, node, src, rows_scaled=True)
