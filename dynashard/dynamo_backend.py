@@ -27,7 +27,9 @@ from dynashard import gate
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
+from dynashard.lowerings import RowwiseExperts
 from dynashard.match import embedding_options
+from dynashard.nodes import tensor_args, val
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
@@ -185,8 +187,8 @@ def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str
                 "replicated parameter per backward).")
     if lm.stacked:
         why = "weights='per_rank' (its backward is not built yet)"
-    elif lm.partial:
-        why = "mixture-of-experts partial sums (their backward is not built yet)"
+    elif (partial := _untrainable_partial(lm)) is not None:
+        why = partial
     else:
         whole = [n for n, lay in lm.layouts.items() if lay is not None and lay.split.whole]
         if whole:
@@ -210,6 +212,24 @@ def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str
                 "which replicated values rely on, would drift apart. Expected dropout off inside sharded layers "
                 "(attention-probability dropout, e.g. HF attn_pdrop / attention_dropout = 0), or model.eval(); "
                 "dropout on replicated values (the residual stream, embeddings) is fine.")
+
+
+def _untrainable_partial(lm: Any) -> str | None:
+    """Partial sums whose backward the all_reduce's (identity: Megatron's g) does not get right:
+    an expert's (the router weights scale it: their gradient would be each rank's term only), or
+    any scaled by a replicated float tensor. A sum or mean of a Shard over its cut dim (a norm
+    over every head) reads only the shard: its gradient is each rank's own."""
+    for node, record in lm.records.items():
+        if record.partial is None:
+            continue
+        if isinstance(record.lowering, RowwiseExperts):
+            return "mixture-of-experts partial sums (their backward is not built yet)"
+        scaled = [a for a in tensor_args(node) if a not in lm.partial and lm.layouts.get(a) is None
+                  and val(a) is not None and val(a).is_floating_point()]
+        if scaled:
+            return (f"partial sums at {node.name} scaled by {scaled[0].name}, a replicated tensor (its gradient "
+                    "would be each rank's term only)")
+    return None
 
 
 def _plan(

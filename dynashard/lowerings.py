@@ -111,6 +111,17 @@ class VocabNll(Lowering):
 
 
 @dataclasses.dataclass(frozen=True)
+class ShareOfMean(Lowering):
+    """A mean over the cut dim as a partial sum: this rank's mean of its part, weighted by its
+    share of the dim (``length / size``); the ranks' terms add up to the mean."""
+
+    share: float
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        return aten.mul(sharder.run_op(node), self.share)
+
+
+@dataclasses.dataclass(frozen=True)
 class StackedTranspose(Lowering):
     """weights="per_rank": a stacked weight's own transpose stands for the weight (the bmm
     transposes it)."""

@@ -144,14 +144,14 @@ class _Sharder(torch.fx.Interpreter):
             return super().run_node(node)
         record = self.lm.records[node]
         if record.lowering is None and record.resize is None and node.target not in _VIEWS:
-            return self._as_traced_op(node)  # the op itself on converted arguments: every argument carried
+            return self.run_op(node)  # the op itself on converted arguments: every argument carried
         with private_aten.recording_dispatch() as emitted:
             if record.lowering is not None:
                 out = record.lowering.emit(self, node)
             elif node.target in _VIEWS:
                 out = self._view(node)
             else:
-                out = self._as_traced_op(node)
+                out = self.run_op(node)
         lowering_check(node, emitted, lambda n: self.env[n])
         return out
 
@@ -173,7 +173,8 @@ class _Sharder(torch.fx.Interpreter):
             args = (args[0], shape, *args[2:])
         return args, kwargs
 
-    def _as_traced_op(self, node: torch.fx.Node) -> Any:
+    def run_op(self, node: torch.fx.Node) -> Any:
+        """``node``'s own op on its converted arguments (the traced memory layout restored)."""
         args, kwargs = self.args(node)
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
             args, kwargs = as_traced(node, args, kwargs)

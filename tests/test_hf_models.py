@@ -41,6 +41,7 @@ CONFIGS = {
     "stablelm": lambda: _llama_like(T.StableLmConfig, qk_layernorm=True),  # a LayerNorm per head
     "starcoder2": lambda: _llama_like(T.Starcoder2Config),
     "olmo": lambda: _llama_like(T.OlmoConfig),
+    "olmo2": lambda: _llama_like(T.Olmo2Config),  # q_norm / k_norm over the whole projection: an all_reduce
     "gpt2": lambda: T.GPT2Config(n_embd=64, n_head=4, n_layer=1, vocab_size=96, bos_token_id=1, eos_token_id=2),
     "gpt_neox": lambda: T.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **_IDS),
     "gptj": lambda: T.GPTJConfig(n_embd=64, n_head=4, n_layer=1, rotary_dim=8, vocab_size=96, bos_token_id=1,
@@ -73,6 +74,7 @@ EXPECTED = {
     "stablelm": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},
     "starcoder2": {2: (set(), {"embed_tokens": TIED})},
     "olmo": {2: ({"lm_head"}, {})},
+    "olmo2": {2: ({"lm_head"}, {}), 4: ({"lm_head"} | KV_WHOLE_AT_4, {})},  # (the norms: no gather)
     "gpt2": {2: (set(), {"wte": TIED}), 4: (set(), {"wte": TIED})},
     "gpt_neox": {2: ({"lm_head"}, {})},
     "gptj": {2: ({"lm_head"}, {})},
@@ -89,7 +91,7 @@ EXPECTED = {
 
 # At 4 ranks: the forms whose plan changes with the world size (KV heads or groups fewer than ranks,
 # fused projections) and one of each other attention family; the rest run at 2 ranks only.
-AT_FOUR = {"llama", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "falcon", "falcon_mqa", "mixtral"}
+AT_FOUR = {"llama", "olmo2", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "falcon", "falcon_mqa", "mixtral"}
 
 
 @pytest.mark.parametrize("arch,world", [(a, 2) for a in sorted(CONFIGS)] + [(a, 4) for a in sorted(AT_FOUR)])

@@ -3,9 +3,13 @@
 Before (q/k RMSNorm over head_dim, heads cut: Qwen3's q_norm)::
 
     var = mean(pow(q, 2), [-1], True); q = q * rsqrt(var + eps) * w
-After: each rank reduces its own heads; the cut (on the head dim) is kept. Along the cut dim
-itself none of these is local (a partial reduction would need a collective): gather.
-A scan along one dim (``aten.cumsum``) belongs in ``_ALONG_ONE_DIM``.
+After: each rank reduces its own heads; the cut (on the head dim) is kept.
+
+A sum or mean over the cut dim itself (an RMSNorm over every head of q: OLMo2, OLMoE, BitNet) is
+each rank's term of the whole: a partial sum (rules/partial.py). Its first reader that is not
+linear in it (``var + eps``) reads it all-reduced, one ``[tokens, 1]`` all_reduce where a gather
+of ``[tokens, hidden]`` would be. Other reductions along the cut dim gather. A scan along one dim
+(``aten.cumsum``) belongs in ``_ALONG_ONE_DIM``.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.lowerings import ShareOfMean
 from dynashard.nodes import norm_dim
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Record
+from dynashard.shard import LayoutMap, Record, Shard
 
 aten = torch.ops.aten
 
@@ -53,10 +58,23 @@ def reduce(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
         return None  # every dim reduced
     dims = {norm_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
     if p in dims:
-        return None
+        return _partial_sum(lm, node, src)
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     new = p if keepdim else p - sum(1 for d in dims if d < p)
     return lm.keep(node, src.moved(new - (ndim if keepdim else ndim - len(dims))))
+
+
+def _partial_sum(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> Record | None:
+    """A sum or mean over the cut dim: each rank's (a mean's weighted by its share of the dim) is a
+    term of the whole. Not for parts held whole by every rank (they would be counted once per
+    rank), nor a rank without elements (its mean is nan)."""
+    if node.target not in (aten.sum.dim_IntList, aten.mean.dim) or lm.stacked or src.split.whole:
+        return None
+    if node.target is aten.sum.dim_IntList:
+        return lm.keep(node, None, partial=src.origins)
+    if src.split.fewest_units(lm.world) < 1:
+        return None
+    return lm.keep(node, None, partial=src.origins, lowering=ShareOfMean(src.length / src.size))
 
 
 @rule(aten.native_layer_norm.default)
