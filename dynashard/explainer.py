@@ -105,8 +105,7 @@ def explain(
             report = GraphReport.build(analysis, example_inputs)
             if verify and world > 1:
                 analyses = [analyse(gm, fake_args, opts, world, r, earlier) for r in range(world)]
-                per_layer, out_err = simulate.verify(analyses, example_inputs, train=train)
-                report = report.with_errors(per_layer, out_err)
+                report = report.with_errors(*simulate.verify(analyses, example_inputs, train=train))
             graphs.append(report)
             return gm.forward
 

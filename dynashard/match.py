@@ -132,6 +132,15 @@ def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Nod
         node = source
 
 
+def _quantized(weight: torch.fx.Node, path: tuple[torch.fx.Node, ...]) -> bool:
+    """An integer buffer converted to a float dtype on its way to the matmul: a weight-only quantized
+    linear as gpt-fast's int8 mode writes it (``F.linear(x, w_int8.to(x.dtype)) * scales``; the
+    per-channel scales are a pointwise op on the output). Other buffers (tables, masks) are no weight."""
+    v = val(weight)
+    return (v is not None and not v.dtype.is_floating_point and not v.dtype.is_complex and v.dtype != torch.bool
+            and any(_converted_source(n) is weight for n in path))
+
+
 def _plan_name(info: ParamInfo) -> str:
     return info.module_fqn if info.fqn.endswith(".weight") or info.fqn == "weight" else info.fqn
 
@@ -154,7 +163,7 @@ def find_linears(
         mat2 = node.args[2] if is_addmm else node.args[1]
         weight, path, transpose = _weight_path(mat2)
         form = "out_in" if transpose is not None else "in_out"
-        if weight not in params or not params[weight].is_parameter:
+        if weight not in params or not (params[weight].is_parameter or _quantized(weight, path)):
             continue
         shape = weight.meta["val"].shape
         if len(shape) != 2:

@@ -114,8 +114,10 @@ def _cut(full: torch.Tensor, dim: int, split, world: int, rank: int, stacked: bo
     return torch.stack([block] * world) if stacked else block  # replicated model: every rank's block alike
 
 
-def verify(analyses: list[Any], inputs: list[Any], train: bool = False) -> tuple[dict[str, float], float]:
-    """Max abs error per sharded linear (by FQN) and over the graph outputs, all ranks simulated.
+def verify(analyses: list[Any], inputs: list[Any], train: bool = False
+           ) -> tuple[dict[str, float], float, dict[str | None, float]]:
+    """Max abs error per sharded linear (by FQN) and over the graph outputs, all ranks simulated,
+    and the magnitude (max abs) of each reference value they are errors of (None: the outputs).
 
     ``analyses[r]`` is rank r's analysis of the same graph; ``inputs`` the real example inputs;
     ``train``: the conversions of a training compile (forward only).
@@ -158,7 +160,9 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False) -> tuple
         raise InternalError(f"dynashard.explain(verify=True): simulated rank {rank} failed: {r!r}") from (
             r if isinstance(r, BaseException) else None
         )
-    per_layer = _layer_errors(analyses, results, reference.seen)
+    per_layer, scales = _layer_errors(analyses, results, reference.seen)
+    scales[None] = max([float(w.abs().max()) for w in expected if torch.is_tensor(w) and w.numel()
+                        and (w.is_floating_point() or w.is_complex())], default=0.0)
     out_err = 0.0
     for rank, (outs, _) in enumerate(results):
         held = analyses[rank].held_outputs()  # a cache the graph allocated: returned as this rank's shard
@@ -167,7 +171,7 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False) -> tuple
                 if i in held:
                     want = _cut(want, held[i][0], held[i][1], world, rank, False)
                 out_err = max(out_err, _err(got, want))
-    return per_layer, out_err
+    return per_layer, out_err, scales
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -190,8 +194,9 @@ def _join(values: list[torch.Tensor], lengths: list[list[int]], whole) -> torch.
     return torch.cat(pieces, -1)
 
 
-def _layer_errors(analyses, results, reference: dict) -> dict[str, float]:
+def _layer_errors(analyses, results, reference: dict) -> tuple[dict[str, float], dict[str | None, float]]:
     errors: dict[str, float] = {}
+    scales: dict[str | None, float] = {}
     first = analyses[0]
     for i, m in enumerate(first.plan.linears):
         style = first.plan.layouts.styles[m.node]
@@ -207,4 +212,5 @@ def _layer_errors(analyses, results, reference: dict) -> dict[str, float]:
             got = values[0]
         err = max([_err(got, reference[m.node])] + [_err(v, values[0]) for v in values[1:] if style == Style.ROWWISE])
         errors[m.fqn] = max(errors.get(m.fqn, 0.0), err)
-    return errors
+        scales[m.fqn] = max(scales.get(m.fqn, 0.0), float(reference[m.node].float().abs().max()))
+    return errors, scales
