@@ -29,6 +29,7 @@ from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import is_one, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
 from dynashard.shard import LayoutMap, Record, Resize, Shard, WishKind
+from dynashard.split import Split
 
 aten = torch.ops.aten
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -169,6 +170,10 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
             if not isinstance(mid_out[o + 1], int):
                 return None
             inner_out *= mid_out[o + 1]
+        if o == 0 and not inner_in and len(mid_out) > 1 and _separated(node, dims.kept_out[out_start]):
+            fused = _components(lm, node, src, mid_out)
+            if fused is not None:
+                return fused[0] if fused[0] is None else fused[0].moved(dims.kept_out[out_start + fused[1]] - out_ndim)
         if elems % inner_out == 0:
             new_unit = elems // inner_out
             if private_aten.known_multiple(mid_out[o], units * new_unit):
@@ -190,6 +195,74 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
                     "ranks, so every rank computes them (narrowed where they meet sharded heads)")
         return None
     return None
+
+
+# ops that take a dim apart -> the index of their dim argument (default 0)
+_SEPARATES = {aten.unbind.int: 1, aten.select.int: 1, aten.split.Tensor: 2, aten.split_with_sizes.default: 2}
+_SAME_DIMS = (aten.clone.default, aten.alias.default, aten._to_copy.default)
+
+
+def _separated(node: torch.fx.Node, d: int, depth: int = 8) -> bool:
+    """Dim ``d`` of ``node`` is taken apart later (unbind, select, split on it, after dim moves):
+    a fused output's components (q, k, v), not heads. Every reader must do so."""
+    if depth == 0 or not node.users:
+        return False
+    ndim = val(node).dim()
+    for user in node.users:
+        if user.target in _SEPARATES:
+            i = _SEPARATES[user.target]
+            if norm_dim(user.args[i] if len(user.args) > i else user.kwargs.get("dim", 0), ndim) != d:
+                return False
+        elif user.target in _SAME_DIMS:
+            if not _separated(user, d, depth - 1):
+                return False
+        elif user.target in _DIM_MAPS and user.target not in RESHAPES and val(user) is not None:
+            moved = _DIM_MAPS[user.target](user, ndim, val(user).dim()).moves[d]
+            if moved is None or not _separated(user, moved, depth - 1):
+                return False
+        else:
+            return False
+    return True
+
+
+def _components(lm: LayoutMap, node: torch.fx.Node, src: Shard, mid_out: list) -> tuple[Shard | None, int] | None:
+    """A fused output viewed with its components as a dim of their own (timm's ViT and ModernBERT
+    ``qkv.reshape(B, N, 3, H, hd)``, ``nn.MultiheadAttention``'s ``unflatten(-1, (3, E))``): the
+    cut, alike in every component, lands inside the rest (on the heads); each rank holds its heads
+    of q, of k and of v. ``(shard, position in mid_out)``; ``(None, 0)`` after a wish (cut the
+    origin into those components, or in coarser units); None when this is not such a view."""
+    c, rest = mid_out[0], mid_out[1:]
+    # A fused output has 2 or 3 parts (q/k/v, k/v, gate/up); a dim of more that is taken apart is
+    # heads (``q.unbind(heads)``), which the view rules cut in whole heads. (Either reading is
+    # correct; this one picks the cut that keeps heads whole.)
+    if not isinstance(c, int) or not 2 <= c <= 3 or not all(isinstance(d, int) for d in rest):
+        return None
+    split = src.split
+    if split.deals is not None or split.whole or c * math.prod(rest) != src.size:
+        return None
+    if len(split.parts) == 1:
+        width = math.prod(rest)
+        if width % split.unit == 0:
+            lm.wish(src.origins, WishKind.CUT, frozenset(k * width // split.unit for k in range(1, c)),
+                    f"{op_name(node)} views a fused output as {c} parts")
+            return None, 0
+        return None
+    if len(split.parts) != c or len(set(split.parts)) != 1:
+        return None
+    units, elems, inner_out = split.parts[0], split.unit, 1
+    for o in range(len(rest) - 1, -1, -1):
+        if o < len(rest) - 1:
+            inner_out *= rest[o + 1]
+        if elems % inner_out == 0:
+            if rest[o] == units * (elems // inner_out):
+                return src.moved(src.dim, Split((units,), elems // inner_out)), o + 1
+            continue
+        k = math.lcm(elems, inner_out) // elems  # heads of whole units: a wish for coarser ones
+        coarser = split.coarsen(k)
+        if coarser is not None and coarser.fewest_units(lm.world) >= 1:
+            lm.wish(src.origins, WishKind.COARSEN, k, f"{op_name(node)} into dims of {inner_out} elements")
+        return None, 0
+    return None, 0
 
 
 @rule(*RESHAPES, per_rank=True)
