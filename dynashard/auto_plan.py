@@ -9,7 +9,11 @@ Before: the matched linears of one graph, the current :class:`~dynashard.recut.C
     head (no rowwise partner, in_features >= 256) -> colwise, output gathered
 
 A shardable linear whose input arrives sharded (a colwise output, through pointwise ops and
-last-dim-preserving views) becomes rowwise; every other shardable linear is tentatively colwise. A
+last-dim-preserving views) becomes rowwise, unless the two are a low-rank bottleneck: the origin
+projects down and this layer up (MLA's ``q_a_proj`` 7168 -> 1536 into ``q_b_proj`` 1536 -> 24576,
+a LoRA's A into B), where rowwise would all-reduce the wide output. Then the small origin stays
+whole and the expanding layer is colwise, as vLLM and SGLang cut DeepSeek. Every other shardable
+linear is tentatively colwise. A
 colwise linear whose shard never reaches a rowwise partner is kept colwise (its output gathered)
 when that pays, else replicated. Embeddings are vocab-parallel (rowwise). A weight used several
 times (a layer called twice, a tied LM head) gets one split for every use, also across graphs (a
@@ -33,6 +37,7 @@ from dynashard.shard import LayoutMap, Shard, Wish
 # this many multiply-adds: gloo on CPU moves one fp32 element in roughly the time of 50-100
 # multiply-adds of one core, so 256 leaves a margin for the collective's fixed latency.
 _GATHER_MIN_IN_FEATURES = 256
+_LOW_RANK = 4
 
 
 def auto_decisions(
@@ -43,6 +48,7 @@ def auto_decisions(
     sharded); ``wishes`` collects what the shape rules asked for on the way."""
     decisions: dict[torch.fx.Node, Decision] = {}
     partners: dict[torch.fx.Node, list[str]] = {}
+    expanded: dict[torch.fx.Node, list[LinearMatch]] = {}  # origin -> the expanding layers it fed
 
     def choose(m: LinearMatch, src: Shard | None) -> str:
         numel = m.numel
@@ -62,6 +68,10 @@ def auto_decisions(
         elif m.kind == "embedding":
             reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
             decisions[m.node] = Decision(Style.ROWWISE, f"vocab-parallel embedding: masked local lookup, one {reduce}")
+        elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m):
+            for o in src.origins:
+                expanded.setdefault(o, []).append(m)
+            decisions[m.node] = Decision(Style.COLWISE, "")
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
@@ -83,6 +93,11 @@ def auto_decisions(
         if m.node in partners:
             partner = ", ".join(sorted(set(partners[m.node])))
             decisions[m.node] = Decision(Style.COLWISE, f"pairs with rowwise {partner}")
+        elif m.node in expanded:
+            into = ", ".join(sorted({f"{e.fqn} ({e.in_features} -> {e.out_features})" for e in expanded[m.node]}))
+            decisions[m.node] = Decision(
+                Style.REPLICATE, f"feeds {into}, which expands it: kept whole, so that layer is cut colwise "
+                f"instead of reducing {max(e.out_features for e in expanded[m.node])} features")
         elif _only_loss_parallel(walked, m):
             decisions[m.node] = Decision(
                 Style.COLWISE, "vocab-parallel logits into cross_entropy (loss parallel): never gathered")
@@ -99,6 +114,14 @@ def auto_decisions(
     for ms in shared_conflicts(linears, decisions).values():
         _settle_shared(ms, decisions, blocked, modes["stacked"])
     return decisions
+
+
+def _bottleneck(origins: list[LinearMatch], m: LinearMatch) -> bool:
+    """``origins`` project down and ``m`` projects up at least ``_LOW_RANK`` times: a low-rank
+    factorisation (MLA's 16-64x, a LoRA's B), not a narrow MLP (DeepSeek-V3's shared expert, 2048
+    inside 7168: 3.5x), whose down projection is a rowwise partner like any other."""
+    return (bool(origins) and m.out_features >= _LOW_RANK * m.in_features
+            and all(o.out_features < o.in_features for o in origins))
 
 
 def _stopped_at(walked: LayoutMap, m: LinearMatch) -> str:

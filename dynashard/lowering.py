@@ -54,7 +54,7 @@ REEXPRESSED: dict[Any, dict[str, str]] = {
     aten.split_with_sizes.default: {"split_sizes": _PART_SIZES, "dim": _PART_SIZES},
     **{op: {"size": _LOCAL_SHAPE} for op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                                             aten.expand.default, aten.zeros.default, aten.empty.memory_format,
-                                            aten.full.default)},
+                                            aten.full.default, aten.new_empty.default, aten.new_zeros.default)},
     aten.permute.default: {"dims": _STACKED},
     aten.transpose.int: {"dim0": _STACKED, "dim1": _STACKED},
 }

@@ -35,15 +35,17 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass(frozen=True)
 class AllocateLocal(Lowering):
-    """A cache the graph allocates (``zeros``/``empty``/``full``), at this rank's size."""
+    """A cache (or a tensor filled by slices) the graph allocates (``zeros``/``empty``/``full``/
+    ``new_empty``...), at this rank's size: the size argument at ``at``."""
 
     shard: Shard
+    at: int = 0
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         args, kwargs = sharder.args(node)
-        size = list(args[0])
+        size = list(args[self.at])
         size[len(size) + self.shard.dim] = self.shard.length
-        return node.target(size, *args[1:], **kwargs)
+        return node.target(*args[: self.at], size, *args[self.at + 1 :], **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dynashard.lowerings import AllocateLocal, Renorm, StackedTranspose
 from dynashard.match import LinearMatch
 from dynashard.nodes import all_args
 from dynashard.options import Style
-from dynashard.rules.inplace import alias_roots, mutated_roots
+from dynashard.rules.inplace import SIZE_ARG, alias_roots, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
 from dynashard.shard import LayoutMap, Read, Record, Shard
@@ -65,7 +65,8 @@ def propagate(
         if node in (states or {}):  # a cache held sharded (a graph input, or allocated by the graph)
             split, dim, origins = states[node]
             lm.states[node] = shard = lm.shard(split, origins, dim)
-            lm.commit(node, Record(shard, lowering=AllocateLocal(shard) if node.op == "call_function" else None))
+            allocated = AllocateLocal(shard, SIZE_ARG.get(node.target, 0)) if node.op == "call_function" else None
+            lm.commit(node, Record(shard, lowering=allocated))
             continue
         if node.op in ("placeholder", "get_attr"):
             if node.op == "get_attr" or node in uniform_inputs:

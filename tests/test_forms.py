@@ -9,6 +9,10 @@ A fused qkv viewed with its parts as a dim of their own: timm's ViT and ModernBE
 (``unflatten(-1, (3, E))`` then ``proj[0]``, ``proj[1]``, ``proj[2]``): the projection is cut as three
 components, each by heads, so every rank holds its heads of q, k and v (rules/views.py).
 
+Low-rank factorisations (DeepSeek's MLA ``q_a_proj`` -> ``q_b_proj``, a LoRA's A -> B): the small
+down projection stays whole and the up projection is cut like a colwise layer, so MLA's heads are
+cut (vLLM and SGLang's plan), not reduced after ``q_b_proj`` (auto_plan.py).
+
 Simulated at several world sizes, and on 2 real gloo ranks against the unsharded model.
 """
 
@@ -24,6 +28,7 @@ import transformers as T
 
 import dynashard
 from tests.scenarios import Scenarios
+from tests.test_graphs import _count, rewritten
 
 SCENARIOS_DEADLINE_S = 180  # one spawn at world 2: ~10 s quiet; 3x slower machine, 2x margin, plus startup
 pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
@@ -124,6 +129,79 @@ def test_modernbert_shards_every_linear():
         "embeddings.tok_embeddings": "rowwise", "layers.0.attn.Wqkv": "colwise", "layers.0.attn.Wo": "rowwise",
         "layers.0.mlp.Wi": "colwise", "layers.0.mlp.Wo": "rowwise"}, plan
     assert all(c in ("-", "all_reduce") for _, c in plan.values()), plan
+
+
+def _deepseek_v3() -> nn.Module:
+    """2 layers (dense, then MoE with a shared expert); MLA at realistic ratios: q rank 16 -> 4 heads
+    of 24 (6x), kv rank 32 -> 4 heads of 32 (4x); the shared expert 64 -> 32 -> 64 (a narrow MLP)."""
+    config = T.DeepseekV3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+class Logits(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids, use_cache=False).logits
+
+
+@pytest.mark.unit
+def test_mla_cuts_heads_with_the_low_rank_projections_whole():
+    torch.manual_seed(0)
+    model = _deepseek_v3()
+    ids = torch.randint(3, 96, (2, 7))
+    plan = _plan(copy.deepcopy(model), ids, 2, use_cache=False)
+    for layer in (0, 1):
+        attention = {k.rsplit(".", 1)[-1]: v for k, v in plan.items() if f"layers.{layer}.self_attn" in k}
+        assert attention == {"q_a_proj": ("replicate", "-"), "q_b_proj": ("colwise", "-"),
+                             "kv_a_proj_with_mqa": ("replicate", "-"), "kv_b_proj": ("colwise", "-"),
+                             "o_proj": ("rowwise", "all_reduce")}, plan
+    # The embedding's, then per layer o_proj's and the MLP's: 2 + 2, and the MoE layer's shared expert
+    # one more (its rowwise down is reduced apart from the routed experts' partial sums). No gather:
+    # MLA's keys (new_empty, then k_nope and k_rot copied in) are held by heads. Was 13 + 9 at 2 layers.
+    gm = rewritten(Logits(model), ids)
+    assert (_count(gm, "all_reduce"), _count(gm, "all_gather")) == (1 + 2 + 3, 0), gm.code
+
+
+class LoRALinear(nn.Module):
+    """PEFT's form: the base layer plus ``lora_B(lora_A(x)) * scaling``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(in_features, out_features)
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight)  # (PEFT starts B at zero: the adapter would add nothing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * 0.5
+
+
+class LoRAMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = LoRALinear(64, 256), LoRALinear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 4])
+def test_lora_adapters_follow_their_base_layer(world):
+    # up: A whole, B colwise like its base (no collective); down: A rowwise like its base, its
+    # [tokens, 4] partial sums reduced, B whole (was: A colwise, B rowwise, a [tokens, 256] reduce)
+    torch.manual_seed(0)
+    plan = _plan(LoRAMLP(), torch.randn(2, 5, 64), world)
+    assert plan == {"up.base_layer": ("colwise", "-"), "up.lora_A": ("replicate", "-"),
+                    "up.lora_B": ("colwise", "-"), "down.base_layer": ("rowwise", "all_reduce"),
+                    "down.lora_A": ("rowwise", "all_reduce"), "down.lora_B": ("replicate", "-")}, plan
 
 
 @pytest.mark.unit

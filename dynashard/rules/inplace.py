@@ -91,7 +91,9 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
 _ALIASES_KEEPING_DIMS = (aten.slice.Tensor, aten.alias.default)
 # Allocations a cache may start as inside a graph (HF's lazy StaticCache: ``torch.zeros`` in prefill):
 # held sharded like an input cache, allocated at this rank's size, returned as a shard.
-FACTORIES = (aten.zeros.default, aten.empty.memory_format, aten.full.default)
+FACTORIES = (aten.zeros.default, aten.empty.memory_format, aten.full.default, aten.new_empty.default,
+             aten.new_zeros.default)
+SIZE_ARG = {aten.new_empty.default: 1, aten.new_zeros.default: 1}  # where a factory's size is (else 0)
 
 
 @rule(aten.index_put_.default)
@@ -163,10 +165,11 @@ def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, writte
     while root.op == "call_function" and root.target in _ALIASES_KEEPING_DIMS:
         root = root.args[0]
     t, r = val(target), val(root)
-    # (an allocation counts only when written at positions, as a cache is: a tensor it returns is handed
-    # back as a shard, which eager code cannot read; a buffer filled by slices stays whole)
-    allocated = root.op == "call_function" and root.target in FACTORIES and node.target in (
-        aten.index_copy_.default, aten.index_put_.default)
+    # (an allocation counts when written at positions, as a cache is, or by slices when the graph does
+    # not return it (MLA's keys: new_empty, then [..., :nope] and [..., nope:] copied in): a tensor it
+    # returns is handed back as a shard, which eager code cannot read)
+    allocated = root.op == "call_function" and root.target in FACTORIES and (
+        node.target in (aten.index_copy_.default, aten.index_put_.default) or not _returned(root))
     if not (root.op == "placeholder" or allocated) or t is None or r is None or t.dim() != r.dim() or (
             t.dim() < -written.dim):
         return
@@ -177,6 +180,13 @@ def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, writte
         if n.target is aten.slice.Tensor and norm_dim(n.args[1] if len(n.args) > 1 else 0, t.dim()) == cut:
             return
     lm.wish(written.origins, WishKind.STATE, (root, written), f"{op_name(node)} writes a shard into input {root.name}")
+
+
+def _returned(value: torch.fx.Node) -> bool:
+    """``value``, or a view of it, is one of the graph's outputs."""
+    roots = alias_roots(value.graph)
+    output = next(n for n in reversed(value.graph.nodes) if n.op == "output")
+    return any(roots.get(a, a) is value for a in all_args(output))
 
 
 def _chain(node: torch.fx.Node, root: torch.fx.Node) -> list[torch.fx.Node]:
