@@ -232,10 +232,13 @@ def _components(lm: LayoutMap, node: torch.fx.Node, src: Shard, mid_out: list) -
     of q, of k and of v. ``(shard, position in mid_out)``; ``(None, 0)`` after a wish (cut the
     origin into those components, or in coarser units); None when this is not such a view."""
     c, rest = mid_out[0], mid_out[1:]
-    # A fused output has 2 or 3 parts (q/k/v, k/v, gate/up); a dim of more that is taken apart is
-    # heads (``q.unbind(heads)``), which the view rules cut in whole heads. (Either reading is
-    # correct; this one picks the cut that keeps heads whole.)
-    if not isinstance(c, int) or not 2 <= c <= 3 or not all(isinstance(d, int) for d in rest):
+    # Parts, not heads: 3 of them (q, k, v), or 2 with heads inside ([2, H, hd]: k and v). A dim of
+    # 2 with only features inside, or of more, taken apart is heads (StableLM's per-head norms on
+    # its 2 K/V heads, ``q.unbind(heads)``), which the view rules cut in whole heads. (Either
+    # reading is correct; this picks the cut that keeps heads whole.)
+    if not isinstance(c, int) or not (c == 3 or (c == 2 and len(rest) >= 2)):
+        return None
+    if not all(isinstance(d, int) for d in rest):
         return None
     split = src.split
     if split.deals is not None or split.whole or c * math.prod(rest) != src.size:
