@@ -42,7 +42,6 @@ from dynashard.facades import storage_less
 from dynashard.gradients import average_over_ranks
 from dynashard.loader import Loader
 from dynashard.options import parse_options
-from dynashard.program import install_optimizer_hooks
 from dynashard.protocol import agreed, resolve_group
 from dynashard.weights import STORE, cut
 
@@ -111,7 +110,6 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     _register(model)
     _run_calls_through_dynashard(model, opts)
     _refuse_save_pretrained(model)
-    install_optimizer_hooks()  # an optimizer over the shards: its state checkpointable like them
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
     return model
