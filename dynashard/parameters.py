@@ -28,12 +28,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch_private as private
 from dynashard.dynamo_backend import dynashard_backend
@@ -202,20 +204,23 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 def empty_weights():
     """Build a model with its parameters on the meta device and its buffers real (as accelerate's
     ``init_empty_weights`` does): buffers computed at construction, such as RoPE tables, are not in
-    checkpoints, and ``parallelize(checkpoint=...)`` keeps them."""
-    register = nn.Module.register_parameter
+    checkpoints, and ``parallelize(checkpoint=...)`` keeps them.
 
-    def on_meta(module: nn.Module, name: str, param: Any) -> None:
-        register(module, name, param)
-        p = module._parameters[name]
-        if p is not None and not p.is_meta:  # (already on meta: a tied weight assigned again, kept as is)
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+    Only this thread's modules: torch's parameter-registration hook is process-wide, so it acts on the
+    registrations made by the thread that entered the block (another thread building a model meanwhile
+    gets real weights). Nests, and composes with other such hooks (no patch of ``nn.Module``)."""
+    thread = threading.get_ident()
 
-    nn.Module.register_parameter = on_meta
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if threading.get_ident() != thread or param.is_meta:  # (a tied weight assigned again: kept as is)
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        handle.remove()
 
 
 def _run(model, args, kwargs):

@@ -1,5 +1,5 @@
 """What dynashard leaves in the process (issue 27, "state passed, not shared"): hooks and tables live
-as long as what they serve.
+as long as what they serve, and nothing acts on another thread's work.
 
 One process, torch's fake process group at world 2 (collectives move no data: only which tensors
 live, and where, is read here).
@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 
 import pytest
@@ -121,3 +122,33 @@ def test_a_shards_optimizer_state_is_described_when_read_and_the_model_dies_whol
     torch._dynamo.reset()
     gc.collect()
     assert facade() is None and shard() is None, "a parallelized model's facade and shard outlived it"
+
+
+def test_empty_weights_acts_on_this_thread_only():
+    """A thread building a model while another is inside ``empty_weights`` gets real weights."""
+    inside, built, out = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        inside.wait(timeout=60)
+        out["other"] = torch.nn.Linear(3, 4)
+        built.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with dynashard.empty_weights():
+        with dynashard.empty_weights():  # (nested)
+            out["inner"] = torch.nn.Linear(3, 4)
+        inside.set()
+        built.wait(timeout=60)
+        out["mine"] = torch.nn.Linear(3, 4)
+        out["mine"].register_buffer("table", torch.ones(2))
+    worker.join(timeout=60)
+    out["after"] = torch.nn.Linear(3, 4)
+    devices = {k: (m.weight.device.type, m.bias.device.type) for k, m in out.items()}
+    assert devices == {
+        "inner": ("meta", "meta"),
+        "mine": ("meta", "meta"),
+        "other": ("cpu", "cpu"),
+        "after": ("cpu", "cpu"),
+    }, devices
+    assert out["mine"].table.device.type == "cpu" and isinstance(out["mine"].weight, torch.nn.Parameter)
