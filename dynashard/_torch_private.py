@@ -299,6 +299,24 @@ def draws_random(node: torch.fx.Node) -> bool:
 def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """The (device, dtype) that ``Tensor.to(*args, **kwargs)`` names, each None if not given
+    (``torch._C._nn._parse_to``: the parser ``Tensor.to`` uses itself; ``copy=`` not accepted)."""
+    parsed = torch._C._nn._parse_to(*args, **kwargs)
+    return parsed[0], parsed[1]
+
+
+def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameters by attribute, None entries included (``nn.Module._parameters``): a
+    write replaces one without ``register_parameter`` (its hooks, checks and a swapped class's refusal)."""
+    return module._parameters
+
+
+def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffers by attribute (``nn.Module._buffers``), written as :func:`parameter_slots`."""
+    return module._buffers
+
+
 def plain_torch_functions():
     """A context where a tensor subclass's ``__torch_function__`` is off: ops return plain tensors
     (``torch._C.DisableTorchFunctionSubclass``, the pattern torch's subclass docs use)."""

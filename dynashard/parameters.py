@@ -237,16 +237,16 @@ def _register(model: nn.Module) -> None:
     swapped: dict[type, type] = {}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
-        for attr, p in module._parameters.items():
+        for attr, p in private.parameter_slots(module).items():
             if p is not None and STORE.is_sharded(p):
                 owners.setdefault(id(p), []).append((module, attr))
     for entries in owners.values():
-        facade = entries[0][0]._parameters[entries[0][1]]
+        facade = private.parameter_slots(entries[0][0])[entries[0][1]]
         if FACADES in entries[0][0].__dict__ and facade is entries[0][0].__dict__[FACADES].get(entries[0][1]):
             continue  # registered before (a failed call registered what it had cut)
         shard = STORE.as_parameter(facade)
         for module, attr in entries:
-            module._parameters[attr] = shard
+            private.parameter_slots(module)[attr] = shard
             if FACADES not in module.__dict__:
                 module.__dict__[FACADES] = {}
                 # state_dict() detaches each parameter, and a detached tensor loses the checkpoint
@@ -297,7 +297,7 @@ def _swapped_class(cls: type) -> type:
     def _apply(self, fn, recurse=True):
         out = cls._apply(self, fn, recurse)
         for attr, facade in self.__dict__.get(FACADES, {}).items():  # the shard converted: its facade follows
-            shard = self._parameters[attr]
+            shard = private.parameter_slots(self)[attr]
             if (facade.dtype, facade.device) != (shard.dtype, shard.device):
                 with private.plain_torch_functions():
                     facade.data = storage_less(facade.shape, shard.dtype, shard.device)
@@ -323,6 +323,6 @@ def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *ar
         key = prefix + attr
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor) and list(value.shape) == list(facade.shape) and \
-                value.shape != module._parameters[attr].shape:
+                value.shape != private.parameter_slots(module)[attr].shape:
             spec = STORE.spec_of(facade)
             state_dict[key] = cut(value, spec.dim, spec.split, spec.world, spec.rank)
