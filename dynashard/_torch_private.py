@@ -240,6 +240,28 @@ def log_artifact(name: str, gm: torch.fx.GraphModule) -> None:
         payload_fn=lambda: gm.print_readable(print_output=False),
     )
 
+def compile_info() -> tuple[str, str | None, str | None]:
+    """What Dynamo is compiling, called from inside a backend: the frame's function (its name, file and
+    first line: ``TracingContext.traced_code[0]``, the frame whose bytecode is traced), the compile's id
+    (``"frame/compile"``, as Dynamo's own logs print it: ``CompileContext``) and, on a recompile, the
+    guard that failed first (None on a frame's first compile).
+
+    NOTE: Dynamo 2.13 (``convert_frame._compile``) records that guard, formatted as its ``recompiles``
+    log shows it, in the compile's metrics context before tracing, under ``"recompile_reason"``; the
+    context has no getter, so its dictionary is read (none: no reason, rather than a failed compile)."""
+    import os
+
+    from torch._dynamo.utils import get_metrics_context
+    from torch._guards import CompileContext, TracingContext
+
+    tracing = TracingContext.try_get()
+    code = (getattr(tracing, "traced_code", None) or [None])[0]
+    name = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else "a graph"
+    compile_id = CompileContext.current_compile_id()
+    context = get_metrics_context()
+    reason = getattr(context, "_metrics", {}).get("recompile_reason") if context.in_progress() else None
+    return name, None if compile_id is None else str(compile_id), reason
+
 def is_dynamo_restart(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again, not a failure.
 
