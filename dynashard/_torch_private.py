@@ -1,6 +1,7 @@
 """Every use of a private or semi-private torch API lives in a ``_torch_private*`` module, so a torch
-upgrade breaks those files only: this one for Dynamo, AOTAutograd, Inductor and process groups,
-``_torch_private_aten.py`` for reading aten graphs and their symbolic sizes.
+upgrade breaks those files only: this one for Dynamo, AOTAutograd and Inductor,
+``_torch_private_aten.py`` for reading aten graphs and their symbolic sizes, ``_torch_private_c10d.py``
+for process groups.
 
 Each function says which torch behaviour it depends on; docs/design.md has the measurements.
 """
@@ -240,6 +241,28 @@ def log_artifact(name: str, gm: torch.fx.GraphModule) -> None:
         payload_fn=lambda: gm.print_readable(print_output=False),
     )
 
+def compile_info() -> tuple[str, str | None, str | None]:
+    """What Dynamo is compiling, called from inside a backend: the frame's function (its name, file and
+    first line: ``TracingContext.traced_code[0]``, the frame whose bytecode is traced), the compile's id
+    (``"frame/compile"``, as Dynamo's own logs print it: ``CompileContext``) and, on a recompile, the
+    guard that failed first (None on a frame's first compile).
+
+    NOTE: Dynamo 2.13 (``convert_frame._compile``) records that guard, formatted as its ``recompiles``
+    log shows it, in the compile's metrics context before tracing, under ``"recompile_reason"``; the
+    context has no getter, so its dictionary is read (none: no reason, rather than a failed compile)."""
+    import os
+
+    from torch._dynamo.utils import get_metrics_context
+    from torch._guards import CompileContext, TracingContext
+
+    tracing = TracingContext.try_get()
+    code = (getattr(tracing, "traced_code", None) or [None])[0]
+    name = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})" if code else "a graph"
+    compile_id = CompileContext.current_compile_id()
+    context = get_metrics_context()
+    reason = getattr(context, "_metrics", {}).get("recompile_reason") if context.in_progress() else None
+    return name, None if compile_id is None else str(compile_id), reason
+
 def is_dynamo_restart(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again, not a failure.
 
@@ -299,6 +322,24 @@ def draws_random(node: torch.fx.Node) -> bool:
 def is_op_overload(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """The (device, dtype) that ``Tensor.to(*args, **kwargs)`` names, each None if not given
+    (``torch._C._nn._parse_to``: the parser ``Tensor.to`` uses itself; ``copy=`` not accepted)."""
+    parsed = torch._C._nn._parse_to(*args, **kwargs)
+    return parsed[0], parsed[1]
+
+
+def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameters by attribute, None entries included (``nn.Module._parameters``): a
+    write replaces one without ``register_parameter`` (its hooks, checks and a swapped class's refusal)."""
+    return module._parameters
+
+
+def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffers by attribute (``nn.Module._buffers``), written as :func:`parameter_slots`."""
+    return module._buffers
+
+
 def plain_torch_functions():
     """A context where a tensor subclass's ``__torch_function__`` is off: ops return plain tensors
     (``torch._C.DisableTorchFunctionSubclass``, the pattern torch's subclass docs use)."""
@@ -311,59 +352,11 @@ def weak_id_dict() -> Any:
     return WeakIdKeyDictionary()
 
 
-# Process groups (torch.distributed.distributed_c10d internals).
-
-def init_fake_process_group(world_size: int, rank: int = 0) -> None:
-    """A single-process default group of ``world_size`` whose collectives move no data."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-def is_fake_group(group: Any) -> bool:
-    import torch.distributed as dist
-
-    return dist.get_backend(group) == "fake"
-
-def default_store() -> Any:
-    """The key-value store the default process group was created with (None if unavailable)."""
-    from torch.distributed import distributed_c10d
-
-    try:
-        return distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store is a missing diagnostic, never an error
-        return None
-
-def group_by_name(name: str) -> Any:
-    """The process group registered under ``name`` (``ProcessGroup.group_name``, what funcol takes)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-def moves_cpu_tensors(group: Any) -> bool:
-    """Whether ``group`` has a backend for CPU tensors (gloo, ``"cpu:gloo,cuda:nccl"``; not NCCL alone).
-
-    NOTE: ``ProcessGroup._device_types`` is the pybind property torch's own c10d reads
-    (``distributed_c10d._get_pg_default_device``)."""
-    return any(d.type == "cpu" for d in group._device_types)
-
-def group_timeout(group: Any) -> Any:
-    """The timeout ``group``'s collectives wait for (a timedelta), or None (torch's default) if unknown.
-
-    NOTE: read from the backend's ``options._timeout``, as ``distributed_c10d._set_pg_timeout`` does."""
-    for device in group._device_types:
-        try:
-            return group._get_backend(device).options._timeout
-        except Exception:  # noqa: BLE001 - a backend without options: torch's default applies
-            continue
-    return None
-
-def group_count() -> int | None:
-    """How many process groups this process belongs to: what torch names a ``use_local_synchronization``
-    group by (``distributed_c10d._hash_ranks_to_str``: its ranks and ``len(_world.pg_names)``)."""
-    from torch.distributed import distributed_c10d
-
-    try:
-        return len(distributed_c10d._world.pg_names)
-    except Exception:  # noqa: BLE001 - unknown: the names are not compared
-        return None
+# Process groups: _torch_private_c10d.py, re-exported here.
+from dynashard._torch_private_c10d import default_store as default_store  # noqa: E402
+from dynashard._torch_private_c10d import group_by_name as group_by_name  # noqa: E402
+from dynashard._torch_private_c10d import group_count as group_count  # noqa: E402
+from dynashard._torch_private_c10d import group_timeout as group_timeout  # noqa: E402
+from dynashard._torch_private_c10d import init_fake_process_group as init_fake_process_group  # noqa: E402
+from dynashard._torch_private_c10d import is_fake_group as is_fake_group  # noqa: E402
+from dynashard._torch_private_c10d import moves_cpu_tensors as moves_cpu_tensors  # noqa: E402

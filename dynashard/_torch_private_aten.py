@@ -40,6 +40,19 @@ def known_multiple(a: Any, k: int) -> bool:
     return bool(statically_known_true(a % k == 0))
 
 
+def schema_of(target: Any) -> Any:
+    """An op's schema (``OpOverload._schema``: name, arguments, returns and their alias info), or None
+    for a target that has none (a Python function, ``operator.getitem``)."""
+    return getattr(target, "_schema", None)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of a graph's nested output, in the order Dynamo flattens it (``torch.utils._pytree``)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(tree)
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` (a fake or real tensor) shares its base's memory (``Tensor._is_view``)."""
     return t._is_view()

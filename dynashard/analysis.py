@@ -13,6 +13,7 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard.decision import split_dim
 from dynashard.match import ParamInfo, find_linears
 from dynashard.nodes import val
@@ -62,7 +63,7 @@ class Analysis:
         shard (``LayoutMap.held_outputs``): the program hands it back wrapped as a full-shape facade."""
         lm = self.plan.layouts
         output = next(n for n in self.aten.graph.nodes if n.op == "output")
-        flat = torch.utils._pytree.tree_leaves(output.args[0])
+        flat = private_aten.tree_leaves(output.args[0])
         return {i: (val(n).dim() + lm.held_outputs[n].dim, lm.held_outputs[n].split)
                 for i, n in enumerate(flat) if isinstance(n, torch.fx.Node) and n in lm.held_outputs}
 

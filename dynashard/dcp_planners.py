@@ -18,6 +18,7 @@ everything else (the classes only change what it is shown); nothing here runs a 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -77,22 +78,27 @@ def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int,
             views.append((at, length))
         at += length
     by_offset = {c.offsets: v for c, v in zip(chunks, views)}
+    # The functions below are attributes of ``local`` and hold it weakly (DCP calls them on the live
+    # tensor): a strong reference back made a cycle through the tensor's __dict__ that the collector did
+    # not break for a registered shard (measured: a parallelized model's shards outlived it).
+    held = weakref.ref(local)
 
     def write_items(fqn: str, _obj: Any) -> list:
-        props = TensorProperties.create_from_tensor(local)
+        props = TensorProperties.create_from_tensor(held())
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props, size=torch.Size(full_shape)))
                 for c in chunks]
 
     def tensor_shard(index: Any) -> torch.Tensor:
         at, length = by_offset[index.offset]
-        return local.detach().narrow(dim, at, length)
+        return held().detach().narrow(dim, at, length)
 
     def reduce_ex(protocol: int) -> Any:
         # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures
-        plain = local.detach()
-        if isinstance(local, torch.nn.Parameter):
-            plain = torch.nn.Parameter(plain, requires_grad=local.requires_grad)
+        this = held()
+        plain = this.detach()
+        if isinstance(this, torch.nn.Parameter):
+            plain = torch.nn.Parameter(plain, requires_grad=this.requires_grad)
         return plain.__reduce_ex__(protocol)
 
     local.__create_write_items__ = write_items

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -33,7 +34,7 @@ from dynashard.nodes import tensor_args, val
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
-from dynashard.report import GraphReport, format_table
+from dynashard.report import GraphReport, format_table, plan_summary
 from dynashard.rewrite import rewrite
 from dynashard.weights import STORE, ShardSpec, Source
 
@@ -47,6 +48,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     ``torch.compile(..., mode=m)`` calls it with ``mode=m`` (and never with ``options`` too).
     ``source``: ``parallelize``'s loader (a checkpoint, or rank 0's deal), where the storage-less
     parameters' values come from."""
+    started = time.perf_counter()
     opts = with_mode(parse_options(options), mode)
     group = resolve_group(opts.group)
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
@@ -64,6 +66,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         check(COMPILE, example_inputs, group)
     fake_args = private.backend_fakes(gm)
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
+    planned = time.perf_counter()
     sharded = analysis.sharded_inputs() if analysis else {}
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
     named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in analysis.params]
@@ -81,6 +84,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         compiled = private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
         if analysis is not None:
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
+        _log_compile(gm, fake_args, analysis, started, planned)
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
     gate_slot = None
     with agreed(group, "compiling", doing="rewriting and compiling"):
@@ -112,8 +116,33 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}
+    _log_compile(gm, fake_args, analysis, started, planned)
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
                           gate=gate_slot)
+
+
+def _log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], analysis: Analysis | None, started: float,
+                 planned: float) -> None:
+    """One INFO line per compile Dynamo asks for: which graph, its inputs, why it was compiled (a
+    frame's first compile, or the guard of an earlier compile that failed), the plan and the time."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    name, compile_id, reason = private.compile_info()
+    slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [a for n, a in zip(slots, fake_args)
+              if isinstance(a, torch.Tensor) and private.placeholder_source_fqn(n) is None]
+    shapes = ", ".join(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}" for a in inputs) or "none"
+    dynamic = any(isinstance(d, torch.SymInt) for a in inputs for d in a.shape)
+    why = "first compile of this frame"
+    if reason is not None:  # (Dynamo's text: "<earlier compile's id>: <guard>  # <user code>", a line per guard)
+        first, *more = reason.splitlines()
+        failed, found, guard = first.partition(": ")
+        why = f"recompiled: a guard of {failed} failed: {guard.split('  # ')[0]}" if found else f"recompiled: {first}"
+        why += f" (and {len(more)} more lines)" if more else ""
+    plan = plan_summary(analysis.plan) if analysis is not None else "no plan"
+    log.info("dynashard: compiled graph %s of %s for inputs %s (%s shapes); %s; plan: %s; %.2f s (planning %.2f s)",
+             compile_id or "?", name, shapes, "dynamic" if dynamic else "static", why, plan,
+             time.perf_counter() - started, planned - started)
 
 
 def _name_dead_peers(group: dist.ProcessGroup) -> Callable[[BaseException], None]:

@@ -242,8 +242,8 @@ def _convert(func, args, kwargs) -> torch.Tensor:
         if others:
             device, dtype = others[0].device, others[0].dtype
         else:
-            parsed = torch._C._nn._parse_to(*rest, **{k: v for k, v in kwargs.items() if k != "copy"})
-            device, dtype = parsed[0] or device, parsed[1] or dtype
+            to_device, to_dtype = private.parse_to(*rest, **{k: v for k, v in kwargs.items() if k != "copy"})
+            device, dtype = to_device or device, to_dtype or dtype
         copy = bool(kwargs.get("copy", False))
     if device == t.device and dtype == t.dtype and not copy:
         return t

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard.protocol import Handshake
 
 # slot -> the handshake of the call in progress (one entry per program call in flight: popped after it)
@@ -55,15 +56,15 @@ def _(x: torch.Tensor, slot: int) -> torch.Tensor:
 def _collective(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or not private.is_op_overload(node.target):
         return False
-    return node.target._schema.name.startswith("_c10d_functional::") and \
-        node.target._schema.name != "_c10d_functional::wait_tensor"
+    name = private_aten.schema_of(node.target).name
+    return name.startswith("_c10d_functional::") and name != "_c10d_functional::wait_tensor"
 
 
 def _mutates_input(node: torch.fx.Node) -> bool:
     """An op writing into (a view of) a graph input: a cache or a buffer changed outside the graph."""
     if node.op != "call_function" or not private.is_op_overload(node.target):
         return False
-    schema = node.target._schema
+    schema = private_aten.schema_of(node.target)
     if not schema.is_mutable:
         return False
     for i, arg in enumerate(schema.arguments):
@@ -78,10 +79,10 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     """What ``node`` is a view of (through views, in-place results and getitem of a split's views)."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
         target = node.target
+        schema = private_aten.schema_of(target) if private.is_op_overload(target) else None
         if target is operator.getitem:
             node = node.args[0]
-        elif private.is_op_overload(target) and target._schema.returns and \
-                target._schema.returns[0].alias_info is not None:
+        elif schema is not None and schema.returns and schema.returns[0].alias_info is not None:
             node = node.args[0]
         else:
             break

@@ -115,10 +115,10 @@ class Loader:
         made: dict[int, torch.Tensor] = {}
         self.replaced: list[tuple[dict, str, torch.Tensor]] = []  # (module's dict, name, tensor it held)
         for module in self.model.modules():
-            for attr, p in list(module._parameters.items()):
+            for attr, p in list(private.parameter_slots(module).items()):
                 if p is None or not (p.is_meta or self.from_first):
                     continue
-                self.replaced.append((module._parameters, attr, p))
+                self.replaced.append((private.parameter_slots(module), attr, p))
                 if id(p) not in made:
                     facade = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
                                           requires_grad=p.requires_grad)
@@ -126,11 +126,11 @@ class Loader:
                     mark_storage_less(facade)
                     self.names[id(facade)] = self.names[id(p)]
                     made[id(p)] = facade
-                module._parameters[attr] = made[id(p)]
-            for attr, b in list(module._buffers.items()):
+                private.parameter_slots(module)[attr] = made[id(p)]
+            for attr, b in list(private.buffer_slots(module).items()):
                 if b is not None and id(b) in self.names:
-                    self.replaced.append((module._buffers, attr, b))
-                    module._buffers[attr] = self(b, None)
+                    self.replaced.append((private.buffer_slots(module), attr, b))
+                    private.buffer_slots(module)[attr] = self(b, None)
         STORE.trust(list(made.values()))  # every rank has the same values (one file, or rank 0's)
 
     def agree_on_what_was_read_whole(self) -> None:

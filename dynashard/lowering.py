@@ -96,7 +96,7 @@ def _same(a: Any, b: Any) -> bool:
 def set_arguments(node: torch.fx.Node, resolve: Any = None) -> dict[str, Any]:
     """The arguments ``node`` sets: required non-tensor ones, optional ones not at their default
     (an optional tensor: not None)."""
-    schema = node.target._schema
+    schema = private_aten.schema_of(node.target)
     bound = _bound(schema, node.args, node.kwargs, resolve)
     out = {}
     for a in schema.arguments:
@@ -119,7 +119,8 @@ def check(node: torch.fx.Node, calls: list[tuple[Any, tuple, dict]], resolve: An
     if not private.is_op_overload(node.target):
         return
     declared = REEXPRESSED.get(node.target, {})
-    same = [_bound(node.target._schema, args, kwargs) for func, args, kwargs in calls if func is node.target]
+    schema = private_aten.schema_of(node.target)
+    same = [_bound(schema, args, kwargs) for func, args, kwargs in calls if func is node.target]
     for name, value in set_arguments(node, resolve).items():
         if name in declared:
             continue

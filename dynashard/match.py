@@ -35,6 +35,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -229,7 +230,7 @@ def embedding_options(node: torch.fx.Node) -> tuple[int, bool, bool]:
 
 def _is_grouped_mm(node: torch.fx.Node) -> bool:
     """``aten._grouped_mm`` or transformers' fp32 fallback op (matched by name: no import)."""
-    name = getattr(getattr(node.target, "_schema", None), "name", "")
+    name = getattr(private_aten.schema_of(node.target), "name", "")
     return node.op == "call_function" and name in ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from dynashard import _torch_private_aten as private_aten
+
 
 def op_name(node: torch.fx.Node) -> str:
     return "output" if node.op == "output" else getattr(node.target, "__name__", str(node.target))
@@ -47,7 +49,7 @@ def all_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def mutates_self(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = private_aten.schema_of(node.target)
     if schema is None or not schema.arguments:
         return False
     alias = schema.arguments[0].alias_info

@@ -28,12 +28,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch_private as private
 from dynashard.dynamo_backend import dynashard_backend
@@ -42,7 +44,6 @@ from dynashard.facades import storage_less
 from dynashard.gradients import average_over_ranks
 from dynashard.loader import Loader
 from dynashard.options import parse_options
-from dynashard.program import install_optimizer_hooks
 from dynashard.protocol import agreed, resolve_group
 from dynashard.weights import STORE, cut
 
@@ -111,7 +112,6 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     _register(model)
     _run_calls_through_dynashard(model, opts)
     _refuse_save_pretrained(model)
-    install_optimizer_hooks()  # an optimizer over the shards: its state checkpointable like them
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
     return model
@@ -204,20 +204,23 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 def empty_weights():
     """Build a model with its parameters on the meta device and its buffers real (as accelerate's
     ``init_empty_weights`` does): buffers computed at construction, such as RoPE tables, are not in
-    checkpoints, and ``parallelize(checkpoint=...)`` keeps them."""
-    register = nn.Module.register_parameter
+    checkpoints, and ``parallelize(checkpoint=...)`` keeps them.
 
-    def on_meta(module: nn.Module, name: str, param: Any) -> None:
-        register(module, name, param)
-        p = module._parameters[name]
-        if p is not None and not p.is_meta:  # (already on meta: a tied weight assigned again, kept as is)
-            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+    Only this thread's modules: torch's parameter-registration hook is process-wide, so it acts on the
+    registrations made by the thread that entered the block (another thread building a model meanwhile
+    gets real weights). Nests, and composes with other such hooks (no patch of ``nn.Module``)."""
+    thread = threading.get_ident()
 
-    nn.Module.register_parameter = on_meta
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if threading.get_ident() != thread or param.is_meta:  # (a tied weight assigned again: kept as is)
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        handle.remove()
 
 
 def _run(model, args, kwargs):
@@ -234,16 +237,16 @@ def _register(model: nn.Module) -> None:
     swapped: dict[type, type] = {}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
-        for attr, p in module._parameters.items():
+        for attr, p in private.parameter_slots(module).items():
             if p is not None and STORE.is_sharded(p):
                 owners.setdefault(id(p), []).append((module, attr))
     for entries in owners.values():
-        facade = entries[0][0]._parameters[entries[0][1]]
+        facade = private.parameter_slots(entries[0][0])[entries[0][1]]
         if FACADES in entries[0][0].__dict__ and facade is entries[0][0].__dict__[FACADES].get(entries[0][1]):
             continue  # registered before (a failed call registered what it had cut)
         shard = STORE.as_parameter(facade)
         for module, attr in entries:
-            module._parameters[attr] = shard
+            private.parameter_slots(module)[attr] = shard
             if FACADES not in module.__dict__:
                 module.__dict__[FACADES] = {}
                 # state_dict() detaches each parameter, and a detached tensor loses the checkpoint
@@ -294,7 +297,7 @@ def _swapped_class(cls: type) -> type:
     def _apply(self, fn, recurse=True):
         out = cls._apply(self, fn, recurse)
         for attr, facade in self.__dict__.get(FACADES, {}).items():  # the shard converted: its facade follows
-            shard = self._parameters[attr]
+            shard = private.parameter_slots(self)[attr]
             if (facade.dtype, facade.device) != (shard.dtype, shard.device):
                 with private.plain_torch_functions():
                     facade.data = storage_less(facade.shape, shard.dtype, shard.device)
@@ -320,6 +323,6 @@ def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *ar
         key = prefix + attr
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor) and list(value.shape) == list(facade.shape) and \
-                value.shape != module._parameters[attr].shape:
+                value.shape != private.parameter_slots(module)[attr].shape:
             spec = STORE.spec_of(facade)
             state_dict[key] = cut(value, spec.dim, spec.split, spec.world, spec.rank)

@@ -25,9 +25,10 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import gradients
-from dynashard.errors import SetupError, UsageError
+from dynashard.errors import SetupError
 from dynashard.facades import is_facade
 from dynashard.gate import Opened
+from dynashard.optimizers import FREED
 from dynashard.options import Options
 from dynashard.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
 from dynashard.weights import STORE, ShardSpec, Source
@@ -123,8 +124,6 @@ class ShardedProgram:
         # compiled with gradients: shards are passed as the leaves the gradients land in (the
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
-        if train:
-            install_optimizer_hooks()
         self.specs = specs  # input slot -> (FQN, how that parameter is cut)
         self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
@@ -278,51 +277,6 @@ class _WeakGroup:
         return group
 
 
-def _float(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
-
-
-_HOOKED: list[Any] = []
-
-
-def install_optimizer_hooks() -> None:
-    """An optimizer built over the full-size parameters dynashard freed (before ``parallelize``, or on a
-    model only compiled) would step nothing: its parameters get no gradient (the shards do). Its first
-    step raises instead (pytorch/examples #1324 is the silent version). After each step, the state of
-    a shard is made checkpointable like the shard (DCP)."""
-    if _HOOKED:
-        return
-
-    def refuse(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if STORE.is_sharded(p) and p.untyped_storage().nbytes() == 0:
-                    raise UsageError(
-                        f"dynashard: {type(optimizer).__name__} holds a full-size parameter of shape {list(p.shape)} "
-                        "that dynashard sharded and freed; its gradients go to this rank's shard, so this "
-                        "optimizer would train nothing. Expected the optimizer built after "
-                        "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards).")
-
-    def describe_state(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        # A shard's optimizer state (exp_avg, momentum: tensors of the shard's shape) is this rank's
-        # pieces too: give it the shard's DCP protocol, so get_state_dict(model, optimizer) + dcp.save
-        # write it at its global offsets (a plain local tensor would be saved as if it were whole).
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                facade = STORE.facade_of(p)
-                if facade is None:
-                    continue
-                for value in optimizer.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor) and value.shape == p.shape and \
-                            not hasattr(value, "__create_chunk_list__"):
-                        STORE.checkpointable(facade, value)
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-    _HOOKED.append(register_optimizer_step_pre_hook(refuse))
-    _HOOKED.append(register_optimizer_step_post_hook(describe_state))
-
-
 def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], group,
                  source: Source | None = None) -> None:
     """Cut this rank's shards into the store and free the full weights, one at a time (peak:
@@ -339,4 +293,5 @@ def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], gro
         later = [inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
         freed += STORE.free([inputs[i]], keep + later)
     freed += STORE.free([inputs[i] for i, _ in order], keep)
+    FREED.add([inputs[i] for i, _ in order])  # (an optimizer over them is refused while they live)
     log.info("dynashard: freed %.1f MiB of full weights", freed / 2**20)

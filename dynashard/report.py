@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any
@@ -122,6 +123,13 @@ class GraphReport:
                 collectives="-", comm_bytes=0, weight_bytes=per_dim * shard.length * full.element_size(),
                 dtype=full.dtype))
         return cls(rows, analysis.world, analysis.rank, caches=caches)
+
+
+def plan_summary(plan: Any) -> str:
+    """The plan in a few words, for the compile's log line: ``2 of 3 linears sharded, 1 all_reduce``."""
+    kinds = collections.Counter(c.kind.value for c in plan.layouts.collectives)
+    collectives = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "no collective"
+    return f"{len(plan.sharded())} of {len(plan.linears)} linears sharded, {collectives}"
 
 
 def _human(n: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +74,9 @@ class WeightStore:
     def __init__(self) -> None:
         self._shards = private.weak_id_dict()
         self._agreed = private.weak_id_dict()
-        self._facade_of = private.weak_id_dict()  # registered shard Parameter -> its full-shape facade
+        # registered shard Parameter -> a weak reference to its full-shape facade (a strong one would keep the
+        # facade, whose entry above keeps the shard, alive for the life of the process: a model never freed)
+        self._facade_of = private.weak_id_dict()
         # parameters a compiled program reads whole: a later graph must not cut (and free) them
         self._read_whole = private.weak_id_dict()
 
@@ -179,12 +182,13 @@ class WeightStore:
         entry = self._shards[param]
         if not isinstance(entry.shard, torch.nn.Parameter):
             entry.shard = self.checkpointable(param, torch.nn.Parameter(entry.shard, requires_grad=param.requires_grad))
-            self._facade_of[entry.shard] = param
+            self._facade_of[entry.shard] = weakref.ref(param)
         return entry.shard
 
     def facade_of(self, shard: torch.Tensor) -> torch.Tensor | None:
         """The full-shape parameter a registered shard stands for (None for any other tensor)."""
-        return self._facade_of.get(shard)
+        ref = self._facade_of.get(shard)
+        return None if ref is None else ref()
 
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import all_args, mutates_self, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
 from dynashard.shard import LayoutMap, Read, Record, Shard, WishKind
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 
 def aliases_input(node: torch.fx.Node) -> bool:
     """True when ``node``'s output may share memory with its first argument (views, in-place ops)."""
-    schema = getattr(node.target, "_schema", None)
+    schema = private_aten.schema_of(node.target)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None and node.args)
 
 

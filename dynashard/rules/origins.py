@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import UsageError
 from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
 from dynashard.match import LinearMatch
@@ -89,7 +90,7 @@ def _colwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
 def _alignment(match: LinearMatch) -> int:
     """Elements per unit a cut must keep: ``aten._grouped_mm`` needs 16-byte strides (its CPU and
     CUDA kernels refuse others), so every rank's part must be a multiple of 16 bytes."""
-    if getattr(match.node.target, "_schema", None) is None or match.node.target._schema.name != "aten::_grouped_mm":
+    if getattr(private_aten.schema_of(match.node.target), "name", None) != "aten::_grouped_mm":
         return 1
     return max(1, 16 // val(match.node).element_size())
 
