@@ -210,8 +210,9 @@ HF_W2 = [("llama", "static", "compile_config"), ("qwen2", "static", "dynamic"), 
          ("gpt2", "dynamic", "parallelize")]
 HF_W4 = [("mistral", "static", "compile_config")]  # 2 K/V heads on 4 ranks
 
-# One spawn per world runs every case below: 120 s at world 2 on the 2-core machine with another job
-# running; 280 s keeps pytest-timeout's 300 s above it, as before (world 4 is in the slow tier).
+# One spawn per world runs every case below (the same work as the one spawn before them): 112-172 s at
+# world 2 on the 2-core machine under a load of 5-8 (other jobs), 99 s at world 4 (the slow tier); 280 s,
+# as before.
 on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=280, marks={4: pytest.mark.slow})
 
 
