@@ -3,7 +3,8 @@
 Every rank builds the same model (seed 0) and the same inputs, keeps the unsharded output as
 the reference, then compiles with dynashard and runs every input shape through one compiled
 model. Results go back to the parent as plain data (a numerics case's as a ``CaseResult``); the
-tests assert on them. (Behaviours that assert where they run, on every rank: tests/scenarios.py.)
+tests assert on them. ``lose_rank1`` is the faults' rank dying before or after a compile (test_faults,
+test_host_group). (Behaviours that assert where they run, on every rank: tests/scenarios.py.)
 """
 
 from __future__ import annotations
@@ -201,74 +202,29 @@ def battery_of_configs(rank: int, world: int, groups: list[tuple[str, str, tuple
     return {(compiler, dtype): battery(rank, world, list(cases), compiler, dtype) for compiler, dtype, cases in groups}
 
 
-def _error_of(fn) -> tuple[str, str] | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects type and message
-        return type(e).__name__, str(e)
-    return None
-
-
-def faults(rank: int, world: int, which: str) -> dict:
-    """One fault per spawn (the group may not survive it); returns what this rank saw."""
+def lose_rank1(rank: int, when: str) -> tuple[BaseException, float]:
+    """An MLP compiled with dynashard on 2 ranks (eager), rank 1 dying ``when``: "before_compile" (before
+    the first call) or "after_compile" (after a call every rank finished). Rank 0's next call (three
+    calls after the compile): what it raised, and how many seconds it took to raise it."""
     import os
     import time
 
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
-    opts = {"compiler": "eager", "min_shard_numel": 0}
-    torch.manual_seed(0)
-    model = models.MLP(32, 96)
-    start = time.monotonic()
-    with torch.no_grad():
-        if which == "rank1_plan_typo":
-            plan = {"up": "colwise", "down": "rowwise"} if rank != 1 else {"upp": "colwise"}
-            err = _error_of(lambda: torch.compile(model, backend="dynashard", options={**opts, "plan": plan})(x))
-        elif which == "rank_dependent_plan":  # valid on each rank, but not the same plan
-            plan = {"up": "colwise", "down": "rowwise"} if rank == 0 else {"up": "colwise"}
-            err = _error_of(lambda: torch.compile(model, backend="dynashard", options={**opts, "plan": plan})(x))
-        elif which == "rank1_dies_before_compile":
-            if rank == 1:
-                os._exit(3)
-            err = _error_of(lambda: torch.compile(model, backend="dynashard", options=opts)(x))
-        elif which == "rank1_dies_after_compile":
-            compiled = torch.compile(model, backend="dynashard", options=opts)
-            compiled(x)
-            torch.distributed.barrier()
-            if rank == 1:
-                os._exit(3)
-            time.sleep(1)
-            start = time.monotonic()
-            err = _error_of(lambda: [compiled(x) for _ in range(3)])
-        elif which == "meta":
-            with torch.device("meta"):
-                meta_model = models.MLP(32, 96)
-            err = _error_of(lambda: torch.compile(meta_model, backend="dynashard", options=opts)(x.to("meta")))
-        else:
-            raise ValueError(which)
-    return {"error": err, "seconds": time.monotonic() - start}
-
-
-def special_cases(rank: int, world: int) -> dict:
-    """Shared weights, a linear called twice, mixed dtypes and a sub-group, against unsharded."""
     import torch.distributed as dist
 
-    out = {}
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
-    cases = {
-        "called_twice_auto": (models.CalledTwice, {}),
-        "called_twice_plan": (models.CalledTwice, {"plan": {"up": "colwise", "down": "rowwise"}}),
-        "mixed_dtypes": (models.MixedDtypes, {}),
-        "sub_group": (models.MLP, {"group": dist.new_group([0, 1])}),
-    }
-    for name, (cls, extra) in cases.items():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = cls()
-        with torch.no_grad():
-            ref = model(x)
-            options = {"compiler": "eager", "min_shard_numel": 0, **extra}
-            got = torch.compile(model, backend="dynashard", options=options)(x)
-        freed = sorted(n for n, p in model.named_parameters() if p.untyped_storage().nbytes() == 0)
-        err = float((got.float() - ref.float()).abs().max())
-        out[name] = {"err": err, "dtype_ok": got.dtype == ref.dtype, "freed": freed}
-    return out
+    from tests.scenarios import raised
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    compiled = torch.compile(models.MLP(32, 96), backend="dynashard", options={"compiler": "eager",
+                                                                               "min_shard_numel": 0})
+    with torch.no_grad():
+        if when == "after_compile":
+            compiled(x)
+            dist.barrier()
+        if rank == 1:
+            os._exit(3)
+        if when == "after_compile":
+            time.sleep(1)  # (rank 1 gone before rank 0 calls)
+        start = time.monotonic()
+        error = raised(lambda: [compiled(x) for _ in range(3 if when == "after_compile" else 1)])
+    return error, time.monotonic() - start

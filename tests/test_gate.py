@@ -8,18 +8,25 @@ token ids raise the handshake's error on every rank from inside the graph, and t
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 import pytest
 import torch
 
 from dynashard import gate
+from dynashard.protocol import Handshake
 from tests import models
-from tests.multiproc import run_ranks
+from tests.scenarios import Scenarios, raised
 from tests.test_graphs import rewritten
 
 DEADLINE_S = 240  # an Inductor compile per rank (two graphs), 10-30 s on the quiet 2-core machine; 3x slower, 2x margin
 ATOL = 1e-5  # float32 sums over 2 ranks in another order than the unsharded matmul: ~1e-7 here
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=DEADLINE_S)
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
 
 
 def _order(gm: torch.fx.GraphModule) -> list[str]:
@@ -92,48 +99,6 @@ def test_graphs_that_write_their_inputs_or_have_no_collective_are_not_gated():
     assert gate.insert(torch.fx.GraphModule(torch.nn.Module(), g)) is None
 
 
-def _gated_calls(rank: int, world: int) -> dict:
-    import inspect
-
-    import torch.distributed as dist
-
-    import dynashard  # noqa: F401 - the backend
-    from dynashard.protocol import Handshake
-    from tests.battery import _error_of
-
-    finished_in = []
-    finish = Handshake._finish
-
-    def recording(self):
-        finished_in.append("call_gate" in [f.function for f in inspect.stack()])
-        return finish(self)
-
-    Handshake._finish = recording
-    torch.manual_seed(0)
-    model = _TokenMLP()
-    reference = _TokenMLP()
-    reference.load_state_dict(model.state_dict())
-    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0})
-    out = {}
-    with torch.no_grad():
-        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-        out["err"] = float((fast(ids) - reference(ids)).abs().max())  # compiles (a static graph)
-        longer = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
-        out["dynamic_err"] = float((fast(longer) - reference(longer)).abs().max())  # compiles the dynamic graph
-        finished_in.clear()
-        out["call_err"] = float((fast(longer) - reference(longer)).abs().max())
-        out["finished_in_gate"] = list(finished_in)
-        other = torch.randint(0, 64, (2, 10 + rank), generator=torch.Generator().manual_seed(3))
-        out["other_shapes"] = _error_of(lambda: fast(other))
-        ids_other = longer.clone()
-        ids_other[0, 0] = (ids_other[0, 0] + rank) % 64
-        out["other_ids"] = _error_of(lambda: fast(ids_other))
-        out["after_err"] = float((fast(longer) - reference(longer)).abs().max())
-    Handshake._finish = finish
-    dist.barrier()
-    return out
-
-
 class _TokenMLP(torch.nn.Module):
     """Token ids in: a vocab-parallel embedding (its all_reduce is the first collective), then an MLP."""
 
@@ -147,13 +112,42 @@ class _TokenMLP(torch.nn.Module):
 
 
 @pytest.mark.gloo
-def test_the_handshake_is_finished_inside_the_graph_and_still_catches_ranks_that_differ():
-    for r in run_ranks(_gated_calls, 2, timeout=DEADLINE_S):
-        assert r["err"] <= ATOL and r["dynamic_err"] <= ATOL and r["call_err"] <= ATOL and r["after_err"] <= ATOL, r
+@on_ranks
+@torch.no_grad()
+def test_the_handshake_is_finished_inside_the_graph_and_still_catches_ranks_that_differ(rank, world):
+    finished_in = []
+    finish = Handshake._finish
+
+    def recording(self):
+        finished_in.append("call_gate" in [f.function for f in inspect.stack()])
+        return finish(self)
+
+    Handshake._finish = recording
+    try:
+        model = _TokenMLP()
+        reference = _TokenMLP()
+        reference.load_state_dict(model.state_dict())
+        fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0})
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        longer = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+        err = _err(fast(ids), reference(ids))  # compiles (a static graph)
+        assert err <= ATOL, err
+        err = _err(fast(longer), reference(longer))  # compiles the dynamic graph
+        assert err <= ATOL, err
+        finished_in.clear()
+        err = _err(fast(longer), reference(longer))
+        assert err <= ATOL, err
         # one handshake per call, finished by the gate inside the compiled graph (not before the call)
-        assert r["finished_in_gate"] == [True], r
-        kind, msg = r["other_shapes"]
-        assert kind == "UsageError" and "found different shapes or dtypes" in msg, r
-        assert "rank 0: int64[2, 10]; rank 1: int64[2, 11]" in msg, msg
-        kind, msg = r["other_ids"]
-        assert kind == "UsageError" and "values differ" in msg, r
+        assert finished_in == [True], finished_in
+        other = torch.randint(0, 64, (2, 10 + rank), generator=torch.Generator().manual_seed(3))
+        error = raised(lambda: fast(other))
+        assert type(error).__name__ == "UsageError" and "found different shapes or dtypes" in str(error), error
+        assert "rank 0: int64[2, 10]; rank 1: int64[2, 11]" in str(error), error
+        ids_other = longer.clone()
+        ids_other[0, 0] = (ids_other[0, 0] + rank) % 64
+        error = raised(lambda: fast(ids_other))
+        assert type(error).__name__ == "UsageError" and "values differ" in str(error), error
+        err = _err(fast(longer), reference(longer))
+        assert err <= ATOL, err  # the next call is right
+    finally:
+        Handshake._finish = finish

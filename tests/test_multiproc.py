@@ -1,7 +1,10 @@
 """The test harness's own promises: a spawn shared by many tests runs once, even when it fails; a
-scenario run on ranks in a shared spawn is reported by its own test, with its ranks' errors."""
+scenario run on ranks in a shared spawn is reported by its own test, with its ranks' errors, once
+per case; a scenario run alone passes when the ranks meant to die die and the others pass."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -108,6 +111,19 @@ def scenario_compiles_again_after_a_reset(rank, world):
     assert len(COMPILES) == 2, COMPILES
 
 
+@on_ranks(cases=["a", ("b", 2)])
+def scenario_of_each_case(rank, world, case):
+    assert case in ("a", ("b", 2)), case
+    assert case == "a" or rank == 0, f"case {case} on rank {rank}"
+
+
+@on_ranks.alone(2, dies=(1,), gloo_timeout=10, deadline_s=60, cases=["dies", "lives"])
+def scenario_alone_where_rank_1_is_to_die(rank, world, case):
+    dist.barrier()
+    if rank == 1 and case == "dies":
+        os._exit(3)
+
+
 @pytest.mark.gloo
 @pytest.mark.timeout(180)
 def test_each_scenario_reports_its_own_outcome_on_every_rank():
@@ -129,6 +145,23 @@ def test_each_scenario_reports_its_own_outcome_on_every_rank():
     assert text.endswith("\nrank 1, at the same line: RuntimeError: the model's own error on rank 1"), text
     scenario_starts_afresh_and_shares_a_directory()
     scenario_compiles_again_after_a_reset()
+    scenario_of_each_case(world=2, case="a")
+    with pytest.raises(ScenarioFailed) as failed:
+        scenario_of_each_case(world=2, case="b-2")
+    text = str(failed.value)
+    assert text.startswith("scenario_of_each_case[b-2] failed on rank(s) [1] of 2\n"), text
+    assert text.endswith("AssertionError: case ('b', 2) on rank 1"), text
+
+
+@pytest.mark.gloo
+@pytest.mark.timeout(180)
+def test_a_scenario_run_alone_passes_only_if_the_ranks_meant_to_die_die():
+    scenario_alone_where_rank_1_is_to_die(world=2, case="dies")
+    with pytest.raises(ScenarioFailed) as failed:
+        scenario_alone_where_rank_1_is_to_die(world=2, case="lives")
+    text = str(failed.value)
+    assert text == ("scenario_alone_where_rank_1_is_to_die[lives] failed on rank(s) [1] of 2\n"
+                    "rank 1: the rank was to die, but finished its scenario"), text
 
 
 @pytest.mark.unit
@@ -144,3 +177,23 @@ def test_a_scenario_test_is_one_pytest_test_per_world_with_the_spawns_deadline()
     assert marks["timeout"].args == (160,) and test_something.__name__ == "test_something"
     with pytest.raises(TypeError, match=r"takes \['path'\]"):
         scenarios(lambda rank, path: None)
+
+    @scenarios(worlds=(4,))
+    def test_at_four(rank, world):
+        pass
+
+    @scenarios(cases={2: ["x"], 4: ["x", ("y", 1)]})
+    def test_cases(rank, world, case):
+        pass
+
+    marks = {m.name: m for m in test_at_four.pytestmark}
+    assert set(marks) == {"timeout"}, marks  # one world: one test
+    marks = {m.name: m for m in test_cases.pytestmark}
+    assert marks["parametrize"].args[0] == ("world", "case"), marks
+    assert [(p.values, p.id) for p in marks["parametrize"].args[1]] == [
+        ((2, "x"), "world2-x"), ((4, "x"), "world4-x"), ((4, "y-1"), "world4-y-1")]
+    assert scenarios.runs["test_cases[x]"].worlds == (2, 4) and scenarios.runs["test_cases[y-1]"].case == ("y", 1)
+    with pytest.raises(ValueError, match=r"runs at worlds \[8\]; tests.not_spawned spawns \[2, 4\]"):
+        scenarios(worlds=(8,))(lambda rank: None)
+    with pytest.raises(TypeError, match="has cases but takes no case"):
+        scenarios(cases=["x"])(lambda rank: None)
