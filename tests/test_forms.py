@@ -204,6 +204,45 @@ def test_lora_adapters_follow_their_base_layer(world):
                     "down.lora_A": ("rowwise", "all_reduce"), "down.lora_B": ("replicate", "-")}, plan
 
 
+def _gpt_oss() -> nn.Module:
+    config = T.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                            layer_types=["full_attention"])
+    return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.unit
+def test_gpt_oss_attention_with_sinks_is_cut_by_heads():
+    # the sinks (one per head) are cat'ed next to the head-sharded scores, narrowed to this rank's heads,
+    # and the max subtracted along the keys is each rank's own (was: q and k whole, gathered before cat)
+    torch.manual_seed(0)
+    plan = _plan(_gpt_oss(), torch.randint(3, 96, (2, 7)), 2, use_cache=False)
+    attention = {k.rsplit(".", 1)[-1]: v for k, v in plan.items() if "self_attn" in k}
+    assert attention == {"q_proj": ("colwise", "-"), "k_proj": ("colwise", "-"), "v_proj": ("colwise", "-"),
+                         "o_proj": ("rowwise", "all_reduce")}, plan
+
+
+class InterleavedGLU(nn.Module):
+    """gate and up interleaved in one projection, taken apart by ``[..., ::2]`` and ``[..., 1::2]``."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 48) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(hidden, 2 * ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate_up(x)
+        return self.down(F.silu(y[..., ::2]) * y[..., 1::2])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_interleaved_parts_are_cut_in_pairs(world):
+    torch.manual_seed(0)
+    plan = _plan(InterleavedGLU(), torch.randn(2, 5, 32), world)
+    assert plan == {"gate_up": ("colwise", "-"), "down": ("rowwise", "all_reduce")}, plan
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_weight_only_int8_linears_are_sharded_and_verified(world):

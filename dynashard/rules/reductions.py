@@ -64,6 +64,23 @@ def reduce(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     return lm.keep(node, src.moved(new - (ndim if keepdim else ndim - len(dims))))
 
 
+@rule(aten.max.dim, aten.min.dim)
+def extreme(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """``x.max(dim)`` (values and indices) along a dim that is not cut: each rank's own (a softmax
+    written out, as GPT-OSS subtracts the max of its scores and sinks)."""
+    found = lm.input_shard(node)
+    if found is None:
+        return None
+    src, ndim, p = found
+    d = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), ndim)
+    if d == p:
+        return None
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    new = p if keepdim else p - (d < p)
+    out = src.moved(new - (ndim if keepdim else ndim - 1))
+    return lm.keep(node, None, outputs=(out, out))
+
+
 def _partial_sum(lm: LayoutMap, node: torch.fx.Node, src: Shard) -> Record | None:
     """A sum or mean over the cut dim: each rank's (a mean's weighted by its share of the dim) is a
     term of the whole. Not for parts held whole by every rank (they would be counted once per

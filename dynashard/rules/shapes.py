@@ -11,6 +11,7 @@ slice (or a constant index of consecutive positions) must fall on component boun
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -18,7 +19,7 @@ import torch.fx
 
 from dynashard import _torch_private_aten as private_aten
 from dynashard.lowerings import TakeParts
-from dynashard.nodes import norm_dim, op_name, val, val_list
+from dynashard.nodes import all_args, norm_dim, op_name, val, val_list
 from dynashard.rules.registry import rule
 from dynashard.shard import LayoutMap, Record, Shard, WishKind, finest
 from dynashard.split import Split, joined
@@ -96,13 +97,35 @@ def slice_(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     args = list(node.args) + [None] * (5 - len(node.args))
     start, end, step = args[2] or 0, args[3], args[4] or 1
     size = val(node.args[0]).shape[p]
-    if step != 1 or not private_aten.known_equal(size, src.size) or not isinstance(start, int):
+    if step != 1:
+        return _every_kth(lm, node, src, start, end, step, size)
+    if not private_aten.known_equal(size, src.size) or not isinstance(start, int):
         return None
     end = src.size if end is None or (isinstance(end, int) and end > src.size) else end
     if not isinstance(end, int):
         return None
     start, end = start % src.size if start < 0 else start, end % src.size if end < 0 else end
     return _cut_range(lm, node, src, start, end)
+
+
+def _every_kth(lm: LayoutMap, node: torch.fx.Node, src: Shard, start: object, end: object, step: object,
+               size: object) -> Record | None:
+    """``x[..., s::k]`` over the whole cut dim (GPT-OSS's interleaved ``gate_up[..., ::2]`` and
+    ``[..., 1::2]``): when every unit is a multiple of ``k`` elements, each rank's part starts at a
+    multiple of ``k`` and its own ``[s::k]`` is its part of the result (units ``k`` times smaller).
+    Otherwise a wish for units of ``k``."""
+    if not (isinstance(step, int) and isinstance(start, int) and 0 <= start < step) or src.split.deals is not None:
+        return None
+    if not private_aten.known_equal(size, src.size) or not (end is None or (isinstance(end, int) and end >= src.size)):
+        return None
+    if src.split.unit % step:
+        k = step // math.gcd(src.split.unit, step)
+        coarser = src.split.coarsen(k)
+        if coarser is not None and coarser.fewest_units(lm.world) >= 1:
+            lm.wish(src.origins, WishKind.COARSEN, k, f"{op_name(node)} takes every {step}th element")
+        return None
+    split = src.split
+    return lm.keep(node, src.moved(src.dim, Split(split.parts, split.unit // step, split.whole)))
 
 
 def _cut_range(lm: LayoutMap, node: torch.fx.Node, src: Shard, start: int, end: int) -> Record | None:
@@ -167,11 +190,15 @@ def stack(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
 
 def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> Record | None:
     """cat (or stack) of operands cut alike, along a dim that is not the cut one. ``cat`` skips
-    1-D empty operands (torch's legacy rule: HF's DynamicCache starts as ``torch.tensor([])``)."""
+    1-D empty operands (torch's legacy rule: HF's DynamicCache starts as ``torch.tensor([])``), and
+    narrows replicated ones that span the cut dim (GPT-OSS's attention sinks, one per head, next to
+    the head-sharded scores)."""
     tensors = [a for a in node.args[0] if stack or not _skipped_by_cat(a)]
     if not tensors:
         return None
     lays = [lm.layouts.get(a) for a in tensors]
+    if not stack and any(lay is not None for lay in lays) and any(lay is None for lay in lays):
+        return _cat_narrowing(lm, node, tensors, lays)
     if any(lay is None or lay.split.whole for lay in lays):
         return None
     first = finest(lays)
@@ -186,6 +213,25 @@ def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> Record | None:
     new = p + 1 if stack and d <= p else p  # stack inserts a dim at d
     origins = frozenset().union(*(lay.origins for lay in lays))
     return lm.keep(node, Shard(first.split, origins, new - out_ndim, lm.world, lm.rank))
+
+
+def _cat_narrowing(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node],
+                   lays: list[Shard | None]) -> Record | None:
+    """cat of Shards cut alike and replicated operands, along another dim: each replicated one
+    narrowed to this rank's part of the cut dim, which it must span whole (cat does not broadcast)."""
+    sharded = [lay for lay in lays if lay is not None]
+    first = finest(sharded)
+    if first.split.whole or not all(first.alike(lay) for lay in sharded):
+        return None
+    ndim = val(tensors[0]).dim()
+    if norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim) == ndim + first.dim:
+        return None  # along the cut dim: the replicated operand's elements are no rank's part
+    for a, lay in zip(tensors, lays):
+        if lay is None and not (val(a).dim() == ndim and private_aten.known_equal(val(a).shape[first.dim], first.size)
+                                and lm.can_read_as_shard(a, first, ndim)):
+            return None
+    out = Shard(first.split, frozenset().union(*(lay.origins for lay in sharded)), first.dim, lm.world, lm.rank)
+    return Record(out, {a: lm.as_shard(a, out) for a in all_args(node)})
 
 
 def _along_cut(node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard], stack: bool) -> bool:
