@@ -12,8 +12,9 @@ A shardable linear whose input arrives sharded (a colwise output, through pointw
 last-dim-preserving views) becomes rowwise, unless the two are a low-rank bottleneck: the origin
 projects down and this layer up (MLA's ``q_a_proj`` 7168 -> 1536 into ``q_b_proj`` 1536 -> 24576,
 a LoRA's A into B), where rowwise would all-reduce the wide output. Then the small origin stays
-whole and the expanding layer is colwise, as vLLM and SGLang cut DeepSeek. Every other shardable
-linear is tentatively colwise. A
+whole and the expanding layer is colwise, as vLLM and SGLang cut DeepSeek, if that layer's shard
+reaches a rowwise partner (MLA's o_proj, the base layer's); else (a narrow MLP, 16 -> 3 -> 16) the
+two pair as usual. Every other shardable linear is tentatively colwise. A
 colwise linear whose shard never reaches a rowwise partner is kept colwise (its output gathered)
 when that pays, else replicated. Embeddings are vocab-parallel (rowwise). A weight used several
 times (a layer called twice, a tied LM head) gets one split for every use, also across graphs (a
@@ -49,6 +50,7 @@ def auto_decisions(
     decisions: dict[torch.fx.Node, Decision] = {}
     partners: dict[torch.fx.Node, list[str]] = {}
     expanded: dict[torch.fx.Node, list[LinearMatch]] = {}  # origin -> the expanding layers it fed
+    bottlenecks: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}  # expanding layer -> its origins
 
     def choose(m: LinearMatch, src: Shard | None) -> str:
         numel = m.numel
@@ -71,6 +73,7 @@ def auto_decisions(
         elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m):
             for o in src.origins:
                 expanded.setdefault(o, []).append(m)
+            bottlenecks[m.node] = src.origins
             decisions[m.node] = Decision(Style.COLWISE, "")
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
@@ -86,6 +89,18 @@ def auto_decisions(
     by_node = {m.node: m for m in linears}
     walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, states=cuts.states, **modes)
     wishes.extend(walked.wishes)
+    for node, origins in bottlenecks.items():  # cut colwise for nothing: pair with the origins after all
+        if node in partners or _only_loss_parallel(walked, by_node[node]):
+            continue
+        names = sorted(by_node[o].fqn for o in origins)
+        for o in origins:
+            expanded[o] = [e for e in expanded[o] if e.node is not node]
+            if not expanded[o]:
+                del expanded[o]
+            partners.setdefault(o, []).append(by_node[node].fqn)
+        reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+        decisions[node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {reduce} "
+                                   "(cut colwise, its shard would reach no rowwise partner)", frozenset(names))
     for m in linears:
         d = decisions[m.node]
         if d.style != Style.COLWISE:
