@@ -62,14 +62,10 @@ def auto_decisions(
             decisions[m.node] = Decision(
                 Style.REPLICATE, f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
             )
-        elif m.kind == "experts" and (modes["stacked"] or modes["per_rank"]):
-            mode = "weights='per_rank'" if modes["stacked"] else "inputs='per_rank'"
-            decisions[m.node] = Decision(Style.REPLICATE, f"experts with {mode}: kept whole (not supported yet)")
-        elif m.kind == "embedding" and modes["stacked"]:
-            decisions[m.node] = Decision(Style.REPLICATE, "embedding with weights='per_rank': kept whole")
-        elif m.kind == "embedding":
-            reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
-            decisions[m.node] = Decision(Style.ROWWISE, f"vocab-parallel embedding: masked local lookup, one {reduce}")
+        elif (refused := m.kind.refused(modes["stacked"], modes["per_rank"])) is not None:
+            decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")
+        elif (own := m.kind.auto_style("reduce_scatter" if modes["per_rank"] else "all_reduce")) is not None:
+            decisions[m.node] = Decision(Style(own[0]), own[1])
         elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m):
             for o in src.origins:
                 expanded.setdefault(o, []).append(m)
@@ -162,7 +158,7 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
         return ", ".join(sorted({f"{o.fqn} ({decisions[o.node].style} {o.kind})" for o in ms if o.node is not m.node}))
 
     dims = {split_dim(m, decisions[m.node].style) for m in ms} - {None}
-    stuck = any(blocked[m.node] or (stacked and m.kind == "embedding") for m in ms)
+    stuck = any(blocked[m.node] or m.kind.refused(stacked, False) is not None for m in ms)
     if len(dims) == 1 and not stuck:
         (dim,) = dims
         for m in ms:

@@ -29,7 +29,6 @@ from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.lowerings import RowwiseExperts
-from dynashard.match import embedding_options
 from dynashard.nodes import tensor_args, val
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
@@ -195,7 +194,7 @@ def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str
     at compile time, never a wrong gradient."""
     lm = analysis.plan.layouts
     why = None
-    sparse = [m.fqn for m in analysis.plan.sharded() if m.kind == "embedding" and embedding_options(m.node)[2]]
+    sparse = [m.fqn for m in analysis.plan.sharded() if m.kind.sparse(m.node)]
     if sparse and compiler != "eager":
         # NOTE: AOTAutograd traces the sparse backward of aten.embedding, whose nonzero has a data-dependent
         # size (DynamicOutputShapeException, torch 2.13); an unsharded torch.compile then falls back to eager

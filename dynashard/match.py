@@ -42,6 +42,64 @@ aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.addmm.default)
 
 
+class LinearKind:
+    """What a matched computation is: the plan, the rules and the checks ask it, never its name.
+    A dense linear (``nn.Linear``, ``x @ W.t()``, Conv1D) is the base kind."""
+
+    name = "linear"
+    weight_dims = 0  # weight dims in front of [out, in] (experts: one per expert)
+    cuts_bias = True  # a colwise bias only colwise layers read is held cut with the weight
+    experts = False  # one weight per expert: a loop's uses W[e] are re-cut together
+
+    def __str__(self) -> str:
+        return self.name
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        """Why this kind stays whole under weights="per_rank" (``stacked``) or inputs="per_rank"."""
+        return None
+
+    def auto_style(self, reduce: str) -> tuple[str, str] | None:
+        """The auto plan's style and reason for this kind whatever its input (None: by pairing)."""
+        return None
+
+    def sparse(self, node: torch.fx.Node) -> bool:
+        """Its backward makes sparse gradients (``embedding(..., sparse=True)``)."""
+        return False
+
+
+class Embedding(LinearKind):
+    """A lookup is ``one_hot(ids) @ W``, W stored ``[in=vocab, out]``: rowwise is vocab-parallel."""
+
+    name = "embedding"
+    cuts_bias = False
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        return "with weights='per_rank' every rank's own embedding stays whole" if stacked else None
+
+    def auto_style(self, reduce: str) -> tuple[str, str] | None:
+        return "rowwise", f"vocab-parallel embedding: masked local lookup, one {reduce}"
+
+    def sparse(self, node: torch.fx.Node) -> bool:
+        return embedding_options(node)[2]
+
+
+class Experts(LinearKind):
+    """One ``[out, in]`` weight per expert in a 3-D parameter, cut alike in every expert."""
+
+    name = "experts"
+    weight_dims = 1
+    cuts_bias = False
+    experts = True
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        if stacked or per_rank:
+            return f"experts do not support {'weights' if stacked else 'inputs'}='per_rank' yet"
+        return None
+
+
+DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     """A parameter placeholder: its FQN as in the compiled module's ``named_parameters()``."""
@@ -64,7 +122,7 @@ class LinearMatch:
     bias: torch.fx.Node | None
     in_features: int
     out_features: int
-    kind: str = "linear"  # or "embedding": a lookup is one_hot(ids) @ W, W stored [in=vocab, out]; or "experts"
+    kind: LinearKind = DENSE
     # experts: the nodes from the 3-D weight to the matmul (expert selection, transposes), the dim of
     # ``input`` that is contracted and the output dim that holds output features (from the end)
     chain: tuple[torch.fx.Node, ...] = ()
@@ -84,11 +142,11 @@ class LinearMatch:
     @property
     def out_dim(self) -> int:
         """The weight dim that holds output features (sharded by colwise)."""
-        return (0 if self.weight_form == "out_in" else 1) + (self.kind == "experts")
+        return (0 if self.weight_form == "out_in" else 1) + self.kind.weight_dims
 
     @property
     def in_dim(self) -> int:
-        return (1 if self.weight_form == "out_in" else 0) + (self.kind == "experts")
+        return (1 if self.weight_form == "out_in" else 0) + self.kind.weight_dims
 
     @property
     def numel(self) -> int:
@@ -202,7 +260,7 @@ def _embeddings(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -
         found.append(
             LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form="in_out",
                         transpose=None, input=ids, bias=None, in_features=int(vocab), out_features=int(dim),
-                        kind="embedding", renorm=_renorm_before(weight, ids))
+                        kind=EMBEDDING, renorm=_renorm_before(weight, ids))
         )
     return found
 
@@ -307,7 +365,7 @@ def _experts(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -> l
         out_f, in_f = (d1, d2) if form == "out_in" else (d2, d1)
         found.append(
             LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form=form, transpose=None,
-                        input=x, bias=None, in_features=in_f, out_features=out_f, kind="experts", chain=chain,
+                        input=x, bias=None, in_features=in_f, out_features=out_f, kind=EXPERTS, chain=chain,
                         experts=experts, input_dim=in_dim, output_dim=out_dim)
         )
     return found

@@ -149,7 +149,7 @@ def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, mode
     for b, ms in readers.items():
         if b.op != "placeholder" or b not in modes["uniform_inputs"] or b in prewhole:
             continue
-        if any(m.kind != "linear" or decisions[m.node].style != Style.COLWISE for m in ms):
+        if any(not m.kind.cuts_bias or decisions[m.node].style != Style.COLWISE for m in ms):
             continue
         v = b.meta.get("val")
         cuts = {splits.get(m.node, even(m.out_features)) for m in ms}

@@ -86,7 +86,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     for m in linears:
         uses.setdefault(m.weight, []).append(m.node)
     # One expert weight used once per expert (``W[e]`` in a loop): its uses are re-cut together.
-    family = {n: ns for ns in uses.values() if all(by_node[n].kind == "experts" for n in ns) for n in ns}
+    family = {n: ns for ns in uses.values() if all(by_node[n].kind.experts for n in ns) for n in ns}
     boundaries: dict[torch.fx.Node, set[int]] = {}
     units: dict[torch.fx.Node, int] = {}
     whole: dict[torch.fx.Node, Wish] = {}  # auto plan: keep (parts of) these whole

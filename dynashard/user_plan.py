@@ -54,16 +54,10 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool,
                 "cannot be sharded. Expected a weight used only by linear layers; set its style to "
                 "'replicate' or remove it from the plan."
             )
-        if stacked and m.kind == "embedding" and style != Style.REPLICATE:
+        if style != Style.REPLICATE and (refused := m.kind.refused(stacked, per_rank)) is not None:
             raise UsageError(
-                f"dynashard: plan asks for {style} on embedding {m.fqn!r} with weights='per_rank'; expected "
-                "'replicate' (every rank's own embedding stays whole)."
-            )
-        if (stacked or per_rank) and m.kind == "experts" and style != Style.REPLICATE:
-            mode = "weights='per_rank'" if stacked else "inputs='per_rank'"
-            raise UsageError(
-                f"dynashard: plan asks for {style} on experts {m.fqn!r} with {mode}, which experts do not support "
-                "yet; expected 'replicate' for them, or the default inputs='replicated', weights='replicated'."
+                f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected 'replicate' "
+                "for it, or the default inputs='replicated', weights='replicated'."
             )
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
     for ms in shared_conflicts(linears, decisions).values():

@@ -161,7 +161,7 @@ def test_experts_with_per_rank_inputs_stay_whole_and_say_so():
     rows = {r.fqn: r for r in report.rows}
     for name in ("gate_up_proj", "down_proj"):
         assert rows[name].style == "replicate" and "inputs='per_rank'" in rows[name].reason, str(report)
-    with pytest.raises(UsageError, match="experts 'gate_up_proj' with inputs='per_rank'"):
+    with pytest.raises(UsageError, match="experts 'gate_up_proj', but experts do not support inputs='per_rank'"):
         dynashard.explain(model, torch.randn(2, 7, HIDDEN), world_size=2,
                           options={"inputs": "per_rank", "plan": {"gate_up_proj": "colwise"}})
 
@@ -229,3 +229,15 @@ def test_grouped_mm_experts_too_narrow_for_16_byte_parts_stay_whole(ffn, world):
     with pytest.raises(UsageError, match="need every rank's part in whole 16 bytes.*expected 'replicate'"):
         dynashard.explain(block, torch.randn(2, 7, HIDDEN, dtype=torch.bfloat16), world_size=world,
                           options={"plan": {"experts.down_proj": "rowwise"}})
+
+
+def test_an_embedding_with_per_rank_weights_stays_whole_and_says_so():
+    torch.manual_seed(0)
+    model = models.TinyLM(32, 64).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    per_rank = {"weights": "per_rank", "inputs": "per_rank"}
+    report = dynashard.explain(model, ids, world_size=2, options={"min_shard_numel": 0, **per_rank})
+    embedding = next(r for r in report.rows if "embed" in r.fqn)
+    assert embedding.style == "replicate" and "own embedding stays whole" in embedding.reason, str(report)
+    with pytest.raises(UsageError, match=f"on embedding '{embedding.fqn}', but with weights='per_rank'"):
+        dynashard.explain(model, ids, world_size=2, options={**per_rank, "plan": {embedding.fqn: "rowwise"}})

@@ -23,7 +23,7 @@ import math
 from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import UsageError
 from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
-from dynashard.match import LinearMatch
+from dynashard.match import Embedding, Experts, LinearKind, LinearMatch
 from dynashard.nodes import size_at, val
 from dynashard.options import Style
 from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard, WishKind
@@ -39,21 +39,20 @@ def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
 
 
 def linear(lm: LayoutMap, match: LinearMatch, style: Style) -> Record:
-    node = match.node
+    """The record of a matched linear cut ``style``: one function per (kind, style), gpt-fast's table."""
     if style == Style.REPLICATE:
-        return lm.gathered(node)
-    record = lm.keep(node, None)  # the weight's transpose reads the (already sharded) weight
-    if match.kind == "experts":
-        return _experts(lm, match, style, record)
-    if style == Style.COLWISE:
-        return _colwise(lm, match, record)
-    if match.kind == "embedding":  # rowwise = vocab-parallel: every rank looks up every id
-        record.weight_split = even(match.in_features)
-        record.read(match.input, Read.GLOBAL if lm.per_rank else Read.LOCAL)
-        record.collectives.append(lm.reduce(node))
-        record.lowering = VocabParallelLookup(match, lm.shard(record.weight_split, frozenset(), match.input_dim))
-        return record
-    return _rowwise(lm, match, record)
+        return lm.gathered(match.node)
+    record = lm.keep(match.node, None)  # the weight's transpose reads the (already sharded) weight
+    return _RECORDS[type(match.kind), style](lm, match, record)
+
+
+def _vocab_parallel(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
+    """A rowwise embedding: every rank looks up every id in its slice of the vocabulary."""
+    record.weight_split = even(match.in_features)
+    record.read(match.input, Read.GLOBAL if lm.per_rank else Read.LOCAL)
+    record.collectives.append(lm.reduce(match.node))
+    record.lowering = VocabParallelLookup(match, lm.shard(record.weight_split, frozenset(), match.input_dim))
+    return record
 
 
 def _colwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
@@ -112,16 +111,20 @@ def _align(lm: LayoutMap, shard: Shard, match: LinearMatch) -> None:
             f"{lm.world} ranks some")
 
 
-def _experts(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> Record:
-    """Every expert's own colwise / rowwise linear (the weight chain runs on this rank's cut)."""
+def _experts_colwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
+    """Every expert's own colwise linear (the weight chain runs on this rank's cut)."""
     node, src = match.node, lm.layouts.get(match.input)
-    if style == Style.COLWISE:
-        if src is not None:
-            record.read(match.input, Read.GATHER)
-        out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]), match.output_dim)
-        _align(lm, out, match)
-        record.weight_split, record.layout = out.split, out
-        return record
+    if src is not None:
+        record.read(match.input, Read.GATHER)
+    out = lm.shard(lm.splits.get(node, even(match.out_features)), frozenset([node]), match.output_dim)
+    _align(lm, out, match)
+    record.weight_split, record.layout = out.split, out
+    return record
+
+
+def _experts_rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
+    """Every expert's own rowwise linear: this rank's partial sums."""
+    node, src = match.node, lm.layouts.get(match.input)
     usable = feeds_features(lm, match)
     unit = _alignment(match)
     split = even(match.in_features)
@@ -174,3 +177,10 @@ def _input_shard(lm: LayoutMap, match: LinearMatch, record: Record, usable: bool
     if usable:
         return lm.layouts[match.input]
     return lm.shard(record.weight_split, frozenset(), match.input_dim)
+
+
+_RECORDS = {
+    (LinearKind, Style.COLWISE): _colwise, (LinearKind, Style.ROWWISE): _rowwise,
+    (Embedding, Style.COLWISE): _colwise, (Embedding, Style.ROWWISE): _vocab_parallel,
+    (Experts, Style.COLWISE): _experts_colwise, (Experts, Style.ROWWISE): _experts_rowwise,
+}
