@@ -473,6 +473,19 @@ class EinsumAttention(nn.Module):
         return self.o(torch.einsum("bhts,bshd->bthd", a, v).reshape(b, t, c))
 
 
+class ViTAttention(nn.Module):
+    """timm's ``Attention``: one qkv projection, its parts and heads taken apart by reshape + unbind."""
+
+    def __init__(self, dim: int = 96, heads: int = 6) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+
+
 class FusedGateUp(nn.Module):
     """One linear producing [gate | up], chunked: ``down(silu(gate) * up)``."""
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import transformers as T
 
 import dynashard
+from tests import models
 from tests.scenarios import Scenarios
 from tests.test_graphs import _count, rewritten
 
@@ -69,19 +70,6 @@ class IntegerTable(nn.Module):
         return x @ self.table
 
 
-class ViTAttention(nn.Module):
-    """timm's ``Attention``: one qkv projection, its parts and heads taken apart by reshape + unbind."""
-
-    def __init__(self, dim: int = 96, heads: int = 6) -> None:
-        super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, c = x.shape
-        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
-
-
 class MultiheadAttention(nn.Module):
     def __init__(self, need_weights: bool, batch_first: bool = False) -> None:
         super().__init__()
@@ -103,7 +91,7 @@ def _plan(model: nn.Module, x: torch.Tensor, world: int, **kwargs) -> dict[str, 
 @pytest.mark.parametrize("world", [2, 3, 4])  # 6 heads: 3/3, 2/2/2, 2/2/1/1 of each of q, k and v
 def test_a_fused_qkv_reshaped_into_parts_and_heads_is_cut_by_heads(world):
     torch.manual_seed(0)
-    plan = _plan(ViTAttention(), torch.randn(2, 5, 96), world)
+    plan = _plan(models.ViTAttention(), torch.randn(2, 5, 96), world)
     assert plan == {"qkv": ("colwise", "-"), "proj": ("rowwise", "all_reduce")}, plan  # nothing gathered
 
 

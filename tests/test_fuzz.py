@@ -92,7 +92,8 @@ class Attention(nn.Module):
 class RandomTransformerAttention(nn.Module):
     """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA or softmax-matmul),
     a Phi-3 style fused qkv ([q | k | v]) or a Falcon style one (grouped per KV head, taken apart by
-    list indexing; or Falcon-7B's multi-query [q heads | k | v]), with a residual."""
+    list indexing; or Falcon-7B's multi-query [q heads | k | v]), or timm ViT's (its parts a dim of
+    their own), with a residual."""
 
     def __init__(self, heads, kv, dh, rope, repeat, attention, fused):
         super().__init__()
@@ -103,6 +104,8 @@ class RandomTransformerAttention(nn.Module):
             self.attn = models.FalconStyleAttention(hidden, heads, kv, cache=fused == "falcon_cache")
         elif fused == "falcon_mqa":  # Falcon-7B: one K/V head taken out by qkv[..., [-2], :]
             self.attn = models.FalconStyleAttention(hidden, heads, 1, multi_query=True)
+        elif fused == "vit":  # timm: qkv.reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0), no GQA
+            self.attn = models.ViTAttention(hidden, heads)
         else:
             self.attn = models.LlamaAttention(hidden, heads, kv, rope=rope, repeat=repeat, attention=attention)
         cos, sin = models.rope_tables(dh, 16, rope == "complex")
@@ -149,7 +152,7 @@ def transformer_attention_cases(draw):
         rope=draw(st.sampled_from(["half", "complex"])),
         repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
         attention=draw(st.sampled_from(["sdpa", "manual"])),
-        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache", "falcon_mqa"])),
+        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache", "falcon_mqa", "vit"])),
     )
     return model, heads * dh
 
