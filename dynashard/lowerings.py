@@ -157,10 +157,12 @@ class RowwiseLinear(Lowering):
 
     match: LinearMatch
     in_shard: Shard  # this rank's input features
+    reduce: bool = True  # False: left as this rank's partial sums (no bias), reduced with others later
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         y = _matmul(sharder, self.match, _rowwise_input(sharder, node, self.match, self.in_shard))
-        return _combined(sharder, node, self.match, y[1] if sharder.lm.stacked else y)
+        y = y[1] if sharder.lm.stacked else y
+        return _combined(sharder, node, self.match, y) if self.reduce else y
 
 
 @dataclasses.dataclass(frozen=True)

@@ -252,12 +252,17 @@ MOE_TAILS = {
 
 
 class MoETail(nn.Module):
-    def __init__(self, moe: nn.Module, tail: str):
+    """The experts' output, plus a shared expert's (DeepSeek, Qwen-MoE: left partial and reduced
+    with the experts' when cut rowwise), then a tail."""
+
+    def __init__(self, moe: nn.Module, tail: str, shared: int = 0):
         super().__init__()
         self.moe, self.tail = moe, tail
+        self.shared = models.SwiGLU(moe.router.in_features, shared) if shared else None
 
     def forward(self, x):
-        return MOE_TAILS[self.tail](self.moe(x), x)
+        y = self.moe(x)
+        return MOE_TAILS[self.tail](y if self.shared is None else y + self.shared(x), x)
 
 
 @st.composite
@@ -267,7 +272,8 @@ def moe_cases(draw):
     moe = models.MoE(hidden=draw(st.integers(4, 40)), ffn=draw(st.integers(1, 40)), experts=experts,
                      top_k=draw(st.integers(1, experts)), loop=form == "loop", transposed=form == "transposed",
                      residual=False)
-    return MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS)))), moe.router.in_features
+    shared = draw(st.sampled_from([0, 0, 8, 24]))
+    return MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS))), shared), moe.router.in_features
 
 
 @SETTINGS
@@ -279,12 +285,13 @@ def test_random_moe(case, world, shape3d, plan_draw, data):
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
+    layers = {"moe.router", "moe.gate_up_proj", "moe.down_proj"}
+    layers |= {f"shared.{n}" for n in ("w1", "w2", "w3")} if model.shared is not None else set()
     plan = "auto"
     if plan_draw:
-        plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n)
-                for n in ("moe.router", "moe.gate_up_proj", "moe.down_proj")}
+        plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n) for n in sorted(layers)}
     report = dynashard.explain(model, x, world_size=world, options={"min_shard_numel": 0, "plan": plan}, verify=True)
-    assert set(report.layers) == {"moe.router", "moe.gate_up_proj", "moe.down_proj"}, str(report)
+    assert set(report.layers) == layers, str(report)
 
 
 class LossHead(nn.Module):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import UsageError
 from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
@@ -28,6 +30,8 @@ from dynashard.nodes import size_at, val
 from dynashard.options import Style
 from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard, WishKind
 from dynashard.split import Split, even
+
+aten = torch.ops.aten
 
 
 def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
@@ -166,9 +170,33 @@ def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
     record.read(match.input, how)
     if match.bias is not None and lm.layouts.get(match.bias) is not None:
         record.read(match.bias, Read.GATHER)
+    if _joins_partial_sums(lm, match):
+        record.partial = frozenset([node])  # reduced once with the others, where first read otherwise
+        record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable), reduce=False)
+        return record
     record.collectives.append(lm.reduce(node))
     record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable))
     return record
+
+
+def _joins_partial_sums(lm: LayoutMap, match: LinearMatch) -> bool:
+    """Every reader adds the output to partial sums (DeepSeek's and Qwen2-MoE's shared expert, added
+    to the routed experts' output): left partial itself, the two take one all_reduce, not two. Not
+    with a bias (it would be added once per rank) or per-rank inputs (a reduce_scatter of rows)."""
+    if match.bias is not None or lm.per_rank or lm.stacked:
+        return False
+
+    def added(value: torch.fx.Node, depth: int = 3) -> bool:  # (through the views of a 3-D linear)
+        users = list(value.users)
+        return bool(users) and all(
+            (u.target in _VIEWS and depth > 0 and added(u, depth - 1))
+            or (u.target is aten.add.Tensor and len(u.args) == 2 and not u.kwargs
+                and any(a is not value and a in lm.partial for a in u.args)) for u in users)
+
+    return added(match.node)
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _input_shard(lm: LayoutMap, match: LinearMatch, record: Record, usable: bool) -> Shard:
