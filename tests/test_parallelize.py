@@ -395,9 +395,7 @@ def test_rank0_holds_or_reads_the_weights_and_deals_every_rank_its_pieces(rank, 
 def test_a_read_failing_halfway_on_rank0_raises_its_error_on_every_rank(rank, world, tmp_path):
     # A file that goes bad while loading: every rank raises rank 0's error at the same tensor, and
     # every model is back on meta.
-    ckpt = f"{tmp_path}/nanogpt.safetensors" if rank == 0 else None
-    if rank == 0:
-        save_model(models.build("nanogpt", 96, 96).eval(), ckpt)
+    ckpt = _nanogpt_on_rank0(rank, tmp_path)
     with dynashard.empty_weights():
         model = models.build("nanogpt", 96, 96).eval()
     real_read = Checkpoint.read
@@ -422,9 +420,7 @@ def test_a_read_failing_halfway_on_rank0_raises_its_error_on_every_rank(rank, wo
 @on_ranks
 def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank_before_anything_changes(rank, world, tmp_path):
     # A tensor missing from rank 0's checkpoint (a nanoGPT's, for an MLP).
-    ckpt = f"{tmp_path}/nanogpt.safetensors" if rank == 0 else None
-    if rank == 0:
-        save_model(models.build("nanogpt", 96, 96).eval(), ckpt)
+    ckpt = _nanogpt_on_rank0(rank, tmp_path)
     with dynashard.empty_weights():
         model = models.build("mlp", 64, 96)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
@@ -432,6 +428,15 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank_before_anything
     assert isinstance(error, DynashardError), repr(error)
     assert "does not fit the model" in str(error) and "'up.weight' is not in the checkpoint" in str(error), str(error)
     assert all(p.is_meta for p in model.parameters()), "the model changed"
+
+
+def _nanogpt_on_rank0(rank: int, tmp_path) -> str | None:
+    """A nanoGPT checkpoint only rank 0 has (the others pass checkpoint=None, as for a deal)."""
+    if rank != 0:
+        return None
+    ckpt = f"{tmp_path}/nanogpt.safetensors"
+    save_model(models.build("nanogpt", 96, 96).eval(), ckpt)
+    return ckpt
 
 
 def _same_as_saved(file: str, reference) -> list[str]:

@@ -205,7 +205,7 @@ _SAME_DIMS = (aten.clone.default, aten.alias.default, aten._to_copy.default)
 def _separated(node: torch.fx.Node, d: int, depth: int = 8) -> bool:
     """Dim ``d`` of ``node`` is taken apart later (unbind, select, split on it, after dim moves):
     a fused output's components (q, k, v), not heads. Every reader must do so."""
-    if depth == 0 or not node.users:
+    if depth == 0 or not node.users or val(node) is None:
         return False
     ndim = val(node).dim()
     for user in node.users:
