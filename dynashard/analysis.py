@@ -16,7 +16,7 @@ from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
 from dynashard.decision import split_dim
 from dynashard.match import ParamInfo, find_linears
-from dynashard.nodes import val
+from dynashard.nodes import PARAMETER, val
 from dynashard.options import Options, Style
 from dynashard.plan import Plan, make_plan
 from dynashard.split import Split
@@ -122,6 +122,7 @@ def analyse(
             private.placeholder_source_name(dyn)
         )
         infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param)
+        node.meta[PARAMETER] = is_param
         params[i] = (fqn, node)
         names[i] = fqn
     linears, other_uses = find_linears(aten_gm.graph, infos)

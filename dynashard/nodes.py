@@ -23,6 +23,13 @@ def val(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+PARAMETER = "dynashard_parameter"  # placeholder meta: the input is a module's nn.Parameter (analysis.py)
+
+
+def is_parameter(node: torch.fx.Node) -> bool:
+    return node.op == "placeholder" and node.meta.get(PARAMETER, False)
+
+
 def val_list(node: torch.fx.Node) -> list:
     v = node.meta.get("val")
     return list(v) if isinstance(v, (list, tuple)) else []

@@ -116,11 +116,12 @@ class ShardedProgram:
         # the slot of the graph's gate (gate.insert), which finishes the call's handshake before its first
         # collective; None: the handshake is finished before the graph runs
         self.gate = gate
-        # output slot -> how a cache the program allocates is cut: handed back as a facade (STORE.hold)
+        # output slot -> how a cache the program allocates (or grows by cat) is cut: handed back as a facade
+        # (STORE.hold)
         self.held = held or {}
         if self.held:
-            log.info("dynashard: graph outputs %s are caches the graph allocates, returned as this rank's shards "
-                     "(storage-less full-shape tensors outside the compiled model)", sorted(self.held))
+            log.info("dynashard: graph outputs %s are caches the graph allocates or grows, returned as this rank's "
+                     "shards (storage-less full-shape tensors outside the compiled model)", sorted(self.held))
         # compiled with gradients: shards are passed as the leaves the gradients land in (the
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
@@ -170,14 +171,14 @@ class ShardedProgram:
         return self._hand_back(out) if self.held else out
 
     def _hand_back(self, out: Any) -> Any:
-        """Each cache the program allocated as this rank's shard goes back to Dynamo (which stores it
+        """Each cache the program allocated or grew, as this rank's shard, goes back to Dynamo (which stores it
         where the model keeps it) as a full-shape facade; the next graph reads the shard by it."""
         out = list(out)
         for i, spec in self.held.items():
             local = out[i]
             shape = list(local.shape)
             shape[spec.dim] = spec.split.size
-            out[i] = STORE.hold(local, torch.Size(shape), spec, f"cache allocated by the graph (output {i})")
+            out[i] = STORE.hold(local, torch.Size(shape), spec, f"KV cache returned by the graph (output {i})")
         return out
 
 

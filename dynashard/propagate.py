@@ -32,7 +32,7 @@ from dynashard.lowerings import AllocateLocal, Renorm, StackedTranspose
 from dynashard.match import LinearMatch
 from dynashard.nodes import all_args
 from dynashard.options import Style
-from dynashard.rules.inplace import SIZE_ARG, alias_roots, mutated_roots
+from dynashard.rules.inplace import SIZE_ARG, alias_roots, grows_cache, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
 from dynashard.shard import LayoutMap, Read, Record, Shard
@@ -100,12 +100,14 @@ def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: 
         _lower_weight_uses(lm, match, style, record)
         return record
     if node.op == "output":  # (partial sums reduced) returned whole, but a cache the graph allocated
-        # is returned as it is held (program.py wraps it)
+        # or grew by cat is returned as it is held (program.py wraps it)
         roots = alias_roots(graph)
         record = Record()
         for arg in all_args(node):
             root, lay = roots.get(arg, arg), lm.layouts.get(arg)
-            if root.op == "call_function" and root in lm.states and lay is not None and lay.alike(lm.states[root]):
+            if lay is not None and root.op == "call_function" and (
+                    (root in lm.states and lay.alike(lm.states[root]))
+                    or (grows_cache(lm, root) and lay.alike(lm.layouts[root]))):
                 lm.held_outputs[arg] = lay
             record.read(arg, Read.GATHER if lay is not None and arg not in lm.held_outputs else Read.LOCAL)
         return record

@@ -177,7 +177,7 @@ def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
         with torch.no_grad():
             fast(torch.randint(0, 96, (2, 5)), torch.arange(5))
         cache = model.layers[0].kv_cache.k_cache
-        assert is_facade(cache) and "cache allocated by the graph" in repr(cache)
+        assert is_facade(cache) and "KV cache returned by the graph" in repr(cache)
         picked = cache.index_select(0, torch.tensor([1, 1]))
         assert is_facade(picked) and picked.shape == cache.shape
         assert torch.equal(_shard(picked), _shard(cache).index_select(0, torch.tensor([1, 1])))

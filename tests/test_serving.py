@@ -102,28 +102,29 @@ def test_heads_that_do_not_divide_the_world_stay_correct(world):
 
 
 @pytest.mark.unit
-def test_a_cache_grown_by_cat_leaves_the_graph_whole():
-    """HF's DynamicCache (``torch.cat`` growth from an empty tensor): the graph returns the grown cache
-    and HF hands it to the caller and back, so it leaves whole on every rank (a shard could come back
-    only as a storage-less facade, which eager code reading ``past_key_values`` could not use). k and v
-    are gathered before the cat, one all_gather each per layer; the attention still reads this rank's
-    heads. Every simulated rank returns the unsharded cache (``verify``), in a prefill from an empty
-    cache and in a decode step on a cache of 5 positions (plain inputs, whole)."""
+def test_a_cache_grown_by_cat_is_held_sharded():
+    """HF's DynamicCache (``torch.cat`` growth from an empty ``torch.tensor([])``): the prefill grows
+    the cache from nothing and returns it as this rank's heads; the decode step reads that shard back
+    as its input (held cut like the new k, a STATE of the plan) and returns the grown shard. No k or v
+    is gathered: a decode step costs what the static cache's does. Every simulated rank's logits
+    match the unsharded model's (``verify``), in a prefill from an empty cache and a decode step on a
+    cache of 5 positions (plain inputs, whole, cut by the simulation)."""
     torch.manual_seed(0)
     model = models.CachedDecoder(form="cat")
     steps = ((torch.randint(0, 96, (2, 5)), torch.arange(5)), (torch.randint(0, 96, (2, 1)), torch.tensor([5])))
     for ids, pos in steps:
         report = dynashard.explain(model, ids, pos, world_size=2, options={"min_shard_numel": 0}, verify=True)
-        assert not [r for g in report.graphs for r in g.caches], str(report)
-        assert [r.fqn for r in report.rows if "all_gather" in r.collectives] == ["layers.0.wqkv", "layers.1.wqkv"]
+        assert not [r for r in report.rows if "all_gather" in r.collectives], str(report)  # (verify raises if wrong)
         assert [tuple(layer.kv_cache.k_cache.shape) for layer in model.layers] == [(2, 4, pos[-1] + 1, 8)] * 2
     prefill, decode = _rank_graphs(models.CachedDecoder(form="cat"), form="cat")
     for gm in (prefill, decode):
         counts = {kind: sum(1 for n in gm.graph.nodes if n.op == "call_function" and kind in str(n.target))
                   for kind in ("all_reduce", "all_gather")}
-        assert counts == {"all_reduce": 1 + 2 * 2, "all_gather": 2 * 2}, counts  # the bound's, plus k and v
-    caches = [n for n in decode.graph.nodes if n.op == "placeholder" and tuple(n.meta["val"].shape) == (2, 4, 5, 8)]
-    assert len(caches) == 4  # the decode graph reads the whole caches the prefill returned
+        assert counts == {"all_reduce": 1 + 2 * 2, "all_gather": 0}, counts  # the static cache's bound
+    caches = [n for n in decode.graph.nodes if n.op == "placeholder" and tuple(n.meta["val"].shape) == (2, 2, 5, 8)]
+    assert len(caches) == 4  # the decode graph reads the 2 of 4 K/V heads the prefill returned, k and v of 2 layers
+    grown = [n for n in decode.graph.nodes if n.op == "output"][0].args[0]
+    assert sum(1 for a in grown if isinstance(a, torch.fx.Node) and tuple(a.meta["val"].shape) == (2, 2, 6, 8)) == 4
 
 
 @pytest.mark.unit
@@ -255,17 +256,21 @@ def test_decode_with_sharded_caches_matches_the_unsharded_model(rank, world, cas
 
 
 def _hf_model(arch: str, kv_heads: int = 4):
-    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), 2 layers."""
+    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), 2 layers; Mistral's
+    and Gemma2's sliding window is 4 positions (shorter than the prompts: the window is exercised)."""
     import transformers as T
 
     if arch == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64))
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-                     "mistral": (T.MistralConfig, T.MistralForCausalLM),
+                     "mistral": (T.MistralConfig, T.MistralForCausalLM), "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM),
                      "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
+    extra = {"sliding_window": 4} if arch in ("mistral", "gemma2") else {}
+    if arch == "gemma2":
+        extra["head_dim"] = 8
     return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=64,
-                        pad_token_id=0, bos_token_id=None, eos_token_id=None))  # (no early stop: 6 tokens each call)
+                        pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra))  # (no early stop)
 
 
 @pytest.mark.gloo
@@ -324,3 +329,50 @@ def test_hf_generate_matches_the_unsharded_model(rank, world, case, tmp_path):
         error = raised(lambda: model.save_pretrained(str(tmp_path / f"rank{rank}")))
         # (it once wrote rank 0's shards as the whole tensors)
         assert isinstance(error, UsageError) and "export_safetensors" in str(error), repr(error)
+
+
+# HF's default DynamicCache: (architecture, K/V heads, how the model is compiled, as above)
+DYN_W2 = [("llama", 4, "forward"), ("mistral", 4, "forward"), ("gemma2", 4, "parallelize"), ("gpt2", 8, "dynamic")]
+DYN_W4 = [("llama", 4, "forward"), ("llama", 2, "forward"), ("qwen2", 4, "dynamic"), ("phi3", 4, "parallelize")]
+
+
+@pytest.mark.gloo
+@on_ranks(cases={2: DYN_W2, 4: DYN_W4})
+def test_hf_default_cache_is_held_by_heads(rank, world, case):
+    """``generate`` with HF's default DynamicCache (``torch.cat`` growth, returned by each graph and
+    read back by the next): greedy tokens equal the unsharded model's for prompts of 5 and 7 tokens,
+    and with beam search (``num_beams=2``: HF reorders the cache eagerly, ``keys[beam_idx]`` on the
+    facade). Each rank holds 1/world of every layer's cache (K/V heads whole on every rank where there
+    are fewer of them than ranks: Llama with 2 on 4 ranks); reading a held cache raises a UsageError
+    naming ``dynashard.full_tensor``, which returns the unsharded model's cache (1e-5: float32, the
+    same products summed in another order)."""
+    arch, kv_heads, how = case
+    opts = {"min_shard_numel": 0, "compiler": "eager"}
+    model = _hf_model(arch, kv_heads).eval()
+    twin = copy.deepcopy(model)
+    if how in ("forward", "dynamic"):  # (Dynamo's default dynamic=None: a cache that grows each step needs
+        # dynamic shapes; dynamic=False recompiles every step until Dynamo's recompile limit, then runs eagerly)
+        model.forward = torch.compile(model.forward, backend="dynashard", options=opts,
+                                      dynamic=True if how == "dynamic" else None)
+    else:
+        dynashard.parallelize(model, torch.randint(0, 128, (1, 4)), options=opts)
+    kw = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True}
+    same = []
+    with torch.no_grad():
+        for length, beams in ((5, 1), (7, 1), (5, 2)):
+            ids = torch.randint(0, 128, (1, length))
+            got, want = model.generate(ids, num_beams=beams, **kw), twin.generate(ids, num_beams=beams, **kw)
+            same.append(torch.equal(got.sequences, want.sequences))
+    assert same == [True] * 3, same
+    caches = [t for layer in got.past_key_values.layers for t in (layer.keys, layer.values)]
+    wanted = [t for layer in want.past_key_values.layers for t in (layer.keys, layer.values)]
+    fulls = [dynashard.full_tensor(t) for t in caches]  # (a collective: every rank, every cache)
+    errs = [float((a - b).abs().max()) for a, b in zip(fulls, wanted, strict=True)]
+    assert max(errs) < 1e-5, errs
+    whole = kv_heads < world
+    held = sum(STORE.shard_of(t).nbytes if STORE.is_sharded(t) else t.nbytes for t in caches)
+    full = sum(t.nbytes for t in wanted)
+    assert held == (full if whole else full // world), (held, full, whole)
+    if not whole:
+        error = raised(lambda: caches[0].sum())
+        assert isinstance(error, UsageError) and "dynashard.full_tensor" in str(error), repr(error)

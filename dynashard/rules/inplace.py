@@ -170,7 +170,7 @@ def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, writte
     # not return it (MLA's keys: new_empty, then [..., :nope] and [..., nope:] copied in): a tensor it
     # returns is handed back as a shard, which eager code cannot read)
     allocated = root.op == "call_function" and root.target in FACTORIES and (
-        node.target in (aten.index_copy_.default, aten.index_put_.default) or not _returned(root))
+        node.target in (aten.index_copy_.default, aten.index_put_.default) or not returned(root))
     if not (root.op == "placeholder" or allocated) or t is None or r is None or t.dim() != r.dim() or (
             t.dim() < -written.dim):
         return
@@ -183,7 +183,25 @@ def wish_state(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, writte
     lm.wish(written.origins, WishKind.STATE, (root, written), f"{op_name(node)} writes a shard into input {root.name}")
 
 
-def _returned(value: torch.fx.Node) -> bool:
+def grows_cache(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``node`` is a cache grown by ``cat`` (HF's DynamicCache): Shards joined along a dim that is not
+    cut, starting from an input held cut like them (``LayoutMap.states``) or from nothing (a 1-D
+    empty tensor, as HF's cache starts). The graph returns it as this rank's shard; the next call
+    reads it back as its input (a facade outside the graph)."""
+    if node.op != "call_function" or node.target is not aten.cat.default or lm.layouts.get(node) is None:
+        return False
+    operands = node.args[0]
+    return (any(a in lm.states or skipped_by_cat(a) for a in operands)
+            and all(lm.layouts.get(a) is not None or skipped_by_cat(a) for a in operands))
+
+
+def skipped_by_cat(arg: torch.fx.Node) -> bool:
+    """A 1-D empty tensor, which ``cat`` skips (torch's legacy rule)."""
+    v = val(arg)
+    return v is not None and v.dim() == 1 and private_aten.known_equal(v.shape[0], 0)
+
+
+def returned(value: torch.fx.Node) -> bool:
     """``value``, or a view of it, is one of the graph's outputs."""
     roots = alias_roots(value.graph)
     output = next(n for n in reversed(value.graph.nodes) if n.op == "output")

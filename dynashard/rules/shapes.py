@@ -19,7 +19,8 @@ import torch.fx
 
 from dynashard import _torch_private_aten as private_aten
 from dynashard.lowerings import TakeParts
-from dynashard.nodes import all_args, norm_dim, op_name, val, val_list
+from dynashard.nodes import all_args, is_parameter, norm_dim, op_name, val, val_list
+from dynashard.rules.inplace import returned, skipped_by_cat, wish_state
 from dynashard.rules.registry import rule
 from dynashard.shard import LayoutMap, Record, Shard, WishKind, finest
 from dynashard.split import Split, joined
@@ -193,7 +194,7 @@ def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> Record | None:
     1-D empty operands (torch's legacy rule: HF's DynamicCache starts as ``torch.tensor([])``), and
     narrows replicated ones that span the cut dim (GPT-OSS's attention sinks, one per head, next to
     the head-sharded scores)."""
-    tensors = [a for a in node.args[0] if stack or not _skipped_by_cat(a)]
+    tensors = [a for a in node.args[0] if stack or not skipped_by_cat(a)]
     if not tensors:
         return None
     lays = [lm.layouts.get(a) for a in tensors]
@@ -231,6 +232,10 @@ def _cat_narrowing(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.No
                                 and lm.can_read_as_shard(a, first, ndim)):
             return None
     out = Shard(first.split, frozenset().union(*(lay.origins for lay in sharded)), first.dim, lm.world, lm.rank)
+    if returned(node):  # a cache grown by cat (HF's DynamicCache): the input it grows held cut like it
+        for a, lay in zip(tensors, lays):
+            if lay is None and a.op == "placeholder" and not is_parameter(a):
+                wish_state(lm, node, a, out)
     return Record(out, {a: lm.as_shard(a, out) for a in all_args(node)})
 
 
@@ -253,11 +258,6 @@ def _join(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays
         return None
     origins = frozenset().union(*(lay.origins for lay in lays))
     return lm.keep(node, Shard(split, origins, dim, lm.world, lm.rank))
-
-
-def _skipped_by_cat(arg: torch.fx.Node) -> bool:
-    v = val(arg)
-    return v is not None and v.dim() == 1 and private_aten.known_equal(v.shape[0], 0)
 
 
 def _part_ranges(split: Split, edges: list[int]) -> list[tuple[int, int]] | None:
