@@ -94,7 +94,8 @@ def _ids(kw: dict, rank: int, step: int):
 
 
 # One spawn per world runs every scenario below, each case a test of its own (the same work as the two
-# spawns before them): 18 s at world 2, 23 s at world 4 on the 2-core machine under a load of 4; 300 s, as before.
+# spawns before them): 18 s at world 2, 23-29 s at world 4 on the 2-core machine under a load of 4-6
+# (other jobs); 300 s, as before.
 FUZZ = _fuzz_cases(int(os.environ.get("FUZZ_EXAMPLES", 8)))
 on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=300)
 
