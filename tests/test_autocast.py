@@ -10,10 +10,14 @@ after step (before: the compile under autocast matched no linear and refused the
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from tests.multiproc import run_ranks
+import dynashard
+from dynashard.weights import STORE, cut
+from tests.scenarios import Scenarios
 from tests.test_hf_models import CONFIGS, EXPECTED
 
 # bfloat16 keeps 8 bits of mantissa (unit roundoff 2^-8 = 3.9e-3); the sharded matmuls round each rank's
@@ -25,6 +29,9 @@ from tests.test_hf_models import CONFIGS, EXPECTED
 BF16_RTOL = 3e-2
 NOISE_FACTOR = 3
 DEADLINE_S = 240  # two tiny models compiled eagerly per rank, 5-20 s on the quiet 2-core machine; 3x, 2x margin
+# One spawn runs both @on_ranks scenarios (the inference and the training one), each asserting on its ranks
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=DEADLINE_S)
+OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
 
 
 # One of each weight form in the default run (GQA; Conv1D's [in, out] weight and a tied head; fused qkv and
@@ -37,8 +44,6 @@ DEFAULT_ARCHS = {"llama", "gpt2", "phi3", "mixtral", "falcon"}
                                   for a in sorted(CONFIGS)])
 def test_hf_architectures_plan_alike_under_autocast_and_verify(arch):
     import transformers as T
-
-    import dynashard
 
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
@@ -59,38 +64,43 @@ def _llama():
                                             num_attention_heads=8, num_key_value_heads=4, vocab_size=96))
 
 
+def _ids() -> torch.Tensor:
+    return torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
-def _under_autocast(rank: int, world: int) -> dict:
-    import copy
-
-    import dynashard
-    from dynashard.weights import STORE, cut
-
-    out = {}
-    options = {"min_shard_numel": 0, "compiler": "eager"}
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
-    # inference: compiled under autocast
-    torch.manual_seed(0)
+@pytest.mark.gloo
+@on_ranks
+def test_a_model_compiled_under_autocast_is_sharded_and_returns_the_unsharded_logits(rank, world):
+    """An HF Llama compiled under bfloat16 autocast: bf16 logits within BF16_RTOL of the unsharded model's,
+    about half the bytes held."""
     model = _llama().eval()
     reference = copy.deepcopy(model)
     whole = dynashard.held_bytes(model)
-    fast = torch.compile(model, backend="dynashard", options=options)
+    fast = torch.compile(model, backend="dynashard", options=OPTIONS)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, expected = fast(ids).logits, reference(ids).logits
-    out["logits_dtype"] = str(logits.dtype)
-    out["logits_err"] = _rel(logits, expected)
-    out["held"] = dynashard.held_bytes(model) / whole
-    # training: parallelized in float32, trained under autocast, raw gradients against the twin's
-    torch._dynamo.reset()
-    torch.manual_seed(0)
+        logits, expected = fast(_ids()).logits, reference(_ids()).logits
+    assert logits.dtype == torch.bfloat16, f"the compiled model's logits under autocast are {logits.dtype}"
+    err = _rel(logits, expected)
+    assert err < BF16_RTOL, f"logits vs the unsharded model's under autocast: {err} relative to the largest"
+    # every linear but the small LM head cut in two (the embedding too): about half the bytes
+    held = dynashard.held_bytes(model) / whole
+    assert held < 0.6, f"this rank holds {held} of the unsharded model's bytes"
+
+
+@pytest.mark.gloo
+@on_ranks
+def test_a_model_parallelized_in_float32_trains_under_autocast_as_the_unsharded_one(rank, world):
+    """Parallelized in float32, 3 SGD steps under bfloat16 autocast: every sharded parameter's raw gradient is
+    the same cut of the twin's, within NOISE_FACTOR times how far bf16 moves the twin's own gradients."""
     model = _llama()
     twin = copy.deepcopy(model)
-    dynashard.parallelize(model, ids, options=options)
+    dynashard.parallelize(model, _ids(), options=OPTIONS)
     facades = {n: STORE.facade_of(p) for n, p in model.named_parameters() if STORE.facade_of(p) is not None}
-    fast = torch.compile(model, backend="dynashard", options=options)
+    fast = torch.compile(model, backend="dynashard", options=OPTIONS)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
     worst, noise, missing = 0.0, 0.0, []
@@ -118,15 +128,8 @@ def _under_autocast(rank: int, world: int) -> dict:
         opt_twin.step()
         opt.zero_grad()
         opt_twin.zero_grad()
-    out["grad_err"], out["noise"], out["missing"], out["sharded"] = worst, noise, missing, len(facades)
-    return out
-
-
-@pytest.mark.gloo
-def test_a_model_under_autocast_is_sharded_and_trains_as_the_unsharded_one():
-    for r in run_ranks(_under_autocast, 2, timeout=DEADLINE_S):
-        assert r["logits_dtype"] == "torch.bfloat16" and r["logits_err"] < BF16_RTOL, r
-        # every linear but the small LM head cut in two (the embedding too): about half the bytes
-        assert r["held"] < 0.6, r
-        assert r["sharded"] >= 14 and not r["missing"] and r["noise"] < 0.1, r
-        assert r["grad_err"] <= NOISE_FACTOR * r["noise"], r
+    assert len(facades) >= 14, f"{len(facades)} parameters sharded: {sorted(facades)}"
+    assert not missing, f"parameters without a gradient here or on the twin: {missing}"
+    assert noise < 0.1, f"bf16 moves the twin's own gradients {noise} (relative) from float32"
+    assert worst <= NOISE_FACTOR * noise, (
+        f"raw gradients vs the twin's cut: {worst} relative, over {NOISE_FACTOR}x the bf16 noise floor {noise}")

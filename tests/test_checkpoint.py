@@ -22,6 +22,7 @@ from dynashard.checkpoint import open_checkpoint
 from dynashard.errors import UsageError
 from dynashard.split import Split
 from dynashard.weights import cut
+from tests.scenarios import Scenarios, from_rank0
 
 # Splits the planner makes: balanced and uneven (23/23/22/22 of 90), a fused [q | k | v] cut per
 # component, k and v held whole by every rank (their pieces overlap across ranks), a carved piece
@@ -151,38 +152,39 @@ def test_bad_checkpoints_say_what_and_how_to_fix(tmp_path):
         open_checkpoint(tmp_path / "twice")
 
 
-def _save_sharded_then_read(rank: int, world: int, path: str) -> bool:
+# The gloo scenario's spawn (2 ranks save, rank 0 reads): 4 s on the 2-core machine under a load of 4; 240 s, as before
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=240)
+
+
+@pytest.mark.gloo
+@on_ranks
+def test_dcp_saved_sharded_at_world_2_reads_at_any_split(rank, world, tmp_path):
     """Save DTensor shards (rows of ``w`` cut in two, columns of ``c``) and a replicated tensor
-    with ``dcp.save`` on 2 ranks; rank 0 then reads the pieces of every split at worlds 1-4."""
+    with ``dcp.save`` on 2 ranks; rank 0 then reads the pieces of every split at worlds 1-4: each
+    equals what ``cut`` takes from the whole tensor (asserted on every rank, from rank 0's reads)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
     w, c = torch.randn(90, 40), torch.randn(40, 96)
+    path = str(tmp_path / "dcp")
     dcp.save({"w": distribute_tensor(w, mesh, [Shard(0)]), "c": distribute_tensor(c, mesh, [Shard(1)]),
               "r": distribute_tensor(c, mesh, [Replicate()])}, checkpoint_id=path)
     dist.barrier()
-    ok = True
+    differ = []  # (tensor, split, readers, reader) whose read is not what cut takes
     if rank == 0:
         ck = open_checkpoint(path)
         for readers in (1, 2, 3, 4):
-            for split in SPLITS.values():
+            for split_name, split in SPLITS.items():
                 if split.size != 90 and split.size != 96:
                     continue
                 name, full, dim = ("w", w, 0) if split.size == 90 else ("c", c, 1)
                 for r in range(readers):  # pieces spanning both saved chunks, uneven, overlapping
-                    ok &= torch.equal(ck.read(name, dim, split.pieces(readers, r)), cut(full, dim, split, readers, r))
-        ok &= torch.equal(ck.read("r", 1, [(5, 50)]), c[:, 5:55])
-    dist.barrier()  # nobody leaves the group while rank 0 reads
-    return ok
-
-
-@pytest.mark.gloo
-@pytest.mark.timeout(300)
-def test_dcp_saved_sharded_at_world_2_reads_at_any_split(tmp_path):
-    from tests.multiproc import run_ranks
-
-    assert run_ranks(_save_sharded_then_read, 2, str(tmp_path / "dcp"), timeout=240) == [True, True]
+                    if not torch.equal(ck.read(name, dim, split.pieces(readers, r)), cut(full, dim, split, readers, r)):
+                        differ.append((name, split_name, readers, r))
+        if not torch.equal(ck.read("r", 1, [(5, 50)]), c[:, 5:55]):
+            differ.append(("r", "columns 5:55", 1, 0))
+    differ = from_rank0(differ)  # (nobody leaves the group while rank 0 reads)
+    assert not differ, f"rank 0's reads of the DCP checkpoint that differ from cut of the saved tensor: {differ}"

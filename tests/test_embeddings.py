@@ -22,7 +22,7 @@ import random
 
 import pytest
 
-from tests.multiproc import run_ranks, shared_run
+from tests.scenarios import Scenarios, raised
 
 pytestmark = pytest.mark.gloo
 
@@ -93,73 +93,83 @@ def _ids(kw: dict, rank: int, step: int):
     return ids
 
 
-def _train_embeddings(rank: int, world: int, cases: dict) -> dict:
+# One spawn per world runs every scenario below, each case a test of its own (the same work as the two
+# spawns before them): 18 s at world 2, 23-29 s at world 4 on the 2-core machine under a load of 4-6
+# (other jobs); 300 s, as before.
+FUZZ = _fuzz_cases(int(os.environ.get("FUZZ_EXAMPLES", 8)))
+on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=300)
+
+
+@on_ranks(cases={2: list(FIXED), 4: list(FIXED) + list(FUZZ)})
+def test_embedding_options_train_as_the_unsharded_twin(rank, world, case):
+    """padding_idx on rank 0's, rank 1's and (world 4) rank 2's and the last rank's rows,
+    scale_grad_by_freq (replicated and per-rank inputs), max_norm on both cuts, sparse gradients, and
+    (world 4) the fuzz's drawn configurations: raw gradients equal the twin's every step, the weights
+    after 3 SGD steps too; the shard's gradient is sparse when the embedding is."""
     import copy
 
     import torch
 
     import dynashard
+    from dynashard.weights import STORE, cut
     from tests.test_training import _compare, _cut_args, _facades
 
-    out = {}
-    for name, (kw, style, compiler, per_rank) in cases.items():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = _Tagger(**kw)
-        twin = copy.deepcopy(model)
-        options = {"min_shard_numel": 0, "compiler": compiler, "plan": "auto" if style == "auto" else {"emb": style}}
-        if per_rank:
-            options["inputs"] = "per_rank"
-        mine = [rank] if per_rank else [0]  # the ranks whose batches this rank's sharded call sees
-        everyone = range(world) if per_rank else [0]
-        dynashard.parallelize(model, _ids(kw, mine[0], 0), options=options)
-        with torch.no_grad():  # parallelize ran the model once on its example: max_norm renormed those rows
-            for r in everyone:
-                twin(_ids(kw, r, 0))
-        fast = torch.compile(model, backend=dynashard.backend(**options))
-        opt, opt_twin = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
-        r = {"grad_err": 0.0, "missing": [], "same": True, "sparse": []}
-        for step in range(3):
-            fast(_ids(kw, mine[0], step)).pow(2).mean().backward()
-            torch.stack([twin(_ids(kw, o, step)).pow(2).mean() for o in everyone]).mean().backward()
-            shard = dict(model.named_parameters())["emb.weight"]
-            r["sparse"].append(shard.grad.is_sparse)
-            for p in [*model.parameters(), *twin.parameters()]:  # (compared dense; the layout is checked above)
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
-            err, missing, same = _compare(model, twin, _facades(model), world)
-            r["grad_err"], r["missing"], r["same"] = max(r["grad_err"], err), r["missing"] + missing, r["same"] and same
-            opt.step()
-            opt_twin.step()
-            opt.zero_grad()
-            opt_twin.zero_grad()
-        facades, reference = _facades(model), dict(twin.named_parameters())
-        from dynashard.weights import STORE, cut
+    kw, style, compiler, per_rank = {**FIXED, **FUZZ}[case]
+    model = _Tagger(**kw)
+    twin = copy.deepcopy(model)
+    options = {"min_shard_numel": 0, "compiler": compiler, "plan": "auto" if style == "auto" else {"emb": style}}
+    if per_rank:
+        options["inputs"] = "per_rank"
+    mine = [rank] if per_rank else [0]  # the ranks whose batches this rank's sharded call sees
+    everyone = range(world) if per_rank else [0]
+    dynashard.parallelize(model, _ids(kw, mine[0], 0), options=options)
+    with torch.no_grad():  # parallelize ran the model once on its example: max_norm renormed those rows
+        for r in everyone:
+            twin(_ids(kw, r, 0))
+    fast = torch.compile(model, backend=dynashard.backend(**options))
+    opt, opt_twin = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
+    grad_err, missing, same, sparse = 0.0, [], True, []
+    for step in range(3):
+        fast(_ids(kw, mine[0], step)).pow(2).mean().backward()
+        torch.stack([twin(_ids(kw, o, step)).pow(2).mean() for o in everyone]).mean().backward()
+        shard = dict(model.named_parameters())["emb.weight"]
+        sparse.append(shard.grad.is_sparse)
+        for p in [*model.parameters(), *twin.parameters()]:  # (compared dense; the layout is checked below)
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+        err, step_missing, step_same = _compare(model, twin, _facades(model), world)
+        grad_err, missing, same = max(grad_err, err), missing + step_missing, same and step_same
+        opt.step()
+        opt_twin.step()
+        opt.zero_grad()
+        opt_twin.zero_grad()
+    facades, reference = _facades(model), dict(twin.named_parameters())
+    weight_err = max(float((p.detach() - (cut(reference[n].detach(), *_cut_args(STORE, facades[n]))
+                                          if n in facades else reference[n].detach())).abs().max())
+                     for n, p in model.named_parameters())
+    assert grad_err < RTOL and not missing, (
+        f"raw gradients vs the twin's cut: {grad_err} relative; without the twin's gradient state: {missing}")
+    assert same, "replicated gradients differ across ranks"
+    # (3 steps of lr 0.5 on those gradients)
+    assert weight_err < 1e-5, f"weights after 3 SGD steps vs the twin's cut: max abs diff {weight_err}"
+    assert "emb.weight" in facades, f"the embedding was not sharded (sharded: {sorted(facades)})"
+    if case in FIXED:  # (all cut by rows): the shard's gradient is sparse exactly when the embedding's is
+        assert sparse == [bool(kw.get("sparse"))] * 3, f"the shard's gradient is_sparse per step: {sparse}"
 
-        r["weight_err"] = max(float((p.detach() - (cut(reference[n].detach(), *_cut_args(STORE, facades[n]))
-                                                   if n in facades else reference[n].detach())).abs().max())
-                              for n, p in model.named_parameters())
-        r["sharded"] = "emb.weight" in facades
-        out[name] = r
-    return out
 
-
-def _refusals(rank: int, world: int) -> dict:
-    """A sparse embedding trained under AOTAutograd is refused (its sparse backward has a data-dependent
-    size), with the fix, on every rank."""
+@on_ranks(worlds=(2,))
+def test_a_sparse_embedding_trained_under_aot_eager_is_refused_naming_the_fix(rank, world):
+    """Its sparse backward has a data-dependent size: refused, with the fix, on every rank."""
     import torch
 
     import dynashard
 
-    torch._dynamo.reset()
     model = _Tagger(sparse=True)
     options = {"min_shard_numel": 0, "compiler": "aot_eager"}
     dynashard.parallelize(model, _ids({}, 0, 0), options=options)
-    try:
-        torch.compile(model, backend=dynashard.backend(**options))(_ids({}, 0, 1)).sum().backward()
-        return {"sparse_aot": "ran"}
-    except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error
-        return {"sparse_aot": str(e)}
+    fast = torch.compile(model, backend=dynashard.backend(**options))
+    msg = str(raised(lambda: fast(_ids({}, 0, 1)).sum().backward()))  # (Dynamo wraps the backend's error)
+    assert "sparse=True" in msg and "'compiler': 'eager'" in msg, msg
 
 
 class _LM(__import__("torch").nn.Module):
@@ -171,54 +181,59 @@ class _LM(__import__("torch").nn.Module):
         return self.lm(ids, attention_mask=__import__("torch").ones_like(ids), use_cache=False).logits
 
 
-def _hf_finetunes(rank: int, world: int) -> dict:
-    """HF OPT (its embedding's padding_idx is pad_token_id=1) and HF Llama (pad_token_id=0) after
-    parallelize, 3 SGD steps with cross-entropy on batches holding the pad id, attended to."""
+def _hf_lm(name: str):
+    """HF OPT (its embedding's padding_idx is pad_token_id=1) or HF Llama (pad_token_id=0)."""
+    import transformers as T
+
+    if name == "hf_opt":
+        return T.OPTForCausalLM(T.OPTConfig(
+            hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2, word_embed_proj_dim=64,
+            vocab_size=VOCAB, pad_token_id=1, bos_token_id=2, eos_token_id=2, dropout=0.0))
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+@on_ranks(worlds=(2,), cases=["hf_opt", "hf_llama_pad_0"])
+def test_hf_finetunes_with_the_pad_id_in_the_batch_match_the_twin(rank, world, case):
+    """HF OPT (padding_idx=1) and HF Llama (pad_token_id=0) after parallelize, vocab-parallel embeddings,
+    3 SGD steps with cross-entropy on batches holding the pad id, attended to: the losses and raw gradients
+    equal the twin's (before the fix OPT's loss was 6.51 against 4.60 at step 2)."""
     import copy
 
     import torch
     import torch.nn.functional as F
-    import transformers as T
 
     import dynashard
     from tests.test_training import _compare, _facades
 
-    configs = {
-        "hf_opt": lambda: T.OPTForCausalLM(T.OPTConfig(
-            hidden_size=64, ffn_dim=128, num_attention_heads=4, num_hidden_layers=2, word_embed_proj_dim=64,
-            vocab_size=VOCAB, pad_token_id=1, bos_token_id=2, eos_token_id=2, dropout=0.0)),
-        "hf_llama_pad_0": lambda: T.LlamaForCausalLM(T.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-    }
-    out = {}
-    for name, build in configs.items():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = _LM(build())
-        pad = model.lm.config.pad_token_id
-        twin = copy.deepcopy(model)
-        options = {"min_shard_numel": 0, "compiler": "eager"}
-        dynashard.parallelize(model, _ids({"padding_idx": pad}, 0, 0), options=options)
-        fast = torch.compile(model, backend=dynashard.backend(**options))
-        opt, opt_twin = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
-        r = {"grad_err": 0.0, "missing": [], "same": True, "loss_err": 0.0}
-        for step in range(3):
-            ids = _ids({"padding_idx": pad}, 0, step + 1)
-            losses = [F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()) for net in (fast, twin)]
-            for loss in losses:
-                loss.backward()
-            r["loss_err"] = max(r["loss_err"], abs(float(losses[0]) - float(losses[1])) / float(losses[1]))
-            r["grad_err"] = max(r["grad_err"], _grad_err(model, twin))
-            _, missing, same = _compare(model, twin, _facades(model), world)
-            r["missing"], r["same"] = r["missing"] + missing, r["same"] and same
-            opt.step()
-            opt_twin.step()
-            opt.zero_grad()
-            opt_twin.zero_grad()
-        r["embedding_sharded"] = any("embed_tokens" in n for n in _facades(model))
-        out[name] = r
-    return out
+    model = _LM(_hf_lm(case))
+    pad = model.lm.config.pad_token_id
+    twin = copy.deepcopy(model)
+    options = {"min_shard_numel": 0, "compiler": "eager"}
+    dynashard.parallelize(model, _ids({"padding_idx": pad}, 0, 0), options=options)
+    fast = torch.compile(model, backend=dynashard.backend(**options))
+    opt, opt_twin = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(twin.parameters(), lr=0.5)
+    grad_err, missing, same, loss_err = 0.0, [], True, 0.0
+    for step in range(3):
+        ids = _ids({"padding_idx": pad}, 0, step + 1)
+        losses = [F.cross_entropy(net(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten()) for net in (fast, twin)]
+        for loss in losses:
+            loss.backward()
+        loss_err = max(loss_err, abs(float(losses[0]) - float(losses[1])) / float(losses[1]))
+        grad_err = max(grad_err, _grad_err(model, twin))
+        _, step_missing, step_same = _compare(model, twin, _facades(model), world)
+        missing, same = missing + step_missing, same and step_same
+        opt.step()
+        opt_twin.step()
+        opt.zero_grad()
+        opt_twin.zero_grad()
+    sharded = sorted(_facades(model))
+    assert any("embed_tokens" in n for n in sharded), f"the embedding was not sharded (sharded: {sharded})"
+    assert grad_err < RTOL and not missing, (
+        f"raw gradients vs the twin's cut: {grad_err} relative; without the twin's gradient state: {missing}")
+    assert same, "replicated gradients differ across ranks"
+    assert loss_err < 1e-5, f"losses vs the twin's: {loss_err} relative"
 
 
 def _grad_err(model, twin) -> float:
@@ -239,50 +254,3 @@ def _grad_err(model, twin) -> float:
     floor = 1e-4 * max(float(g.abs().max()) for _, g in pairs)
     return max(float((got - want).abs().max()) / max(float(want.abs().max()), floor)
                for got, want in pairs if want.numel()) if pairs else 0.0
-
-
-def _world_2(rank: int, world: int) -> dict:
-    return {**_train_embeddings(rank, world, FIXED), **_hf_finetunes(rank, world), **_refusals(rank, world)}
-
-
-@shared_run
-def _spawn(world: int) -> list[dict]:
-    if world == 2:
-        return run_ranks(_world_2, 2, timeout=300)
-    cases = {**FIXED, **_fuzz_cases(int(os.environ.get("FUZZ_EXAMPLES", 8)))}
-    return run_ranks(_train_embeddings, 4, cases, timeout=300)
-
-
-def _check(results: list[dict], names) -> None:
-    for rank, out in enumerate(results):
-        for name in names:
-            r = out[name]
-            assert r["grad_err"] < RTOL and not r["missing"] and r["same"], (rank, name, r)
-            assert r["weight_err"] < 1e-5, (rank, name, r)  # (3 steps of lr 0.5 on those gradients)
-            assert r["sharded"], (rank, name, "the embedding was not sharded")
-
-
-@pytest.mark.timeout(360)
-@pytest.mark.parametrize("world", [2, 4])
-def test_embedding_options_train_as_the_unsharded_twin(world):
-    """padding_idx on rank 0's, rank 1's and (world 4) rank 2's and the last rank's rows,
-    scale_grad_by_freq (replicated and per-rank inputs), max_norm on both cuts, sparse gradients:
-    raw gradients equal the twin's every step; the shard's gradient is sparse when the embedding is."""
-    results = _spawn(world)
-    names = list(FIXED) if world == 2 else [n for n in results[0] if n in FIXED or n.startswith("fuzz")]
-    _check(results, names)
-    for rank, out in enumerate(results):
-        assert all(out["sparse"]["sparse"]) and not any(out["pad_on_rank_0"]["sparse"]), (rank, out["sparse"])
-
-
-@pytest.mark.timeout(360)
-def test_hf_finetunes_with_the_pad_id_in_the_batch_match_the_twin():
-    """HF OPT (padding_idx=1) and HF Llama (pad_token_id=0), vocab-parallel embeddings: the losses and raw
-    gradients of 3 SGD steps equal the twin's (before the fix OPT's loss was 6.51 against 4.60 at step 2);
-    and a sparse embedding under aot_eager is refused with the fix."""
-    for rank, out in enumerate(_spawn(2)):
-        for name in ("hf_opt", "hf_llama_pad_0"):
-            r = out[name]
-            assert r["embedding_sharded"], (rank, name, r)
-            assert r["grad_err"] < RTOL and not r["missing"] and r["same"] and r["loss_err"] < 1e-5, (rank, name, r)
-        assert "sparse=True" in out["sparse_aot"] and "'compiler': 'eager'" in out["sparse_aot"], (rank, out)

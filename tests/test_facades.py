@@ -4,6 +4,8 @@ One process, torch's fake process group at world 2 (collectives move no data, so
 compared here; the shards dynashard holds are, against the cut of a full model that took the same
 uses). Before facades, the reads below raised torch's storage error, returned garbage (``numpy``)
 or killed the process (``sum``, ``+``, ``model.to``); copies into a compiled model were lost.
+The two ``@on_ranks`` scenarios at the end (gloo tier) run on 2 real ranks and assert there
+(tests/scenarios.py): a parallelized MLP against its twin, and HF generate's static cache.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 
 import pytest
 import torch
@@ -26,8 +29,7 @@ from dynashard.errors import UsageError
 from dynashard.facades import is_facade
 from dynashard.weights import STORE, cut
 from tests import models
-
-pytestmark = pytest.mark.unit
+from tests.scenarios import Scenarios
 
 
 @pytest.fixture()
@@ -58,6 +60,7 @@ def _cut_like(facade, full):
     return cut(full.detach(), spec.dim, spec.split, spec.world, spec.rank)
 
 
+@pytest.mark.unit
 def test_metadata_reads_as_the_full_tensor(compiled):
     model, twin = compiled
     w, full = model.up.weight, twin.up.weight
@@ -67,6 +70,7 @@ def test_metadata_reads_as_the_full_tensor(compiled):
     assert len(w) == 96 and w.element_size() == 4 and w.grad is None
 
 
+@pytest.mark.unit
 def test_print_shows_shape_dtype_and_this_ranks_cut(compiled):
     text = repr(compiled[0].up.weight)
     assert "shape=[96, 32]" in text and "torch.float32" in text and "sharded by dynashard" in text, text
@@ -89,12 +93,14 @@ USES_NEEDING_VALUES = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("use", sorted(USES_NEEDING_VALUES))
 def test_a_use_that_needs_the_whole_value_raises_naming_the_tensor_and_the_fix(compiled, use):
     with pytest.raises(UsageError, match=r"'up\.weight' .*rank 0 of 2 holds \[0:48\].*|copy_ into 'up\.weight'"):
         USES_NEEDING_VALUES[use](compiled[0])
 
 
+@pytest.mark.unit
 def test_copies_and_saves_are_refused_naming_the_fix(compiled):
     model = compiled[0]
     with pytest.raises(UsageError, match="cannot copy this model"):
@@ -106,6 +112,7 @@ def test_copies_and_saves_are_refused_naming_the_fix(compiled):
         pickle.dumps(model.up.weight.detach())
 
 
+@pytest.mark.unit
 def test_load_state_dict_of_full_tensors_updates_the_shards(compiled):
     model, _ = compiled
     torch.manual_seed(1)
@@ -117,6 +124,7 @@ def test_load_state_dict_of_full_tensors_updates_the_shards(compiled):
     assert torch.equal(model.down.bias, other.down.bias)  # (left whole: a plain copy)
 
 
+@pytest.mark.unit
 def test_in_place_fills_and_copies_act_on_the_shard(compiled):
     model, twin = compiled
     nn.init.zeros_(model.up.bias)
@@ -128,6 +136,7 @@ def test_in_place_fills_and_copies_act_on_the_shard(compiled):
     assert torch.equal(_shard(model.down.weight), _cut_like(model.down.weight, twin.down.weight * 2))
 
 
+@pytest.mark.unit
 def test_model_to_converts_the_shards_and_the_facades_follow(compiled):
     model, twin = compiled
     model.to(torch.float64)
@@ -140,6 +149,7 @@ def test_model_to_converts_the_shards_and_the_facades_follow(compiled):
     assert model.up.weight.dtype == torch.float16
 
 
+@pytest.mark.unit
 def test_detach_data_and_state_dict_are_facades_of_the_same_shard(compiled):
     model, _ = compiled
     w = model.up.weight
@@ -147,6 +157,7 @@ def test_detach_data_and_state_dict_are_facades_of_the_same_shard(compiled):
         assert is_facade(alias) and _shard(alias) is _shard(w) and alias.shape == w.shape
 
 
+@pytest.mark.unit
 def test_clone_is_a_facade_of_a_copy_of_the_shard(compiled):
     w = compiled[0].up.weight
     c = w.clone()
@@ -154,6 +165,7 @@ def test_clone_is_a_facade_of_a_copy_of_the_shard(compiled):
     assert _shard(c).untyped_storage().data_ptr() != _shard(w).untyped_storage().data_ptr()
 
 
+@pytest.mark.unit
 def test_requires_grad_and_hooks_reach_the_shard(compiled):
     model, _ = compiled
     w = model.up.weight
@@ -166,6 +178,7 @@ def test_requires_grad_and_hooks_reach_the_shard(compiled):
     handle.remove()
 
 
+@pytest.mark.unit
 def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
     """HF's reorder_cache (beam search) runs ``cache.index_select(0, beam_idx)`` eagerly on the cache
     facade: each rank selects from its own heads. Along the cut (head) dim it needs values it lacks."""
@@ -215,6 +228,7 @@ def _other():
     return other
 
 
+@pytest.mark.unit
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(uses=st.lists(st.sampled_from(sorted(WORKS) + sorted(USES_NEEDING_VALUES)), min_size=1, max_size=6))
 def test_random_eager_uses_act_on_the_shards_or_raise(uses):
@@ -246,81 +260,78 @@ def test_random_eager_uses_act_on_the_shards_or_raise(uses):
 
 # ---------------------------------------------------------------- on real gloo ranks (world 2)
 
+# One spawn runs both scenarios below (an MLP and a tiny HF Llama compiled eagerly per rank): 18 s on the
+# 2-core machine under a load of 4 (other jobs); 240 s, as before.
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=240)
+OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
 
-def _on_ranks(rank: int, world: int) -> dict:
+
+@pytest.mark.gloo
+@on_ranks
+def test_facades_of_a_parallelized_model_reach_its_shards(rank, world):
     """After parallelize: the facade's answers reach the registered shards, a full-size load and
     model.to change what the compiled model computes exactly as they change the twin; full_tensor
-    gathers the whole value; HF generate's static cache (held by heads) is read by full_tensor and
-    reordered eagerly by beam search."""
-    import transformers as T
-
-    out = {}
-    torch.manual_seed(0)
+    gathers the whole value; a submodule called alone raises, naming the shard parallelize registered."""
     model = models.MLP(32, 96)
     twin = copy.deepcopy(model)
     x = torch.randn(4, 32)
-    options = {"min_shard_numel": 0, "compiler": "eager"}
-    dynashard.parallelize(model, x, options=options)
-    fast = torch.compile(model, backend=dynashard.backend(**options))
+    dynashard.parallelize(model, x, options=OPTIONS)
+    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
     shards = dict(model.named_parameters())
     model.up.weight.requires_grad_(False)
-    out["frozen"] = (shards["up.weight"].requires_grad, model.up.weight.requires_grad)
+    frozen = (shards["up.weight"].requires_grad, model.up.weight.requires_grad)
+    assert frozen == (False, False), f"(shard, facade) requires_grad after freezing the facade: {frozen}"
     model.up.weight.requires_grad_(True)
     seen = []
     model.down.weight.register_hook(lambda g: seen.append(tuple(g.shape)))
     fast(x).pow(2).sum().backward()
-    out["hook"] = seen  # fired, with this rank's part of the gradient (down is rowwise: [32, 48])
-    out["full"] = float((dynashard.full_tensor(model.up.weight) - twin.up.weight).abs().max())
-    out["full_of_shard"] = float((dynashard.full_tensor(shards["down.weight"]) - twin.down.weight).abs().max())
+    # fired, with this rank's part of the gradient (down is rowwise: [32, 48])
+    assert seen == [(32, 48)], f"gradient shapes the facade's hook saw: {seen}"
+    # float32 sums of <= 96 products in another order (see test_numerics.py); full_tensor copies exactly
+    err = float((dynashard.full_tensor(model.up.weight) - twin.up.weight).abs().max())
+    assert err == 0.0, f"full_tensor(up.weight facade) vs the twin's up.weight: max abs diff {err}"
+    err = float((dynashard.full_tensor(shards["down.weight"]) - twin.down.weight).abs().max())
+    assert err == 0.0, f"full_tensor(down.weight shard) vs the twin's down.weight: max abs diff {err}"
     torch.manual_seed(1)
     new = models.MLP(32, 96)
     model.load_state_dict(new.state_dict())  # full-size tensors into the shards (pre-hook)
     with torch.no_grad():
-        out["loaded"] = float((fast(x) - new(x)).abs().max())
+        err = float((fast(x) - new(x)).abs().max())
+        assert err < 1e-5, f"compiled model after load_state_dict vs the loaded MLP: max abs diff {err}"
         model.to(torch.float64)
         new.to(torch.float64)
-        out["to64"] = (float((fast(x.double()) - new(x.double())).abs().max()), str(model.up.weight.dtype),
-                       str(shards["up.weight"].dtype))
-    try:
+        err = float((fast(x.double()) - new(x.double())).abs().max())
+    dtypes = (model.up.weight.dtype, shards["up.weight"].dtype)
+    assert err < 1e-12, f"compiled model after model.to(float64) vs the loaded MLP in float64: max abs diff {err}"
+    assert dtypes == (torch.float64,) * 2, f"(facade, shard) dtype after model.to(float64): {dtypes}"
+    with pytest.raises(UsageError, match=re.escape("dynashard.parallelize registered this rank's shard")):
         model.up(x.double())  # a submodule alone: its facade answers
-        out["submodule"] = "ran"
-    except UsageError as e:
-        out["submodule"] = str(e)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
+
+
+@pytest.mark.gloo
+@on_ranks
+def test_hf_generates_static_cache_is_a_facade_read_whole_and_reordered_by_beam_search(rank, world):
+    """HF generate's static cache (held by heads): greedy tokens equal the unsharded model's, the cache a
+    facade of this rank's heads, read whole by full_tensor, refused by a reduction, and reordered eagerly
+    by beam search."""
+    import transformers as T
+
     cfg = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=4, vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     lm, ref = T.LlamaForCausalLM(cfg).eval(), T.LlamaForCausalLM(cfg).eval()
     ref.load_state_dict(lm.state_dict())
     ids = torch.randint(3, 96, (1, 6))
-    lm.forward = torch.compile(lm.forward, backend=dynashard.backend(**options))
+    lm.forward = torch.compile(lm.forward, backend=dynashard.backend(**OPTIONS))
     kw = {"max_new_tokens": 4, "do_sample": False, "cache_implementation": "static"}
     got, want = (net.generate(ids, return_dict_in_generate=True, **kw) for net in (lm, ref))
     keys, ref_keys = got.past_key_values.layers[0].keys, want.past_key_values.layers[0].keys
-    out["cache"] = (torch.equal(got.sequences, want.sequences), is_facade(keys),
-                    float((dynashard.full_tensor(keys) - ref_keys).abs().max()))
-    try:
+    assert torch.equal(got.sequences, want.sequences), f"greedy tokens {got.sequences}, unsharded {want.sequences}"
+    assert is_facade(keys), f"the static cache's keys are not a facade: {type(keys)}"
+    # whole again through full_tensor: the same float32 values, 1e-5 as the logits
+    err = float((dynashard.full_tensor(keys) - ref_keys).abs().max())
+    assert err < 1e-5, f"full_tensor(cache keys) vs the unsharded model's cache keys: max abs diff {err}"
+    with pytest.raises(UsageError, match="holds this rank's part only"):
         keys.sum()
-        out["cache_sum"] = "ran"
-    except UsageError as e:
-        out["cache_sum"] = str(e)
-    out["beams"] = torch.equal(lm.generate(ids, num_beams=2, **kw), ref.generate(ids, num_beams=2, **kw))
-    return out
-
-
-@pytest.mark.gloo
-@pytest.mark.timeout(300)
-def test_facades_on_real_ranks():
-    from tests.multiproc import run_ranks
-
-    for rank, r in enumerate(run_ranks(_on_ranks, 2, timeout=240)):
-        assert r["frozen"] == (False, False), (rank, r)  # the shard the optimizer steps is frozen too
-        assert r["hook"] == [(32, 48)], (rank, r)
-        # float32 sums of <= 96 products in another order (see test_numerics.py); full_tensor copies exactly
-        assert r["full"] == 0.0 and r["full_of_shard"] == 0.0, (rank, r)
-        assert r["loaded"] < 1e-5 and r["to64"][0] < 1e-12 and r["to64"][1:] == ("torch.float64",) * 2, (rank, r)
-        assert "dynashard.parallelize registered this rank's shard" in r["submodule"], (rank, r)
-        # greedy tokens equal; the cache a facade of this rank's heads, whole again through full_tensor (the
-        # same float32 values: 1e-5 as the logits); beam search reorders it eagerly (index_select on the batch)
-        assert r["cache"][0] and r["cache"][1] and r["cache"][2] < 1e-5, (rank, r)
-        assert "holds this rank's part only" in r["cache_sum"] and r["beams"], (rank, r)
+    # beam search reorders the cache eagerly (index_select on the batch)
+    beams, ref_beams = lm.generate(ids, num_beams=2, **kw), ref.generate(ids, num_beams=2, **kw)
+    assert torch.equal(beams, ref_beams), f"beam search tokens {beams} vs the unsharded {ref_beams}"
