@@ -46,8 +46,9 @@ Systems (all hold the same weights; ``--systems`` picks; default: all but "unsha
                       greedy model.generate(..., cache_implementation="static"): HF's StaticCache, held
                       sharded by heads (allocated at the local size inside the prefill graph)
   hf dynashard dynamic  the same with HF's default DynamicCache (torch.cat growth, returned from each graph
-                      and passed back): dynashard gathers k and v before the cat, so every rank holds the
-                      whole cache; this row against the static one is the cost of that
+                      and passed back): held by heads like the static cache (each graph returns this
+                      rank's heads, the next reads them back); this row against the static one is what
+                      the growing cache costs
 
 Tokens, before timing: every system's greedy tokens are compared with the unsharded eager model's
 (HF TP's too: the checkpoint holds the same weights). A system whose tokens differ is not timed: its

@@ -303,6 +303,15 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
                 "compile of a model; else keep it whole from the start (options={'plan': {<its layer>: "
                 "'replicate'}} in parallelize and every compile), or rebuild the model."
             )
+    for i, node in enumerate(analysis.inputs):
+        if i not in sharded and i not in analysis.params and STORE.is_sharded(example_inputs[i]):
+            # (a compiled graph would read a storage-less tensor: Inductor's kernels do not ask the facade)
+            raise UsageError(
+                f"dynashard: input {analysis.names[i]!r} is a tensor an earlier dynashard graph returned as this "
+                f"rank's part (a KV cache held by heads), and this graph needs it whole: "
+                f"{_why_whole(analysis, node)}. Expected the graphs that read a held cache to read it as they wrote "
+                "it (by heads); else read it with dynashard.full_tensor(t) on every rank first, or keep the "
+                "layers writing it whole (options={'plan': {<k and v projections>: 'replicate'}}).")
 
 
 def _why_whole(analysis: Analysis, weight: torch.fx.Node) -> str:

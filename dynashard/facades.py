@@ -14,7 +14,8 @@ every call through while Dynamo traces (the graph sees a plain tensor) and other
 - what this rank can do with its shard alone, on the shard: ``requires_grad_`` / ``register_hook``
   (the shard's gradient: this rank's part), ``copy_`` of a full-size tensor or of a facade cut alike
   (``load_state_dict``), ``zero_`` / ``fill_``, ``to`` / ``half`` / ``cuda`` (``model.to``),
-  ``detach`` / ``.data`` / ``clone`` (facades of the shard, or of a copy of it), ``index_select``
+  ``detach`` / ``.data`` / ``clone`` (facades of the shard, or of a copy of it; ``copy.deepcopy`` of a
+  cache a graph returned too, as HF's prompt-cache reuse does), ``index_select``
   along a dim that is not cut (beam search reordering a cache);
 - anything else reads values this rank does not hold: a :class:`UsageError` naming the tensor, its
   cut and the fix (``dynashard.full_tensor`` on every rank gathers the whole value).
@@ -74,7 +75,13 @@ class _Answers:
 
     # (nn.Parameter defines both itself, without __torch_function__: a copy would be a facade of nothing)
     def __deepcopy__(self, memo):
-        _refuse_copy(None, (), {})
+        entry = _store().entry(self)
+        if entry is None or not entry.held:  # a weight: the model's copy is made before compiling
+            _refuse_copy(None, (), {})
+        # a cache a graph returned (HF's prompt-cache reuse: copy.deepcopy(past_key_values)): a facade of a
+        # copy of this rank's part
+        memo[id(self)] = copied = _store().derived(self, lambda shard: shard.clone(), "a copy")
+        return copied
 
     def __reduce_ex__(self, protocol):
         _refuse_save(None, (), {})

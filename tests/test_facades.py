@@ -181,7 +181,8 @@ def test_requires_grad_and_hooks_reach_the_shard(compiled):
 @pytest.mark.unit
 def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
     """HF's reorder_cache (beam search) runs ``cache.index_select(0, beam_idx)`` eagerly on the cache
-    facade: each rank selects from its own heads. Along the cut (head) dim it needs values it lacks."""
+    facade: each rank selects from its own heads. Along the cut (head) dim it needs values it lacks.
+    ``copy.deepcopy`` of the cache copies this rank's part (a weight's deepcopy stays refused)."""
     torch._dynamo.reset()
     private.init_fake_process_group(2, 0)
     try:
@@ -196,10 +197,14 @@ def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
         assert torch.equal(_shard(picked), _shard(cache).index_select(0, torch.tensor([1, 1])))
         with pytest.raises(UsageError, match="index_select needs the values"):
             cache.index_select(1, torch.tensor([0]))
+        copied = copy.deepcopy(cache)  # HF's prompt-cache reuse: a copy of this rank's part, not an alias
+        assert is_facade(copied) and copied.shape == cache.shape and torch.equal(_shard(copied), _shard(cache))
         cache.zero_()  # HF StaticCache.reset()
-        assert not _shard(cache).any()
+        assert not _shard(cache).any() and _shard(copied).any()
         with pytest.raises(UsageError, match="A cache the compiled graph returned holds this rank's part only"):
             cache.sum()
+        with pytest.raises(UsageError, match="cannot copy this model"):  # a weight's copy is the model's, made first
+            copy.deepcopy(model.layers[0].wqkv.weight)
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()

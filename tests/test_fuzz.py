@@ -367,7 +367,8 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
 def test_random_caches(world, kv, rep, dh, form, batch, t, data):
     """gpt-fast-style decoders whose KV caches the graph writes in place (every write form, and caches
     the graph allocates itself, returned as each rank's shard: "lazy"; HF DynamicCache's ``torch.cat``
-    growth, returned whole: "cat", holding ``start`` positions from an eager call), with or without a
+    growth, read and returned as each rank's heads: "cat", holding ``start`` positions from an eager
+    call), with or without a
     bias on the fused q|k|v (held cut like its output, whole components included), any head counts
     (dividing the world or not, fewer K/V heads than ranks), a batch of one or two, a prefill or a
     decode step: every rank's output (returned caches included) equal to unsharded, the caches held

@@ -128,6 +128,28 @@ def test_a_cache_grown_by_cat_is_held_sharded():
 
 
 @pytest.mark.unit
+def test_a_graph_reading_a_held_cache_whole_is_refused_naming_it():
+    """A cache a graph returned by heads, read whole by another compiled graph: the graph would read a
+    tensor without storage (Inductor's kernels segfaulted, aot_eager failed in dispatch); the compile
+    raises a UsageError naming the input and the fix instead."""
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        model = models.CachedDecoder(form="lazy")
+        fast = torch.compile(model, backend=dynashard.backend(min_shard_numel=0, compiler="eager"))
+        with torch.no_grad():
+            fast(torch.randint(0, 96, (2, 5)), torch.arange(5))
+        cache = model.layers[0].kv_cache.k_cache
+        doubled = torch.compile(lambda c: (c * 2).sum(-1), backend=dynashard.backend(compiler="aot_eager"))
+        error = raised(lambda: doubled(cache))
+        assert "an earlier dynashard graph returned as this rank's part" in str(error), repr(error)
+        assert "dynashard.full_tensor" in str(error), repr(error)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+@pytest.mark.unit
 def test_saving_a_freed_weight_or_a_held_cache_raises_naming_the_fix():
     """After a compile (no parallelize), the module's sharded weights and the caches a graph returned
     are full-shape tensors with no storage: ``torch.save`` of them (``state_dict()``'s detached views
@@ -342,7 +364,8 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
     """``generate`` with HF's default DynamicCache (``torch.cat`` growth, returned by each graph and
     read back by the next): greedy tokens equal the unsharded model's for prompts of 5 and 7 tokens,
     and with beam search (``num_beams=2``: HF reorders the cache eagerly, ``keys[beam_idx]`` on the
-    facade). Each rank holds 1/world of every layer's cache (K/V heads whole on every rank where there
+    facade), and from a copy of a prompt's cache (HF's prompt-cache reuse: ``copy.deepcopy`` of the
+    held cache). Each rank holds 1/world of every layer's cache (K/V heads whole on every rank where there
     are fewer of them than ranks: Llama with 2 on 4 ranks); reading a held cache raises a UsageError
     naming ``dynashard.full_tensor``, which returns the unsharded model's cache (1e-5: float32, the
     same products summed in another order)."""
@@ -363,7 +386,13 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
             ids = torch.randint(0, 128, (1, length))
             got, want = model.generate(ids, num_beams=beams, **kw), twin.generate(ids, num_beams=beams, **kw)
             same.append(torch.equal(got.sequences, want.sequences))
-    assert same == [True] * 3, same
+        # HF's prompt-cache reuse: a prompt's cache computed once, copied for each longer request
+        prompt, longer = torch.randint(0, 128, (1, 5)), torch.randint(0, 128, (1, 3))
+        ids = torch.cat([prompt, longer], dim=1)
+        reused = [m.generate(ids, past_key_values=copy.deepcopy(m(prompt).past_key_values), **kw).sequences
+                  for m in (model, twin)]
+        same.append(torch.equal(*reused))
+    assert same == [True] * 4, same
     caches = [t for layer in got.past_key_values.layers for t in (layer.keys, layer.values)]
     wanted = [t for layer in want.past_key_values.layers for t in (layer.keys, layer.values)]
     fulls = [dynashard.full_tensor(t) for t in caches]  # (a collective: every rank, every cache)
