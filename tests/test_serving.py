@@ -285,8 +285,8 @@ def _hf_model(arch: str, kv_heads: int = 4):
     if arch == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64))
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-                     "mistral": (T.MistralConfig, T.MistralForCausalLM), "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM),
-                     "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
+                     "mistral": (T.MistralConfig, T.MistralForCausalLM),
+                     "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM), "phi3": (T.Phi3Config, T.Phi3ForCausalLM)}[arch]
     extra = {"sliding_window": 4} if arch in ("mistral", "gemma2") else {}
     if arch == "gemma2":
         extra["head_dim"] = 8
