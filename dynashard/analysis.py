@@ -114,8 +114,8 @@ def analyse(
              for i, (dyn, node) in enumerate(zip(dyn_phs, aten_phs, strict=True))}
     for i, (dyn, node) in enumerate(zip(dyn_phs, aten_phs, strict=True)):
         source = private.placeholder_source_fqn(dyn)
-        if source is None:
-            continue
+        if source is None or not isinstance(private.example_value(dyn), torch.Tensor):
+            continue  # (a symbolic size of a module's tensor has the tensor's source: not a parameter)
         module_fqn, attr = source
         fqn = f"{module_fqn}.{attr}" if module_fqn else attr
         is_param = isinstance(private.example_value(dyn), torch.nn.Parameter) or "_parameters[" in str(

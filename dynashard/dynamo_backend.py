@@ -304,7 +304,8 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
                 "'replicate'}} in parallelize and every compile), or rebuild the model."
             )
     for i, node in enumerate(analysis.inputs):
-        if i not in sharded and i not in analysis.params and STORE.is_sharded(example_inputs[i]):
+        t = example_inputs[i]
+        if i not in sharded and i not in analysis.params and torch.is_tensor(t) and STORE.is_sharded(t):
             # (a compiled graph would read a storage-less tensor: Inductor's kernels do not ask the facade)
             raise UsageError(
                 f"dynashard: input {analysis.names[i]!r} is a tensor an earlier dynashard graph returned as this "

@@ -175,7 +175,9 @@ class ShardedProgram:
         where the model keeps it) as a full-shape facade; the next graph reads the shard by it."""
         out = list(out)
         for i, spec in self.held.items():
-            local = out[i]
+            # contiguous, as the next graph's fake of it is (shard_fakes): Inductor may return a grown cache
+            # in another layout (k's [B, T, H, D] order, transposed), or a view (a sliding window's slice)
+            local = out[i].contiguous()
             shape = list(local.shape)
             shape[spec.dim] = spec.split.size
             out[i] = STORE.hold(local, torch.Size(shape), spec, f"KV cache returned by the graph (output {i})")

@@ -155,7 +155,8 @@ def test_saving_a_freed_weight_or_a_held_cache_raises_naming_the_fix():
     are full-shape tensors with no storage: ``torch.save`` of them (``state_dict()``'s detached views
     included) once wrote empty storages without a word (the file failed only when loaded: "Trying to
     resize storage that is not resizable"), and copying them killed the process. Both now raise a
-    UsageError naming what to use instead; pickling goes through the same check."""
+    UsageError naming what to use instead (a held cache's ``copy.deepcopy`` copies this rank's part,
+    as HF's prompt-cache reuse needs); pickling goes through the same check."""
     import io
     import pickle
 
@@ -175,7 +176,8 @@ def test_saving_a_freed_weight_or_a_held_cache_raises_naming_the_fix():
         with pytest.raises(UsageError, match="cannot save this tensor"):
             pickle.dumps(weight.detach())
         with pytest.raises(UsageError, match="cannot copy this model"):
-            copy.deepcopy(cache)
+            copy.deepcopy(weight)
+        assert STORE.is_sharded(copy.deepcopy(cache))  # a cache's copy is a held copy of this rank's part
         torch.save(model.norms.state_dict(), io.BytesIO())  # what stays whole saves as before
     finally:
         dist.destroy_process_group()
@@ -222,7 +224,7 @@ def test_a_decode_step_costs_one_all_reduce_per_attention_and_per_mlp():
 
 
 W2 = [("index_put", "eager", 8, 4), ("index_copy", "eager", 8, 4), ("slice", "eager", 8, 4), ("lazy", "eager", 8, 4),
-      ("index_put", "inductor", 8, 4)]
+      ("index_put", "inductor", 8, 4), ("cat", "inductor", 8, 4)]
 W4 = [("index_copy", "eager", 8, 4), ("index_put", "eager", 8, 2)]  # 1 K/V head per rank; 2 on 4: whole
 # HF models: (architecture, cache, how the model is compiled; see test_hf_generate_matches_the_unsharded_model)
 # (each case costs about 5 s of compiles at world 2, 20 s at world 4: the suite keeps one per form and model;
@@ -233,10 +235,9 @@ HF_W2 = [("llama", "static", "compile_config"), ("qwen2", "static", "dynamic"), 
          ("gpt2", "dynamic", "parallelize")]
 HF_W4 = [("mistral", "static", "compile_config")]  # 2 K/V heads on 4 ranks
 
-# One spawn per world runs every case below (the same work as the one spawn before them): 112-172 s at
-# world 2 on the 2-core machine under a load of 5-8 (other jobs), 99 s at world 4 (the slow tier); 280 s,
-# as before.
-on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=280, marks={4: pytest.mark.slow})
+# One spawn per world runs every case below: about 200 s at world 2 on the 2-core machine under a load
+# of 4 (other jobs), 200 s at world 4 (the slow tier); 420 s leaves a 2x margin.
+on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=420, marks={4: pytest.mark.slow})
 
 
 @pytest.mark.gloo
@@ -266,7 +267,8 @@ def test_decode_with_sharded_caches_matches_the_unsharded_model(rank, world, cas
         ids = want[:, -1].argmax(-1, keepdim=True)
         at = 5 + step
         pos = torch.tensor([at]) if form != "slice" else at
-    assert worst < 1e-5 and len(compiles) == 2, (worst, len(compiles))
+    # (a cache grown by cat changes length each step: Dynamo recompiles the decode graph once, dynamic)
+    assert worst < 1e-5 and len(compiles) == (3 if form == "cat" else 2), (worst, len(compiles))
     caches = [t for m in model.layers for t in (m.kv_cache.k_cache, m.kv_cache.v_cache)]
     # (a lazy cache is a plain attribute, not a buffer: held_bytes of the module would not see it)
     held = sum(STORE.shard_of(t).nbytes if STORE.is_sharded(t) else t.nbytes for t in caches)
