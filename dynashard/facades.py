@@ -15,7 +15,7 @@ every call through while Dynamo traces (the graph sees a plain tensor) and other
   (the shard's gradient: this rank's part), ``copy_`` of a full-size tensor or of a facade cut alike
   (``load_state_dict``), ``zero_`` / ``fill_``, ``to`` / ``half`` / ``cuda`` (``model.to``),
   ``detach`` / ``.data`` / ``clone`` (facades of the shard, or of a copy of it; ``copy.deepcopy`` of a
-  cache a graph returned too, as HF's prompt-cache reuse does), ``index_select``
+  cache a graph returned too, as HF's prompt-cache reuse does), ``index_select`` or an index
   along a dim that is not cut (beam search reordering a cache);
 - anything else reads values this rank does not hold: a :class:`UsageError` naming the tensor, its
   cut and the fix (``dynashard.full_tensor`` on every rank gathers the whole value).
@@ -283,6 +283,27 @@ def _index_select(func, args, kwargs) -> torch.Tensor:
     return _store().derived(t, lambda shard: shard.index_select(dim, index), "a selection")
 
 
+def _getitem(func, args, kwargs) -> torch.Tensor:
+    """``cache[..., :-n, :]`` (HF's ``crop`` in assisted decoding), ``cache[beam_idx]`` (beam search): an
+    index that keeps the cut dim whole and in place (slices, one 1-D index tensor before it) acts on
+    each rank's part: a facade of that. Anything else needs values this rank does not hold."""
+    t, index = args[0], args[1]
+    spec = _store().spec_of_any(t)
+    items = list(index) if isinstance(index, tuple) else [index]
+    if spec is None or sum(i is Ellipsis for i in items) > 1:
+        raise _refusal("__getitem__", args, kwargs)
+    if Ellipsis in items:  # the dims the ellipsis stands for
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (t.dim() - len(items) + 1)
+    items += [slice(None)] * (t.dim() - len(items))
+    cut = spec.dim % t.dim()
+    tensors = [i for i in items if torch.is_tensor(i)]
+    keeps = all(isinstance(i, slice) or (torch.is_tensor(i) and i.dim() == 1 and not is_facade(i)) for i in items)
+    if not keeps or len(tensors) > 1 or items[cut] != slice(None) or any(torch.is_tensor(i) for i in items[cut:]):
+        raise _refusal("__getitem__", args, kwargs)
+    return _store().derived(t, lambda shard: shard[tuple(items)], "a selection")
+
+
 def _refuse_copy(func, args, kwargs):
     raise UsageError(
         "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values. Expected "
@@ -291,6 +312,8 @@ def _refuse_copy(func, args, kwargs):
 
 
 def _refuse_save(func, args, kwargs):
+    from dynashard.freed import SAVE_REFUSED
+
     raise UsageError(SAVE_REFUSED)
 
 
@@ -301,7 +324,7 @@ _EAGER = {
     ("call", "detach"): _alias, ("get", "data"): _alias, ("set", "data"): _set_data,
     ("call", "copy_"): _copy, ("call", "zero_"): _in_place, ("call", "fill_"): _in_place,
     **{("call", n): _convert for n in ("to", "cuda", "cpu", "type", *_CONVERSIONS)},
-    ("call", "clone"): _clone, ("call", "index_select"): _index_select,
+    ("call", "clone"): _clone, ("call", "index_select"): _index_select, ("call", "__getitem__"): _getitem,
     ("call", "__deepcopy__"): _refuse_copy, ("call", "__reduce_ex__"): _refuse_save,
 }
 
@@ -319,8 +342,10 @@ def _refusal(name: str, args: tuple, kwargs: dict) -> UsageError:
     elif entry is not None and entry.held:
         fix = "A cache the compiled graph returned holds this rank's part only"
     else:
-        fix = ("The module can only run through the compiled model (torch.compile(model, backend='dynashard')); "
-               "dynashard.export_safetensors(model, path) writes the whole weights")
+        fix = ("The module can only run through the compiled model (torch.compile(model, backend='dynashard')), "
+               "which Dynamo runs eagerly once a frame hits its recompile limit (TORCH_LOGS=recompiles says; "
+               "torch._dynamo.config.recompile_limit); dynashard.export_safetensors(model, path) writes the whole "
+               "weights")
     return UsageError(
         f"dynashard: {name} needs the values of {what}, which this rank does not hold: dynashard sharded it and "
         f"freed its full value. {fix}. Expected dynashard.full_tensor(t) on every rank (a collective) to read the "
@@ -343,58 +368,3 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
     group = private.group_by_name(entry.spec.group_name)
     return gather_pieces(entry.shard.detach(), list(facade.shape), entry.spec, group)
-
-
-# Storages dynashard freed: copies and saves refused (a facade answers everything else).
-
-def is_storage_less(t: torch.Tensor) -> bool:
-    """A tensor with elements and no bytes: a facade, or a parameter parallelize has not read yet."""
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
-
-
-FREED = "_dynashard_freed"  # set on the (preserved) Python object of a storage dynashard freed
-_SAVE_REFUSAL: list[bool] = []  # the tagger refusing such storages is registered (on the first one, not on import)
-
-
-def mark_storage_less(t: torch.Tensor) -> None:
-    """Make copying or saving ``t``, a full-shape tensor whose storage dynashard freed (or never
-    filled), raise a UsageError naming the fix: ``copy.deepcopy`` of it kills the process (pytorch's
-    C++ reads the missing bytes), and ``torch.save`` (``model.state_dict()``'s detached views, pickle)
-    would write an empty storage without a word, a file that fails only when loaded. The copy is
-    refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
-    a storage tagger registered here the first time (``torch.serialization``'s are process-wide). Eager
-    math on ``t`` cannot be refused this way (the table in docs/facades.md)."""
-    become(t)  # a Facade: eager use answered
-    if not is_facade(t):  # (a subclass of the model's own keeps its class: copies and saves refused at least)
-        t.__deepcopy__ = _refuse_deepcopy
-    setattr(t.untyped_storage(), FREED, True)
-    if not _SAVE_REFUSAL:
-        torch.serialization.register_package(-100, _refuse_saving, _no_location)
-        _SAVE_REFUSAL.append(True)
-
-
-SAVE_REFUSED = (
-    "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
-    "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
-    "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
-    "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
-    "dynashard.export_safetensors(model, path), which works after a plain compile too.")
-
-
-def _refuse_saving(storage: Any) -> None:
-    """A ``torch.serialization`` location tagger, asked first for every storage ``torch.save`` writes:
-    refuses a storage dynashard freed, passes every other on (None: the next tagger names its device)."""
-    if getattr(storage, FREED, False) and storage.nbytes() == 0:
-        raise UsageError(SAVE_REFUSED)
-
-
-def _no_location(storage: Any, location: str) -> None:
-    return None  # (loading: never ours, the next deserializer restores it)
-
-
-
-def _refuse_deepcopy(memo: dict) -> None:
-    raise UsageError(
-        "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values (copying "
-        "a tensor without storage would kill the process). Expected the copy made before torch.compile or "
-        "dynashard.parallelize, e.g. reference = copy.deepcopy(model) first.")

@@ -20,7 +20,7 @@ import torch.nn as nn
 from dynashard import _torch_private as private
 from dynashard.checkpoint import owning
 from dynashard.errors import UsageError
-from dynashard.facades import mark_storage_less
+from dynashard.freed import mark_storage_less
 from dynashard.integrity import digest, disagreement, fingerprint
 from dynashard.protocol import agreed
 from dynashard.transport import deal_from_first

@@ -25,12 +25,13 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import gradients
-from dynashard.errors import SetupError
+from dynashard.errors import SetupError, UsageError
 from dynashard.facades import is_facade
 from dynashard.gate import Opened
 from dynashard.optimizers import FREED
 from dynashard.options import Options
 from dynashard.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
+from dynashard.rules.inplace import mutated_roots
 from dynashard.weights import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,8 @@ class ShardedProgram:
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
         self.specs = specs  # input slot -> (FQN, how that parameter is cut)
+        slots = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        self.written = frozenset(slots.index(n) for n in mutated_roots(graph.graph) if n in slots)
         self.fqns = sorted({fqn for fqn, _ in specs.values()})
         self.graph = graph  # this rank's rewritten aten graph, before the compiler
         self._group = _WeakGroup(group)  # adoption, naming missing ranks after a failed call
@@ -151,6 +154,8 @@ class ShardedProgram:
             self._adopt(args, fresh)
             shards.update({i: STORE.shard_of(args[i]) for i in fresh})
         for i, shard in shards.items():
+            if not shard.is_contiguous():  # (a cache cropped or selected eagerly: a view of its part)
+                shard = self._contiguous(i, shard)
             if self.train:  # the leaf the gradient lands in (the parameter parallelize registered)
                 shard = STORE.as_parameter(args[i])
                 if shard.requires_grad:  # (a frozen weight gets no gradient, and no hook)
@@ -169,6 +174,16 @@ class ShardedProgram:
         if handshake is not None:  # (a graph whose gate did not run: no collective was reached)
             handshake.wait()
         return self._hand_back(out) if self.held else out
+
+    def _contiguous(self, slot: int, shard: torch.Tensor) -> torch.Tensor:
+        """A shard in another layout than the graph was compiled for (its fake is contiguous): a copy,
+        unless the graph writes into it (the write would land in the copy)."""
+        if slot in self.written:
+            raise UsageError(
+                f"dynashard: {self.specs[slot][0]!r} is a view of this rank's part (an index or slice of a cache "
+                "taken eagerly), and the compiled graph writes into it in place. Expected the cache itself, or "
+                "a copy: t.clone().")
+        return shard.contiguous()
 
     def _hand_back(self, out: Any) -> Any:
         """Each cache the program allocated or grew, as this rank's shard, goes back to Dynamo (which stores it

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from dynashard import _torch_private as private
 from dynashard.errors import PeerError, UsageError
-from dynashard.facades import FREED, is_storage_less, mark_storage_less, unbecome
+from dynashard.facades import unbecome
+from dynashard.freed import FREED, is_storage_less, mark_storage_less
 from dynashard.integrity import checksum, close
 from dynashard.protocol import exchange_status
 from dynashard.split import Split

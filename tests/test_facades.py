@@ -182,7 +182,8 @@ def test_requires_grad_and_hooks_reach_the_shard(compiled):
 def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
     """HF's reorder_cache (beam search) runs ``cache.index_select(0, beam_idx)`` eagerly on the cache
     facade: each rank selects from its own heads. Along the cut (head) dim it needs values it lacks.
-    ``copy.deepcopy`` of the cache copies this rank's part (a weight's deepcopy stays refused)."""
+    An index that keeps the head dim whole (HF's crop, beam search's ``cache[idx]``) selects from each
+    rank's part; ``copy.deepcopy`` of the cache copies this rank's part (a weight's deepcopy stays refused)."""
     torch._dynamo.reset()
     private.init_fake_process_group(2, 0)
     try:
@@ -197,6 +198,14 @@ def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
         assert torch.equal(_shard(picked), _shard(cache).index_select(0, torch.tensor([1, 1])))
         with pytest.raises(UsageError, match="index_select needs the values"):
             cache.index_select(1, torch.tensor([0]))
+        cropped = cache[..., :-2, :]  # HF's crop (assisted decoding): each rank its part's positions
+        assert is_facade(cropped) and cropped.shape == (2, 4, 30, 8)
+        assert torch.equal(_shard(cropped), _shard(cache)[:, :, :-2])
+        picked = cache[torch.tensor([1, 0])]  # beam search's batch_select_indices
+        assert torch.equal(_shard(picked), _shard(cache)[[1, 0]])
+        for index in (0, (slice(None), 1), (slice(None), slice(0, 1))):  # an int, or the cut (head) dim itself
+            with pytest.raises(UsageError, match="__getitem__ needs the values"):
+                cache[index]
         copied = copy.deepcopy(cache)  # HF's prompt-cache reuse: a copy of this rank's part, not an alias
         assert is_facade(copied) and copied.shape == cache.shape and torch.equal(_shard(copied), _shard(cache))
         cache.zero_()  # HF StaticCache.reset()

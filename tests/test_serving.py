@@ -150,6 +150,30 @@ def test_a_graph_reading_a_held_cache_whole_is_refused_naming_it():
 
 
 @pytest.mark.unit
+def test_a_cache_cropped_eagerly_is_read_back_under_inductor():
+    """HF's assisted decoding crops the cache between calls (``keys[..., :-n, :]`` on the facade: a view
+    of each rank's part); the next graph, compiled by Inductor for a contiguous input, reads a copy
+    (it once failed Inductor's stride check)."""
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        torch.manual_seed(0)
+        model = models.CachedDecoder(form="cat")
+        fast = torch.compile(model, backend=dynashard.backend(min_shard_numel=0, compiler="inductor"))
+        with torch.no_grad():
+            fast(torch.randint(0, 96, (2, 6)), torch.arange(6))
+            for layer in model.layers:  # drop the last position, as crop does
+                cache = layer.kv_cache
+                cache.k_cache, cache.v_cache = cache.k_cache[..., :-1, :], cache.v_cache[..., :-1, :]
+            assert not STORE.shard_of(model.layers[0].kv_cache.k_cache).is_contiguous()
+            fast(torch.randint(0, 96, (2, 1)), torch.tensor([5]))
+        assert tuple(model.layers[0].kv_cache.k_cache.shape) == (2, 4, 6, 8)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+@pytest.mark.unit
 def test_saving_a_freed_weight_or_a_held_cache_raises_naming_the_fix():
     """After a compile (no parallelize), the module's sharded weights and the caches a graph returned
     are full-shape tensors with no storage: ``torch.save`` of them (``state_dict()``'s detached views
@@ -342,7 +366,7 @@ def test_hf_generate_matches_the_unsharded_model(rank, world, case, tmp_path):
     with torch.no_grad():
         sampled = model.generate(torch.randint(0, 128, (1, 5)), **{**kw, "do_sample": True, "top_k": 20}).tolist()
     rank0_sampled = from_rank0(sampled)  # (the scenario's last collective: the checks below are this rank's own)
-    assert same == [True] * 4, same
+    assert same == [True] * 5, same
     # prefill and decode graphs at the first call; at most one recompile per phase later (Qwen2's
     # second call recompiles once as well: HF builds its mask dict differently on a fresh cache)
     assert per_call[0] <= 3 and sum(per_call) <= 5 and per_call[3] == 0, per_call
@@ -366,7 +390,8 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
     """``generate`` with HF's default DynamicCache (``torch.cat`` growth, returned by each graph and
     read back by the next): greedy tokens equal the unsharded model's for prompts of 5 and 7 tokens,
     and with beam search (``num_beams=2``: HF reorders the cache eagerly, ``keys[beam_idx]`` on the
-    facade), and from a copy of a prompt's cache (HF's prompt-cache reuse: ``copy.deepcopy`` of the
+    facade), assisted decoding (``prompt_lookup_num_tokens``: HF crops the cache, ``keys[..., :-n, :]``
+    on the facade), and from a copy of a prompt's cache (HF's prompt-cache reuse: ``copy.deepcopy`` of the
     held cache). Each rank holds 1/world of every layer's cache (K/V heads whole on every rank where there
     are fewer of them than ranks: Llama with 2 on 4 ranks); reading a held cache raises a UsageError
     naming ``dynashard.full_tensor``, which returns the unsharded model's cache (1e-5: float32, the
@@ -384,9 +409,11 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
     kw = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True}
     same = []
     with torch.no_grad():
-        for length, beams in ((5, 1), (7, 1), (5, 2)):
+        for length, beams, lookup in ((5, 1, None), (7, 1, None), (5, 2, None), (6, 1, 2)):
             ids = torch.randint(0, 128, (1, length))
-            got, want = model.generate(ids, num_beams=beams, **kw), twin.generate(ids, num_beams=beams, **kw)
+            ids[0, 3:] = ids[0, :3]  # (a repeated n-gram: prompt lookup finds candidates, then crops the cache)
+            extra = {"num_beams": beams, "prompt_lookup_num_tokens": lookup}
+            got, want = model.generate(ids, **extra, **kw), twin.generate(ids, **extra, **kw)
             same.append(torch.equal(got.sequences, want.sequences))
         # HF's prompt-cache reuse: a prompt's cache computed once, copied for each longer request
         prompt, longer = torch.randint(0, 128, (1, 5)), torch.randint(0, 128, (1, 3))
@@ -394,7 +421,7 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
         reused = [m.generate(ids, past_key_values=copy.deepcopy(m(prompt).past_key_values), **kw).sequences
                   for m in (model, twin)]
         same.append(torch.equal(*reused))
-    assert same == [True] * 4, same
+    assert same == [True] * 5, same
     caches = [t for layer in got.past_key_values.layers for t in (layer.keys, layer.values)]
     wanted = [t for layer in want.past_key_values.layers for t in (layer.keys, layer.values)]
     fulls = [dynashard.full_tensor(t) for t in caches]  # (a collective: every rank, every cache)
