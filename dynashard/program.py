@@ -134,6 +134,7 @@ class ShardedProgram:
         self._group = _WeakGroup(group)  # adoption, naming missing ranks after a failed call
         self.check = None if private.is_fake_group(group) else check  # a fake group moves no data
         self.options, self.fingerprint = dataclasses.replace(options, group=None), fingerprint
+        self.replays = private.uses_cudagraphs(options.compiler, options.mode)  # (held outputs are copied)
         self.failures = 0
 
     @property
@@ -193,6 +194,8 @@ class ShardedProgram:
             # contiguous, as the next graph's fake of it is (shard_fakes): Inductor may return a grown cache
             # in another layout (k's [B, T, H, D] order, transposed), or a view (a sliding window's slice)
             local = out[i].contiguous()
+            if self.replays and local is out[i]:  # a CUDA graph's output memory is its next replay's: a copy
+                local = local.clone()
             shape = list(local.shape)
             shape[spec.dim] = spec.split.size
             out[i] = STORE.hold(local, torch.Size(shape), spec, f"KV cache returned by the graph (output {i})")

@@ -11,7 +11,8 @@ One GPU (a fake process group or simulated ranks stand in for the other ranks):
   math stand-ins for the kernels, tests/gpu_attention_on_cpu.py: never the kernels themselves.)
 - Inductor's Triton code for a sharded graph, against the same graph run eagerly.
 - ``mode="reduce-overhead"``: the sharded graph replays as a CUDA graph that reads its shards in
-  place (no copy of a weight per replay).
+  place (no copy of a weight per replay); a cache grown by cat (HF's DynamicCache) and held by heads
+  survives the next replay.
 - NCCL at world 1 (tests/cuda_ranks.py, a subprocess): dynashard's host-side messages travel on a
   CPU companion group of the NCCL group.
 Two GPUs: real NCCL ranks against the unsharded model (an MLP, a Llama decoder, bench_decode's
@@ -331,6 +332,36 @@ def test_reduce_overhead_replays_the_sharded_graph_with_the_shards_read_in_place
         static.update(p for p in node.static_input_data_ptrs if p)
     held = {s.data_ptr() for s in shards} | {model.down.bias.data_ptr()}
     assert held <= static, f"read by the CUDA graph from a copy: {len(held - static)} of the shards and whole bias"
+
+
+def test_reduce_overhead_keeps_a_grown_cache_apart_from_the_next_replay():
+    """HF's DynamicCache form (a cache grown by cat, returned held by heads: CachedDecoder "cat") under
+    mode="reduce-overhead": a CUDA graph's output lives in memory its next replay reuses, so the held
+    part is copied when handed back (program.py). The logits of a prefill and 6 decode steps, and each
+    layer's held cache after them, equal the same model's compiled with compiler="eager" (fake group,
+    both: an all_reduce keeps rank 0's term; no gather in these graphs). 1e-4: Inductor's float32
+    kernels against eager aten, the same sums in another order."""
+    from dynashard.weights import STORE
+
+    torch.manual_seed(0)
+    model = models.CachedDecoder(form="cat").to(DEVICE).eval()
+    twin = copy.deepcopy(model)
+    steps = [(torch.randint(0, 96, (2, 5), device=DEVICE), torch.arange(5, device=DEVICE))]
+    steps += [(torch.randint(0, 96, (2, 1), device=DEVICE), torch.tensor([5 + i], device=DEVICE)) for i in range(6)]
+
+    def run(m, backend):
+        torch._dynamo.reset()
+        fast, logits = torch.compile(m, backend=backend), []
+        with torch.no_grad():
+            for ids, pos in steps:
+                torch.compiler.cudagraph_mark_step_begin()
+                logits.append(fast(ids, pos).clone())
+        return logits + [STORE.shard_of(layer.kv_cache.k_cache).clone() for layer in m.layers]
+
+    want, got = _on_fake_group(lambda: (run(twin, dynashard.backend(compiler="eager", min_shard_numel=0)),
+                                        run(model, dynashard.backend(mode="reduce-overhead", min_shard_numel=0))))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 # --- NCCL ---------------------------------------------------------------------------------------
