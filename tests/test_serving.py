@@ -366,7 +366,7 @@ def test_hf_generate_matches_the_unsharded_model(rank, world, case, tmp_path):
     with torch.no_grad():
         sampled = model.generate(torch.randint(0, 128, (1, 5)), **{**kw, "do_sample": True, "top_k": 20}).tolist()
     rank0_sampled = from_rank0(sampled)  # (the scenario's last collective: the checks below are this rank's own)
-    assert same == [True] * 5, same
+    assert same == [True] * 4, same
     # prefill and decode graphs at the first call; at most one recompile per phase later (Qwen2's
     # second call recompiles once as well: HF builds its mask dict differently on a fresh cache)
     assert per_call[0] <= 3 and sum(per_call) <= 5 and per_call[3] == 0, per_call
@@ -411,7 +411,7 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
     with torch.no_grad():
         for length, beams, lookup in ((5, 1, None), (7, 1, None), (5, 2, None), (6, 1, 2)):
             ids = torch.randint(0, 128, (1, length))
-            ids[0, 3:] = ids[0, :3]  # (a repeated n-gram: prompt lookup finds candidates, then crops the cache)
+            ids[0, 3:] = ids[0, :length - 3]  # (a repeated n-gram: prompt lookup finds candidates, then crops)
             extra = {"num_beams": beams, "prompt_lookup_num_tokens": lookup}
             got, want = model.generate(ids, **extra, **kw), twin.generate(ids, **extra, **kw)
             same.append(torch.equal(got.sequences, want.sequences))
