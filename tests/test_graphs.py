@@ -324,6 +324,65 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         self.assertEqual(outs, [torch.Size([2, 5, 48]), torch.Size([3, 7, 48])])
         self.assertEqual(model.o.weight.untyped_storage().nbytes(), 0)
 
+    def test_a_cache_grown_by_cat_is_read_and_returned_by_heads(self):
+        # HF DynamicCache's decode step: the past k/v come in, k/v of the new token are appended by
+        # cat along the sequence, attention reads the grown cache, the grown cache goes back out. The
+        # past is held cut like k (a graph input of 2 of the 4 heads, [2, 2, 3, 8]), the cat and its
+        # output stay this rank's heads (returned as the rank's parts, program.py's facades): no
+        # gather; the layer's one all_reduce is o's.
+        torch.manual_seed(0)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            program = dynashard_backend(gm, example_inputs, {"compiler": "eager", "min_shard_numel": 0})
+            graphs.append(program.graph)
+            return program
+
+        torch._dynamo.reset()
+        private.init_fake_process_group(2, 0)
+        try:
+            with torch.no_grad():
+                torch.compile(_GrownCacheAttention(), backend=backend)(
+                    torch.randn(2, 1, 32), torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8))
+        finally:
+            dist.destroy_process_group()
+        gm = graphs[0]
+        self.assertEqual((_count(gm, "all_reduce"), _count(gm, "all_gather")), (1, 0))
+        past = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder" and n.name in ("arg4_1", "arg5_1")]
+        self.assertEqual(past, [(2, 2, 3, 8)] * 2)
+        self.assertExpectedInline(_normalise(gm.code), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
+    t = torch.ops.aten.t.default(arg1_1)
+    view = torch.ops.aten.view.default(arg0_1, [2, 32])
+    mm = torch.ops.aten.mm.default(view, t)
+    view_1 = torch.ops.aten.view.default(mm, [2, 1, 16])
+    view_2 = torch.ops.aten.view.default(view_1, [2, 1, 2, 8])
+    transpose = torch.ops.aten.transpose.int(view_2, 1, 2)
+    t_1 = torch.ops.aten.t.default(arg2_1)
+    mm_1 = torch.ops.aten.mm.default(view, t_1)
+    view_3 = torch.ops.aten.view.default(mm_1, [2, 1, 16])
+    view_4 = torch.ops.aten.view.default(view_3, [2, 1, 2, 8])
+    transpose_1 = torch.ops.aten.transpose.int(view_4, 1, 2)
+    t_2 = torch.ops.aten.t.default(arg3_1)
+    mm_2 = torch.ops.aten.mm.default(view, t_2)
+    view_5 = torch.ops.aten.view.default(mm_2, [2, 1, 16])
+    view_6 = torch.ops.aten.view.default(view_5, [2, 1, 2, 8])
+    transpose_2 = torch.ops.aten.transpose.int(view_6, 1, 2)
+    cat = torch.ops.aten.cat.default([arg4_1, transpose_1], 2)
+    cat_1 = torch.ops.aten.cat.default([arg5_1, transpose_2], 2)
+    _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(transpose, cat, cat_1)
+    getitem = _scaled_dot_product_flash_attention_for_cpu[0]
+    getitem_1 = _scaled_dot_product_flash_attention_for_cpu[1]
+    transpose_3 = torch.ops.aten.transpose.int(getitem, 1, 2)
+    view_7 = torch.ops.aten.view.default(transpose_3, [2, 1, 16])
+    t_3 = torch.ops.aten.t.default(arg6_1)
+    view_8 = torch.ops.aten.view.default(view_7, [2, 16])
+    mm_3 = torch.ops.aten.mm.default(view_8, t_3)
+    all_reduce = torch.ops._c10d_functional.all_reduce.default(mm_3, 'sum', 'G')
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+    view_9 = torch.ops.aten.view.default(wait_tensor, [2, 1, 32])
+    return (view_9, cat, cat_1)""")
+
     def test_replicate_plan_leaves_graph_alone(self):
         torch._dynamo.reset()
         private.init_fake_process_group(2, 0)
@@ -341,6 +400,21 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
             dist.destroy_process_group()
         # Nothing sharded: the compiler gets Dynamo's graph unchanged (a bound forward, no program).
         self.assertFalse(hasattr(seen[0], "specs"))
+
+
+class _GrownCacheAttention(torch.nn.Module):
+    """One attention layer of 4 heads of 8 decoding with a cache grown by ``torch.cat`` (HF's DynamicCache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+
+    def forward(self, x, past_k, past_v):
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, 4, 8).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, t, 32)), k, v
 
 
 if __name__ == "__main__":
