@@ -3,8 +3,8 @@
 Each architecture is planned for 2 ranks (8 of them also for 4) and every rank's sharded program is run against the
 unsharded model (``explain(verify=True)``: layer by layer and at the output). The table pins what
 dynashard does with each one today: which layers stay whole and which values are gathered. A change
-here must be deliberate. Caches are off (``use_cache=False``): the K/V a cache returns from the graph
-are gathered at the output until serving keeps them sharded.
+here must be deliberate. Caches are off (``use_cache=False``) except in the test of HF's default cache,
+which checks that the plan stays the same with it (the cache is held by heads, not gathered).
 
 Why layers stay whole here: ``lm_head`` has ``in_features`` 64 < 256 and no rowwise partner, so a
 gather would not pay; k/v projections with 2 KV heads cannot be cut over 4 ranks (each rank narrows
@@ -105,6 +105,32 @@ def test_hf_architecture_sharded_and_verified(arch, world):
 @pytest.mark.parametrize("arch,world", [("llama", 4), ("gpt2", 2)])  # (Qwen2: tests/test_serving.py)
 def test_hf_architecture_under_dynamic_shapes_has_the_same_plan_and_is_verified(arch, world):
     _check(arch, world, dynamic=True)
+
+
+# HF's default DynamicCache, prefill (grown from an empty tensor) and a decode step on a past of 7
+# positions: the plan above unchanged (no k or v gathered for the cache), each rank's program verified,
+# the past held by heads (k and v of the one layer; whole where one K/V head is shared: falcon_mqa). A
+# few architectures here, every one in the slow tier (3 s each).
+_CACHED = ("llama", "gemma2", "gpt2", "bloom", "falcon_mqa")
+
+
+@pytest.mark.parametrize("arch", [a if a in _CACHED else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in sorted(CONFIGS)])
+def test_hf_architecture_with_its_default_cache_holds_it_by_heads(arch):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    ids, step = torch.randint(3, 96, (2, 7)), torch.randint(3, 96, (2, 1))
+    with torch.no_grad():
+        past = model(ids, use_cache=True).past_key_values
+    for args, kwargs in (((ids,), {}), ((step,), {"past_key_values": past})):
+        report = dynashard.explain(model, *args, world_size=2, verify=True, options={"min_shard_numel": 0},
+                                   use_cache=True, **kwargs)
+        whole = {r.fqn.rsplit(".", 1)[-1] for r in report.rows if r.style == "replicate"}
+        gathers = {r.fqn.rsplit(".", 1)[-1]: r.collectives for r in report.rows
+                   if r.collectives not in ("-", "all_reduce")}
+        assert (whole, gathers) == EXPECTED[arch][2], str(report)
+    held = [r for g in report.graphs for r in g.caches]
+    assert len(held) == (0 if arch == "falcon_mqa" else 2), str(report)
 
 
 def _check(arch: str, world: int, dynamic: bool = False) -> None:

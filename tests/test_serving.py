@@ -411,7 +411,7 @@ def test_hf_default_cache_is_held_by_heads(rank, world, case):
     with torch.no_grad():
         for length, beams, lookup in ((5, 1, None), (7, 1, None), (5, 2, None), (6, 1, 2)):
             ids = torch.randint(0, 128, (1, length))
-            ids[0, 3:] = ids[0, :length - 3]  # (a repeated n-gram: prompt lookup finds candidates, then crops)
+            ids[0, 3:] = ids[0, :length - 3].clone()  # (a repeated n-gram: prompt lookup finds candidates, crops)
             extra = {"num_beams": beams, "prompt_lookup_num_tokens": lookup}
             got, want = model.generate(ids, **extra, **kw), twin.generate(ids, **extra, **kw)
             same.append(torch.equal(got.sequences, want.sequences))
