@@ -616,7 +616,7 @@ def test_importing_dynashard_registers_nothing_with_torch_serialization():
     import sys
 
     code = (
-        "import torch, io, dynashard, dynashard.facades as w\n"
+        "import torch, io, dynashard, dynashard.freed as w\n"
         "t = torch.zeros(0)\n"
         "setattr(t.untyped_storage(), w.FREED, True)\n"  # what a freed storage carries
         "torch.save(t, io.BytesIO())\n"  # no tagger yet: saved
