@@ -21,11 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
     "script,ranks",
     # (the seed scenario and the collectives comparison are documented at 4 ranks; 2 prove the scripts run)
-    # (suite.py and bench_train.py, the longest, 26 s and 20 s, in the slow tier: their systems are the
-    # numerics' and the training tests' compiles again, at smoke sizes)
-    [("bench_seed.py", 2), ("bench_memory.py", 2), ("bench_collectives.py", 2),
+    # (the longest in the slow tier, their systems the tests' compiles again at smoke sizes: suite.py and
+    # bench_train.py, 26 s and 20 s, the numerics' and the training tests'; bench_decode.py and
+    # bench_memory.py, 24 s and 21 s under a load of 4, test_serving.py's decoding and the bytes a compile
+    # frees, test_held_bytes.py and test_process_state.py)
+    [("bench_seed.py", 2), pytest.param("bench_memory.py", 2, marks=pytest.mark.slow), ("bench_collectives.py", 2),
      pytest.param("suite.py", 2, marks=pytest.mark.slow), ("bench_overlap.py", 2), ("bench_fused_kv.py", 2),
-     ("bench_call_check.py", 2), pytest.param("bench_train.py", 2, marks=pytest.mark.slow), ("bench_decode.py", 2)],
+     ("bench_call_check.py", 2), pytest.param("bench_train.py", 2, marks=pytest.mark.slow),
+     pytest.param("bench_decode.py", 2, marks=pytest.mark.slow)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):
     """Each script's ``main()`` with ``--smoke`` on the test harness's gloo ranks (forked from a

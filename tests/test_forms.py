@@ -247,12 +247,33 @@ def test_a_float_buffer_in_a_matmul_is_not_a_weight():
     assert report.layers == {}, str(report)
 
 
+# On real ranks under eager; the slow tier runs both under Inductor (the default compiler, which cost
+# this spawn ~12 s more under a load of 4: its start-up and two C++ builds per rank). The sharded program
+# and its collectives are the same under both (test_numerics.py lowers its cases under Inductor).
 @on_ranks
-@torch.no_grad()
 def test_int8_mlp_on_real_ranks_equals_unsharded(rank, world):
+    _int8_mlp_equals_unsharded("eager")
+
+
+@on_ranks
+def test_multihead_attention_on_real_ranks_equals_unsharded(rank, world):
+    _multihead_attention_equals_unsharded("eager")
+
+
+@pytest.mark.slow
+@on_ranks.alone(2)
+def test_int8_mlp_and_multihead_attention_on_real_ranks_under_inductor_equal_unsharded(rank, world):
+    _int8_mlp_equals_unsharded("inductor")
+    torch._dynamo.reset()
+    torch.manual_seed(0)  # (as a scenario of its own starts)
+    _multihead_attention_equals_unsharded("inductor")
+
+
+@torch.no_grad()
+def _int8_mlp_equals_unsharded(compiler: str) -> None:
     model = Int8MLP()
     reference = copy.deepcopy(model)
-    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0})
+    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": compiler})
     for shape in [(3, 5, 64), (7, 64)]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
         want = reference(x)
@@ -262,12 +283,11 @@ def test_int8_mlp_on_real_ranks_equals_unsharded(rank, world):
     assert held < 0.6 * whole, (held, whole)  # the int8 weights cut in half; scales (1 KiB) whole
 
 
-@on_ranks
 @torch.no_grad()
-def test_multihead_attention_on_real_ranks_equals_unsharded(rank, world):
+def _multihead_attention_equals_unsharded(compiler: str) -> None:
     model = MultiheadAttention(need_weights=True)
     reference = copy.deepcopy(model)
-    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0})
+    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": compiler})
     for shape in [(5, 2, 64), (7, 3, 64)]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
         (y, w), (y_ref, w_ref) = fast(x), reference(x)

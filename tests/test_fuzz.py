@@ -2,12 +2,15 @@
 inputs, automatic and random user plans, replicated and per-rank inputs -- every case checked
 with ``explain(verify=True)``, which runs every rank's sharded program against the model.
 
-Derandomized so CI sees the same cases every run; ``FUZZ_EXAMPLES=300`` digs deeper locally.
+Derandomized so CI sees the same cases every run. Each fuzz test is two (``fuzz`` below): a few
+examples in the default run, and the full count in the ``slow`` tier (``<name>_full``);
+``FUZZ_EXAMPLES=300`` digs deeper locally.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -192,38 +195,47 @@ SETTINGS = settings(
 )
 
 
-@SETTINGS
-@given(case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
-       per_rank=st.booleans(), own_weights=st.booleans(), data=st.data())
+def fuzz(default: int, full: int, **strategies):
+    """``@given(**strategies)`` as two tests: this one draws ``default`` examples (the default run), and
+    ``<name>_full``, in the ``slow`` tier, draws ``full``; ``FUZZ_EXAMPLES``, when set, is both counts.
+    Each example plans and simulates whole models (seconds each on the 2-core machine): the default run
+    keeps a few of each generator, the slow tier the count these tests were written and passed with."""
+    def tests(body):
+        def drawing(n: int):
+            return settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", n)))(given(**strategies)(body))
+
+        setattr(sys.modules[body.__module__], f"{body.__name__}_full", pytest.mark.slow(drawing(full)))
+        return drawing(default)
+    return tests
+
+
+@fuzz(10, 25, case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
+      per_rank=st.booleans(), own_weights=st.booleans(), data=st.data())
 def test_random_mlp_stacks(case, world, shape3d, plan_draw, per_rank, own_weights, data):
     _check(case, world, shape3d, plan_draw, per_rank, data, own_weights)
 
 
-@SETTINGS
-@given(case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), dynamic=st.booleans(),
-       data=st.data())
+@fuzz(10, 25, case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), dynamic=st.booleans(),
+      data=st.data())
 def test_random_attention(case, world, plan_draw, dynamic, data):
     """``dynamic``: captured as torch.compile(..., dynamic=True) captures it (symbolic sizes, the float
     scale an input); it once failed to plan (GuardOnDataDependentSymNode on SDPA's scale)."""
     _check(case, world, True, plan_draw, False, data, dynamic=dynamic)
 
 
-@SETTINGS
-@given(case=transformer_attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
+@fuzz(10, 25, case=transformer_attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
 def test_random_transformer_attention(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data)
 
 
-@settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 8)))
-@given(case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
-       per_rank=st.booleans(), data=st.data())
+@fuzz(4, 8, case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
+      per_rank=st.booleans(), data=st.data())
 def test_random_mlp_stacks_under_autocast(case, world, shape3d, plan_draw, per_rank, data):
     """Issue 28: under torch.autocast every weight reaches its matmul through a bf16 conversion."""
     _check(case, world, shape3d, plan_draw, per_rank, data, autocast=True)
 
 
-@settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 8)))
-@given(case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
+@fuzz(4, 8, case=attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
 def test_random_attention_under_autocast(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data, autocast=True)
 
@@ -276,8 +288,8 @@ def moe_cases(draw):
     return MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS))), shared), moe.router.in_features
 
 
-@SETTINGS
-@given(case=moe_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(), data=st.data())
+@fuzz(10, 25, case=moe_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
+      data=st.data())
 def test_random_moe(case, world, shape3d, plan_draw, data):
     """Experts of any count, width (down to fewer features than ranks) and top-k, in the batched,
     transposed and loop forms, auto or drawn plans, followed by ops linear in their partial sums
@@ -323,11 +335,10 @@ class LossHead(nn.Module):
         return (loss, logits) if self.also_logits else loss
 
 
-@SETTINGS
-@given(world=st.integers(2, 4), hidden=st.integers(3, 24), vocab=st.integers(1, 70), plan_draw=st.booleans(),
-       form=st.sampled_from(["cross_entropy", "cross_entropy", "log_softmax_nll", "class_weights", "vocab_dim_1"]),
-       ignore=st.sampled_from([-100, 0, 2]), reduction=st.sampled_from(["mean", "sum", "none"]),
-       smoothing=st.sampled_from([0.0, 0.0, 0.1]), also_logits=st.booleans(), data=st.data())
+@fuzz(10, 25, world=st.integers(2, 4), hidden=st.integers(3, 24), vocab=st.integers(1, 70), plan_draw=st.booleans(),
+      form=st.sampled_from(["cross_entropy", "cross_entropy", "log_softmax_nll", "class_weights", "vocab_dim_1"]),
+      ignore=st.sampled_from([-100, 0, 2]), reduction=st.sampled_from(["mean", "sum", "none"]),
+      smoothing=st.sampled_from([0.0, 0.0, 0.1]), also_logits=st.booleans(), data=st.data())
 def test_random_loss_heads(world, hidden, vocab, plan_draw, form, ignore, reduction, smoothing, also_logits, data):
     """Cross-entropy on a vocab-sharded head, however it is written: the loss (and its ignored
     targets, reductions) equal to unsharded on every simulated rank."""
@@ -357,13 +368,10 @@ def test_verify_catches_a_wrong_shard(monkeypatch):
         dynashard.explain(model, torch.randn(4, 16), world_size=2, options={"min_shard_numel": 0}, verify=True)
 
 
-# (each example plans and simulates two cached decoders: 12 by default keeps the suite's time;
-# FUZZ_EXAMPLES=100 passed when this test was written)
-@settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", 12)))
-@given(world=st.integers(2, 4), kv=st.integers(1, 4), rep=st.integers(1, 3), dh=st.sampled_from([2, 4, 8]),
-       form=st.sampled_from(["index_put", "index_copy", "slice", "lazy", "cat"]), batch=st.integers(1, 2),
-       t=st.integers(1, 6),
-       data=st.data())
+# (each example plans and simulates two cached decoders; FUZZ_EXAMPLES=100 passed when this test was written)
+@fuzz(5, 12, world=st.integers(2, 4), kv=st.integers(1, 4), rep=st.integers(1, 3), dh=st.sampled_from([2, 4, 8]),
+      form=st.sampled_from(["index_put", "index_copy", "slice", "lazy", "cat"]), batch=st.integers(1, 2),
+      t=st.integers(1, 6), data=st.data())
 def test_random_caches(world, kv, rep, dh, form, batch, t, data):
     """gpt-fast-style decoders whose KV caches the graph writes in place (every write form, and caches
     the graph allocates itself, returned as each rank's shard: "lazy"; HF DynamicCache's ``torch.cat``

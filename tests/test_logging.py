@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -63,8 +64,15 @@ def test_silent_by_default(tmp_path):
     assert "dynashard" not in done.stderr, done.stderr
 
 
+@functools.cache
+def _info_of_a_recompile() -> str:
+    """RECOMPILE's stderr under TORCH_LOGS=dynashard (a Python process importing torch: seconds), read by
+    the two tests of INFO lines."""
+    return _run(None, RECOMPILE, TORCH_LOGS="dynashard").stderr
+
+
 def test_torch_logs_shows_plan_and_graphs(tmp_path):
-    info = _run(tmp_path, TORCH_LOGS="dynashard").stderr
+    info = _info_of_a_recompile()
     assert "dynashard plan (rank 0 of 2)" in info and "pairs with rowwise down" in info
     assert "rewritten graph" not in info  # graphs are debug level
     debug = _run(tmp_path, TORCH_LOGS="+dynashard").stderr
@@ -81,7 +89,7 @@ def test_each_compile_logs_one_line_naming_the_graph_the_reason_and_the_time(tmp
     """A first compile and a recompile for a new batch size each log one INFO line: the graph, its
     inputs (static, then dynamic), why (a first compile; then the guard of the first compile that
     failed, as Dynamo words it), the plan in a few words and the seconds taken."""
-    info = _run(tmp_path, RECOMPILE, TORCH_LOGS="dynashard").stderr
+    info = _info_of_a_recompile()
     lines = [line for line in info.splitlines() if "dynashard: compiled graph" in line]
     assert len(lines) == 2, info
     first, again = lines
