@@ -290,16 +290,17 @@ def _getitem(func, args, kwargs) -> torch.Tensor:
     t, index = args[0], args[1]
     spec = _store().spec_of_any(t)
     items = list(index) if isinstance(index, tuple) else [index]
-    if spec is None or sum(i is Ellipsis for i in items) > 1:
+    ellipses = [at for at, i in enumerate(items) if i is Ellipsis]  # (by identity: == on a tensor is elementwise)
+    if spec is None or len(ellipses) > 1:
         raise _refusal("__getitem__", args, kwargs)
-    if Ellipsis in items:  # the dims the ellipsis stands for
-        at = items.index(Ellipsis)
-        items[at:at + 1] = [slice(None)] * (t.dim() - len(items) + 1)
+    if ellipses:  # the dims the ellipsis stands for
+        items[ellipses[0]:ellipses[0] + 1] = [slice(None)] * (t.dim() - len(items) + 1)
     items += [slice(None)] * (t.dim() - len(items))
     cut = spec.dim % t.dim()
     tensors = [i for i in items if torch.is_tensor(i)]
     keeps = all(isinstance(i, slice) or (torch.is_tensor(i) and i.dim() == 1 and not is_facade(i)) for i in items)
-    if not keeps or len(tensors) > 1 or items[cut] != slice(None) or any(torch.is_tensor(i) for i in items[cut:]):
+    whole = isinstance(items[cut], slice) and items[cut] == slice(None)  # the cut dim untouched
+    if not keeps or len(tensors) > 1 or not whole or any(torch.is_tensor(i) for i in items[cut:]):
         raise _refusal("__getitem__", args, kwargs)
     return _store().derived(t, lambda shard: shard[tuple(items)], "a selection")
 

@@ -203,6 +203,8 @@ def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
         assert torch.equal(_shard(cropped), _shard(cache)[:, :, :-2])
         picked = cache[torch.tensor([1, 0])]  # beam search's batch_select_indices
         assert torch.equal(_shard(picked), _shard(cache)[[1, 0]])
+        picked = cache[torch.tensor([1, 0]), ...]  # (HF's keys[indices, ...])
+        assert torch.equal(_shard(picked), _shard(cache)[[1, 0]])
         for index in (0, (slice(None), 1), (slice(None), slice(0, 1))):  # an int, or the cut (head) dim itself
             with pytest.raises(UsageError, match="__getitem__ needs the values"):
                 cache[index]
