@@ -436,7 +436,8 @@ def test_destroy_process_group_ends_the_groups_threads(tmp_path):
         before = len(os.listdir("/proc/self/task"))
         dist.destroy_process_group()
         gc.collect()
-        print("threads", before, len(os.listdir("/proc/self/task")))
+        with open(os.path.join(os.path.dirname(__file__), "threads_" + os.environ["RANK"]), "w") as f:
+            f.write(f"{before} {len(os.listdir('/proc/self/task'))}")  # (a file per rank: printed lines interleave)
         """
     ))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -444,5 +445,5 @@ def test_destroy_process_group_ends_the_groups_threads(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=root, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    counts = [tuple(map(int, line.split()[1:])) for line in done.stdout.splitlines() if line.startswith("threads")]
-    assert len(counts) == 2 and all(after < before for before, after in counts), done.stdout
+    counts = [tuple(map(int, (tmp_path / f"threads_{rank}").read_text().split())) for rank in range(2)]
+    assert all(after < before for before, after in counts), counts  # (threads before and after, per rank)
