@@ -75,8 +75,9 @@ def _carry_item_memo(src: torch.Tensor, dst: torch.Tensor) -> None:
     if memo is not None:
         dst.item_memo = memo
 
-def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.GraphModule:
-    """Retrace ``fn`` into an aten-level graph with Dynamo's symbolic sizes kept symbolic.
+def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any], keep_tags: bool = False) -> torch.fx.GraphModule:
+    """Retrace ``fn`` into an aten-level graph with Dynamo's symbolic sizes kept symbolic. ``keep_tags``:
+    each traced node inherits the checkpoint tags of the node ``fn`` runs (see :func:`recomputes`).
 
     NOTE: ``make_fx(tracing_mode="symbolic")`` reuses the fake mode of its fake inputs, so sizes
     stay the SymInts Dynamo created. ``torch.func.functionalize`` around it loses that tracking
@@ -101,10 +102,37 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any]) -> torch.fx.Gra
     allowed = fake_mode.allow_scalar_outputs
     fake_mode.allow_scalar_outputs = True
     try:
-        with fake_mode:
+        with fake_mode, keeping_tags() if keep_tags else contextlib.nullcontext():
             return make_fx(with_memos, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
     finally:
         fake_mode.allow_scalar_outputs = allowed
+
+# Activation checkpointing. Dynamo captures a checkpointed block as a tag_activation_checkpoint region,
+# and the retrace to aten inlines it with each op tagged (meta "recompute", a CheckpointPolicy, and
+# "ac_graph_id": the region; a selective policy asked op by op). The rewrite runs the aten graph node by
+# node under fx.traceback.preserve_node_meta, and both fields are among those a traced node inherits from
+# the node being run (torch.fx.proxy._COPY_META_FIELDS), so all it emits for a tagged op (collectives
+# included) is tagged alike; AOTAutograd's min-cut partitioner then recomputes the region in the backward.
+# Without this the rewrite dropped the tags, and the user's checkpointing with them, without a word.
+
+def recomputes(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` has ops a checkpointed region asks to recompute in the backward."""
+    return any("recompute" in n.meta for n in gm.graph.nodes)
+
+
+def keeping_tags() -> contextlib.AbstractContextManager:
+    """Around a retrace: each traced node inherits the checkpoint tags of the node being run."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.preserve_node_meta()
+
+
+def as_node(node: torch.fx.Node) -> contextlib.AbstractContextManager:
+    """Inside :func:`keeping_tags`: what is traced now inherits ``node``'s tags."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.set_current_meta(node) if "recompute" in node.meta else contextlib.nullcontext()
+
 
 def is_fake(x: Any) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
@@ -360,3 +388,4 @@ from dynashard._torch_private_c10d import group_timeout as group_timeout  # noqa
 from dynashard._torch_private_c10d import init_fake_process_group as init_fake_process_group  # noqa: E402
 from dynashard._torch_private_c10d import is_fake_group as is_fake_group  # noqa: E402
 from dynashard._torch_private_c10d import moves_cpu_tensors as moves_cpu_tensors  # noqa: E402
+

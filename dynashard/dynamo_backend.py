@@ -100,8 +100,11 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         private.carry_dynamo_inputs(gm, sharded_gm)
         if agree and check is not None and not train and not private.uses_cudagraphs(opts.compiler, opts.mode):
             gate_slot = gate.insert(sharded_gm)  # the call's handshake overlaps the graph up to its first collective
+        compiler = opts.compiler
+        if train and compiler == "eager" and private.recomputes(sharded_gm):
+            compiler = "aot_eager"  # (AOTAutograd's partitioner recomputes a checkpointed region; eager keeps all)
         with grad_guard:
-            compiled = private.compile_graph(opts.compiler, sharded_gm, new_fakes, opts.mode,
+            compiled = private.compile_graph(compiler, sharded_gm, new_fakes, opts.mode,
                                              on_backward_error=_name_dead_peers(group) if train and agree else None)
     specs = {
         i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))

@@ -142,6 +142,10 @@ class _Sharder(torch.fx.Interpreter):
     def run_node(self, node: torch.fx.Node) -> Any:
         if node.op in ("placeholder", "get_attr"):
             return super().run_node(node)
+        with private.as_node(node):  # (what is emitted for a node a checkpoint recomputes is recomputed too)
+            return self._run(node)
+
+    def _run(self, node: torch.fx.Node) -> Any:
         record = self.lm.records[node]
         if record.lowering is None and record.resize is None and node.target not in _VIEWS:
             return self.run_op(node)  # the op itself on converted arguments: every argument carried
@@ -224,5 +228,5 @@ def rewrite(
     will be differentiated: its conversions carry Megatron's backward (``collectives.copy_to_shards``).
     """
     sharder = _Sharder(gm, plan, group_name, a2a_reduce, train=train)
-    traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args)
+    traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args, keep_tags=private.recomputes(gm))
     return collectives.bind_conversions(traced) if train else traced
