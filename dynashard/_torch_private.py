@@ -42,6 +42,12 @@ def placeholder_source_fqn(node: torch.fx.Node) -> tuple[str, str] | None:
         return None
     return ".".join(parts[:-1]), parts[-1]
 
+def from_fsdp_module(node: torch.fx.Node) -> bool:
+    """Whether a placeholder is a parameter of a module FSDP2's ``fully_shard`` manages (Dynamo 2.13 gives
+    such a module an ``FSDPNNModuleSource``: its parameters are graph inputs FSDP swaps at every forward)."""
+    grapharg = node.meta.get("grapharg")
+    return grapharg is not None and grapharg.source is not None and grapharg.source.guard_source.is_fsdp_module()
+
 def placeholder_source_name(node: torch.fx.Node) -> str:
     """Dynamo's name for where a placeholder's value comes from (``""`` if it has none)."""
     grapharg = node.meta.get("grapharg")

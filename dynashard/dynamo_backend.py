@@ -67,6 +67,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     planned = time.perf_counter()
     sharded = analysis.sharded_inputs() if analysis else {}
+    _refuse_fsdp_managed(gm, sharded)
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
     named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in analysis.params]
     fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
@@ -121,6 +122,21 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     _log_compile(gm, fake_args, analysis, started, planned)
     return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
                           gate=gate_slot)
+
+
+def _refuse_fsdp_managed(gm: torch.fx.GraphModule, sharded: dict[int, Any]) -> None:
+    """A weight FSDP2's ``fully_shard`` manages cannot be cut: FSDP gathers a fresh copy of it into the module
+    before every forward and reduces the gradient that copy gets, so this rank's cut of the first copy would
+    be read stale and its gradients lost (measured: every cut parameter ended the backward with no gradient).
+    Every rank plans the same graph alike, so every rank raises here."""
+    slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    managed = [sharded[i][0] for i in sorted(sharded) if private.from_fsdp_module(slots[i])]
+    if managed:
+        raise UsageError(
+            f"dynashard: this graph would cut {managed[:3]}, parameters FSDP2's fully_shard manages; FSDP swaps them "
+            "for gathered copies at every forward, so the cut ones would go stale and their gradients be lost. FSDP2 "
+            "does not compose with dynashard yet. Expected tensor parallelism by dynashard over mesh['tp'] and data "
+            "parallelism by DDP over mesh['dp'] (README, 'Several machines'), or fully_shard without dynashard.")
 
 
 def _log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], analysis: Analysis | None, started: float,

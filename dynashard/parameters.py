@@ -272,12 +272,24 @@ def _register_parameter(self, name: str, param) -> None:
     """A sharded parameter is not replaced (``module.weight = ...``, ``load_state_dict(assign=True)``):
     the compiled program reads the shard registered by ``parallelize``, so a new object would be
     ignored silently."""
+    if name in self.__dict__.get(FACADES, {}) and _is_dtensor(param):  # (FSDP2's fully_shard swapping it)
+        raise UsageError(
+            f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize, and a DTensor "
+            "(FSDP2's fully_shard, or DTensor's parallelize_module) is replacing it. FSDP2 does not compose with "
+            "dynashard yet. Expected tensor parallelism by dynashard over mesh['tp'] and data parallelism by DDP over "
+            "mesh['dp'] (README, 'Several machines'): DDP(model, process_group=mesh['dp'].get_group()).")
     if name in self.__dict__.get(FACADES, {}):
         raise UsageError(
             f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize and cannot be "
             "replaced by another parameter (the compiled model would keep reading the old one). Expected an "
             "in-place update: load_state_dict(..., assign=False), or param.data.copy_(...).")
     nn.Module.register_parameter(self, name, param)
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _facade_property(attr: str) -> property:
@@ -311,8 +323,13 @@ def _swapped_class(cls: type) -> type:
             "parallelize; to save, dcp.save(model.state_dict(), checkpoint_id=path) for the shards (loadable at any "
             "world size), or dynashard.export_safetensors(model, path) for the whole weights.")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (its own __setattr__, so FSDP2's fully_shard assigns parameters through it, not into _parameters
+        # directly, and a sharded one reaches register_parameter's refusal)
+        cls.__setattr__(self, name, value)
+
     body = {"__module__": cls.__module__, "register_parameter": _register_parameter, "_apply": _apply,
-            "__reduce_ex__": __reduce_ex__}
+            "__reduce_ex__": __reduce_ex__, "__setattr__": __setattr__}
     return type(cls.__name__, (cls,), body)
 
 

@@ -5,7 +5,7 @@ Ranks 0,1 are data-parallel replica 0 and ranks 2,3 replica 1; each pair shares 
 gradients over the replica pair holding the same shard (``process_group=mesh["dp"].get_group()``).
 Every rank also trains an unsharded twin on the two replicas' batches concatenated: DDP's average of
 two mean losses over equal batches is the mean loss of their concatenation, so raw gradients, clipped
-norms, parameters and losses must be the twin's. FSDP2's ``fully_shard`` does not compose (README,
+norms, parameters and losses must be the twin's. FSDP2's ``fully_shard`` is refused (README,
 "Several machines": it swaps the module's parameters, the compiled program reads its own shards).
 Each ``@on_ranks`` scenario runs on the 4 ranks and asserts there, after its last collective
 (tests/scenarios.py); one spawn runs them all.
@@ -198,3 +198,36 @@ def test_ddp_optimizer_is_refused_and_gradient_as_bucket_view_warns(rank, world)
     _, _, fast = _setup("mlp", 32, 96, mesh, ddp_inside=True)
     msg = str(raised(lambda: fast(torch.randn(2, 3, 32)).sum().backward()))  # Dynamo wraps the backend's error
     assert "DDPOptimizer" in msg and "optimize_ddp = False" in msg, msg
+
+
+@on_ranks
+def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
+    """FSDP2's ``fully_shard`` swaps each parameter for its own copy, gathered over dp before every forward:
+    a weight dynashard cut would be read stale and its gradient lost (measured before this refusal: the
+    cut parameters of an MLP fully_shard'ed and then compiled ended every backward with no gradient, the
+    loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
+    ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
+    the first call, before any weight is cut)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import dynashard
+    from tests import models
+
+    mesh = _mesh()
+    options = {**OPTIONS, "group": mesh["tp"]}
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = dynashard.parallelize(models.build("mlp", 32, 96), x, options=options)
+    after_parallelize = str(raised(lambda: fully_shard(model, mesh=mesh["dp"])))
+    torch.manual_seed(0)
+    model = models.build("mlp", 32, 96)
+    fully_shard(model, mesh=mesh["dp"])
+    before_compile = str(raised(lambda: torch.compile(model, backend="dynashard", options=options)(x)))
+    # (FSDP had gathered its copies for the forward that raised: plain tensors now, none of them freed)
+    untouched = all(getattr(p, "_local_tensor", p).untyped_storage().nbytes() > 0 for p in model.parameters())
+    for msg in (after_parallelize, before_compile):
+        assert "FSDP2" in msg and "DDP" in msg and "mesh['dp']" in msg, msg
+    assert "up.weight" in before_compile, before_compile
+    assert untouched, "the refused compile freed FSDP's weights"
