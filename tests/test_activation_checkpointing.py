@@ -26,6 +26,7 @@ from dynashard import _torch_private as private
 from tests.scenarios import Scenarios
 
 SCENARIOS_DEADLINE_S = 240  # one world-2 spawn: ~25 s quiet (HF Llama, aot_eager compiles); 3x slower, 3x margin
+pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
 aten = torch.ops.aten
 
@@ -94,6 +95,7 @@ HIDDEN = TOKENS[0] * TOKENS[1] * 2 * D
 
 
 # (Inductor partitions as aot_eager does, after 25 s of compiling: the slow tier)
+@pytest.mark.unit
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_checkpointed_block_keeps_no_activation_for_the_backward(compiler):
     """2 blocks: checkpointed, the backward keeps no hidden activation of either block (only their inputs
@@ -108,6 +110,7 @@ def test_a_checkpointed_block_keeps_no_activation_for_the_backward(compiler):
     assert plain >= 2 and checkpointed == 0, (plain, checkpointed)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("form", ["function", "list"])
 def test_selective_checkpointing_keeps_what_its_policy_saves(form):
     """A policy that saves the matmuls (torchtitan's op-level SAC) keeps each block's up-projection
@@ -172,6 +175,7 @@ def _train(case: str, rank: int, world: int) -> None:
     assert same, "replicated gradients differ across ranks"
 
 
+@pytest.mark.gloo
 @on_ranks(cases=["stack", "hf_llama"])
 def test_checkpointed_models_train_as_the_unsharded_twin(rank, world, case):
     """A stack of blocks each checkpointed, and HF Llama with ``gradient_checkpointing_enable()`` (train
