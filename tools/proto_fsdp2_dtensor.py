@@ -21,24 +21,31 @@ DTensor on mesh["tp"] and a facade too. DCP of the 2-D parameters, and layouts D
 describe (dealt heads, fused parts), are untested.
 """
 import copy
-import torch, torch.distributed as dist, torch.nn as nn
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
 import dynashard
 import dynashard.dynamo_backend as B
 from dynashard import gradients
 from dynashard.parameters import FACADES
-from dynashard.weights import STORE, cut
+from dynashard.weights import STORE
 from tests import models
 
+
 def main():
-    dist.init_process_group("gloo"); torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
     opts = {"min_shard_numel": 0, "compiler": "eager", "group": mesh["tp"]}
     torch.manual_seed(0)
-    model = models.build("mlp", 32, 96); twin = copy.deepcopy(model)
+    model = models.build("mlp", 32, 96)
+    twin = copy.deepcopy(model)
     def batch(step, d):
         return torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(100 + 10 * step + d))
     dynashard.parallelize(model, batch(0, dp), options=opts)
@@ -65,7 +72,7 @@ def main():
         if o is None:
             return orig_as_parameter(facade)
         cur = o[0]._parameters[o[1]]
-        assert isinstance(cur, DTensor) and cur.placements == (Shard(o[3].dim),), (type(cur), getattr(cur, "placements", None))
+        assert isinstance(cur, DTensor) and cur.placements == (Shard(o[3].dim),), type(cur)
         return cur.to_local()
     STORE.as_parameter = as_parameter
     gradients.mark = lambda *a, **k: None
@@ -83,12 +90,13 @@ def main():
         for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
             full = p.grad.full_tensor()
             errs[n] = float((full - q.grad).abs().max() / q.grad.abs().max())
-        mx = 0.5 * float(torch.nn.utils.get_total_norm([q.grad for q in twin.parameters()]))
         tp_params = [p for p in model.parameters() if p.grad.device_mesh.ndim == 2]
         n1 = torch.nn.utils.get_total_norm([p.grad for p in tp_params])
         n1 = float(n1.full_tensor()) if isinstance(n1, DTensor) else float(n1)
         n2 = torch.nn.utils.get_total_norm([q.grad for (n, q) in twin.named_parameters() if n != "down.bias"])
-        opt.step(); opt_twin.step(); opt.zero_grad(); opt_twin.zero_grad()
+        for o in (opt, opt_twin):
+            o.step()
+            o.zero_grad()
         perr = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(model.parameters(), twin.parameters()))
         if dist.get_rank() == 0:
             print("step", step, "grad rel err", max(errs.values()), "norms", n1, float(n2), "param err", perr)
