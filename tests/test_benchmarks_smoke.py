@@ -28,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     [("bench_seed.py", 2), pytest.param("bench_memory.py", 2, marks=pytest.mark.slow), ("bench_collectives.py", 2),
      pytest.param("suite.py", 2, marks=pytest.mark.slow), ("bench_overlap.py", 2), ("bench_fused_kv.py", 2),
      ("bench_call_check.py", 2), pytest.param("bench_train.py", 2, marks=pytest.mark.slow),
-     pytest.param("bench_decode.py", 2, marks=pytest.mark.slow)],
+     pytest.param("bench_decode.py", 2, marks=pytest.mark.slow),
+     # (test_activation_checkpointing.py counts what the backward keeps, at smaller sizes)
+     pytest.param("bench_checkpointing.py", 2, marks=pytest.mark.slow)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):
     """Each script's ``main()`` with ``--smoke`` on the test harness's gloo ranks (forked from a
