@@ -146,8 +146,8 @@ def _train(case: str, rank: int, world: int) -> None:
 
         def loss_of(net, ids):
             return net(input_ids=ids, labels=ids, use_cache=False).loss
-    else:
-        model = Stack(32, 2, checkpointed=True)
+    else:  # "per_block": torchtitan's order, applied after parallelize: each block wrapped, then compiled
+        model = Stack(32, 2, checkpointed=case == "stack")
 
         def batch(step):
             return torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(step))
@@ -159,12 +159,19 @@ def _train(case: str, rank: int, world: int) -> None:
     dynashard.parallelize(model, batch(0), options=options)
     facades = _facades(model)
     fast = torch.compile(model, backend="dynashard", options=options)
+    if case == "per_block":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
+            model.blocks[i].compile(backend="dynashard", options=options)
+        fast = model
     opt, opt_twin = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
     worst, missing, same = 0.0, [], True
     for step in range(3):
         loss_of(fast, batch(step)).backward()
         loss_of(twin, batch(step)).backward()
-        err, step_missing, step_same = _compare(model, twin, facades, world)
+        err, step_missing, step_same = _compare(_Unwrapped(model), twin, facades, world)
         worst, missing, same = max(worst, err), missing + step_missing, same and step_same
         for o in (opt, opt_twin):
             o.step()
@@ -175,10 +182,22 @@ def _train(case: str, rank: int, world: int) -> None:
     assert same, "replicated gradients differ across ranks"
 
 
+class _Unwrapped:
+    """``model``'s parameters named as without checkpoint_wrapper's ``_checkpoint_wrapped_module`` level."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def named_parameters(self):
+        for name, p in self.model.named_parameters():
+            yield name.replace("._checkpoint_wrapped_module", ""), p
+
+
 @pytest.mark.gloo
-@on_ranks(cases=["stack", "hf_llama"])
+@on_ranks(cases=["stack", "hf_llama", "per_block"])
 def test_checkpointed_models_train_as_the_unsharded_twin(rank, world, case):
-    """A stack of blocks each checkpointed, and HF Llama with ``gradient_checkpointing_enable()`` (train
-    mode): 3 SGD steps, raw gradients against the twin's within test_training's tolerance (the backward
-    recomputes the same sharded forward, so the sums are the ones without checkpointing)."""
+    """A stack of blocks each checkpointed, HF Llama with ``gradient_checkpointing_enable()`` (train mode),
+    and torchtitan's order after ``parallelize`` (each block wrapped by ``checkpoint_wrapper``, then
+    compiled on its own): 3 SGD steps, raw gradients against the twin's within test_training's tolerance
+    (the backward recomputes the same sharded forward, so the sums are the ones without checkpointing)."""
     _train(case, rank, world)
