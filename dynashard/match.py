@@ -343,12 +343,13 @@ def _experts(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -> l
         if node.target is aten.bmm.default:
             a, b = node.args[0], node.args[1]
             src = _expert_source(a, params)
-            if src is not None and src[3] == "index":  # W[ids] @ x: [S, out, in] @ [S, in, n]
+            # W[ids] @ x: [S, out, in] @ [S, in, n]; whole W: one batch per expert (Llama4's x @ W[E, in, out])
+            if src is not None and src[3] in ("index", None):
                 weight, chain, transposed, _ = src
                 form, x, in_dim, out_dim = ("in_out" if transposed else "out_in"), b, -2, -2
             else:  # x @ W[ids]: [S, m, in] @ [S, in, out]
                 src = _expert_source(b, params)
-                if src is None or src[3] != "index":
+                if src is None or src[3] not in ("index", None):
                     continue
                 weight, chain, transposed, _ = src
                 form, x, in_dim, out_dim = ("out_in" if transposed else "in_out"), a, -1, -1

@@ -123,6 +123,57 @@ def test_the_one_all_reduce_follows_the_top_k_sum():
     assert weights == [(4, 48, HIDDEN), (4, HIDDEN, 24)], shapes  # [E, 2 x 24, hidden], [E, hidden, 24]
 
 
+def _llama4(layers: int = 2) -> nn.Module:
+    """Llama4's text model: every layer an MoE (``x @ W[E, in, out]`` experts, top-1, a shared expert)."""
+    torch.manual_seed(0)
+    cfg = T.Llama4TextConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=64, intermediate_size_mlp=128,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2, attention_chunk_size=64)
+    return T.Llama4ForCausalLM(cfg).eval()
+
+
+class _FirstOutput(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x)[0]  # (Llama4TextMoe returns the router logits too)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_llama4_experts_are_cut_alike_in_every_expert(world):
+    """``bmm(x.view(E, -1, hidden), gate_up_proj)``: the whole [E, in, out] parameter, one batch per
+    expert, not transposed (x @ W). gate_up cut per component (gate and up halves), down on the
+    same features. Were never matched: 68% of Llama4's bytes whole on every rank."""
+    report = dynashard.explain(_llama4(), torch.randint(3, 96, (2, 7)), world_size=world, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    rows = _experts_rows(report)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.feed_forward.experts"
+        assert rows[f"{prefix}.gate_up_proj"][:2] == ("colwise", "-"), str(report)
+        assert rows[f"{prefix}.down_proj"][:2] == ("rowwise", "all_reduce"), str(report)
+    gate_up = next(r for r in report.rows if r.fqn.endswith("0.feed_forward.experts.gate_up_proj"))
+    assert "cut in 2 components of 64/64" in gate_up.reason, str(report)
+
+
+def test_llama4_moe_block_takes_one_all_reduce():
+    """The routed experts' partial sums (top-k summed) are added in place into the shared expert's
+    output (``out.add_(routed)``): both left partial, one all_reduce after the add (was 2: the
+    shared expert's own, and the routed sum's before the add_)."""
+    block = _FirstOutput(_llama4(1).model.layers[0].feed_forward)
+    gm = rewritten(block, torch.randn(2, 7, HIDDEN), world=2, rank=1)
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    add_ = next(i for i, n in enumerate(order) if n.target is torch.ops.aten.add_.Tensor)
+    reduce = next(i for i, n in enumerate(order) if "all_reduce" in str(n.target))
+    assert add_ < reduce, gm.code
+    report = dynashard.explain(_FirstOutput(_llama4(1).model.layers[0].feed_forward), torch.randn(2, 7, HIDDEN),
+                               world_size=2, verify=True, options={"min_shard_numel": 0})
+    assert report.layers["block.shared_expert.down_proj"] == "rowwise", str(report)
+
+
 class _WritesIntoExperts(models.MoE):
     """The experts' output changed in place before the top-k sum (``y += bias``): partial sums
     cannot be written into (the reads see one all-reduced copy)."""

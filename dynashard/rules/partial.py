@@ -15,8 +15,9 @@ An op keeps a partial when it is linear in it and every other tensor it reads is
 views and copies of it, a product or quotient by a replicated value or a number (reading the
 partial once: ``p * p`` is not linear), a selection of rows (``index``, ``select``, ``slice``),
 sums over dims, a sum, difference or concatenation of partials only, or of zeros nothing writes
-into (``p + 1.0`` would add the number once per rank). Every other reader -- every in-place op,
-any op with a Shard operand, the graph's outputs -- reads it all-reduced
+into (``p + 1.0`` would add the number once per rank), and ``p.add_(q)`` of partials into memory
+nothing else reads (Llama4's shared expert's output, added to in place). Every other reader --
+every other in-place op, any op with a Shard operand, the graph's outputs -- reads it all-reduced
 (``Record.reduced``).
 """
 
@@ -26,6 +27,7 @@ import torch
 import torch.fx
 
 from dynashard.nodes import mutates_self, tensor_args, val
+from dynashard.rules.inplace import aliases_input
 from dynashard.shard import LayoutMap
 
 aten = torch.ops.aten
@@ -39,7 +41,8 @@ _LINEAR_IN_FIRST = {
     aten.mul.Scalar, aten.div.Scalar,
 }
 _SCALED = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,)}  # linear in one operand if the other is replicated
-_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default}  # linear only when every operand is partial
+# linear only when every operand is partial (add_: see _adds_into_own)
+_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default, aten.add_.Tensor}
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 
 
@@ -63,6 +66,28 @@ def _widening_copy(node: torch.fx.Node) -> bool:
             and out.dtype.itemsize >= src.dtype.itemsize)
 
 
+def stays_partial(lm: LayoutMap, node: object, depth: int = 4) -> bool:
+    """``node`` is partial sums, or will be when the walk reaches it: a partial value through ops
+    linear in it alone (views, sums; no other tensor operand), which keep it partial whatever
+    the plan (a rowwise linear ahead of a routed sum asks, Llama4's shared expert)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node in lm.partial:
+        return True
+    return (depth > 0 and node.op == "call_function" and node.target in _LINEAR_IN_FIRST
+            and tensor_args(node) == [node.args[0]] and stays_partial(lm, node.args[0], depth - 1))
+
+
+def _adds_into_own(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``p.add_(q)`` where ``p`` is partial sums in memory of its own that nothing else reads (not a
+    view; this add its only reader): the sum is written where no all-reduced copy of ``p`` is
+    read, so it stays partial (any later write into it is refused: inplace.unsafe_mutations)."""
+    target = node.args[0]
+    return (node.target is aten.add_.Tensor and len(node.args) == 2 and not node.kwargs
+            and isinstance(target, torch.fx.Node) and target in lm.partial and len(target.users) == 1
+            and not aliases_input(target))
+
+
 def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Every node argument, repeats kept (``mul(p, p)`` reads ``p`` twice: not linear in it)."""
     found: list[torch.fx.Node] = []
@@ -73,7 +98,7 @@ def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
 def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node] | None:
     """The partial origins of ``node``'s output when it reads partial operands and is linear in
     them (the driver then records every operand read locally); None otherwise."""
-    if node.op != "call_function" or mutates_self(node):
+    if node.op != "call_function" or (mutates_self(node) and not _adds_into_own(lm, node)):
         return None
     args = tensor_args(node)
     reads = [a for a in _operands(node) if a in lm.partial]  # with repeats
