@@ -174,6 +174,46 @@ def test_llama4_moe_block_takes_one_all_reduce():
     assert report.layers["block.shared_expert.down_proj"] == "rowwise", str(report)
 
 
+def _llama4_styles(report) -> dict[str, str]:
+    return {r.fqn.split(".layers.")[-1]: r.style for r in report.rows if ".layers." in r.fqn}
+
+
+@pytest.mark.parametrize("moe_every", [1, 2], ids=["scout", "interleaved"])
+def test_hf_llama4_plan_as_shipped(moe_every):
+    """Llama4's base_model_tp_plan names its expert parameters by the weight dim HF cuts, stored
+    [E, in, out]: gate_up 'packed_rowwise' (its last dim: output features, per component) and down
+    'colwise' (dim -2: input features) under a 'moe_tp_experts' container; dynashard's colwise /
+    rowwise of those layers, as auto plans them. Refused before ("matches no linear layer"). An
+    all-MoE model (Scout) has no dense MLP: those keys warn that they have no effect."""
+    import warnings
+
+    torch.manual_seed(0)
+    cfg = T.Llama4TextConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=64, intermediate_size_mlp=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=moe_every,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_chunk_size=64)
+    model = T.Llama4ForCausalLM(cfg).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=2, verify=True,
+                                   options={"plan": T.Llama4TextConfig.base_model_tp_plan}, use_cache=False)
+    said = sorted({str(w.message).split("'")[1] for w in caught if "dynashard" in str(w.message)})
+    assert said == ([f"layers.*.feed_forward.{p}_proj" for p in ("down", "gate", "up")] if moe_every == 1 else [])
+    styles = _llama4_styles(report)
+    assert styles["1.feed_forward.experts.gate_up_proj"] == "colwise", str(report)
+    assert styles["1.feed_forward.experts.down_proj"] == "rowwise", str(report)
+    assert styles["1.feed_forward.shared_expert.down_proj"] == "rowwise", str(report)
+    auto = dynashard.explain(T.Llama4ForCausalLM(cfg).eval(), torch.randint(3, 96, (2, 7)), world_size=2,
+                             options={"min_shard_numel": 0}, use_cache=False)
+    named = {k: v for k, v in _llama4_styles(auto).items() if not k.endswith("router")}
+    assert {k: styles[k] for k in named} == named, (str(report), str(auto))
+    # a plan of dynashard's own styles names the layer's features, however the weight is stored
+    own = dynashard.explain(T.Llama4ForCausalLM(cfg).eval(), torch.randint(3, 96, (2, 7)), world_size=2,
+                            options={"plan": {"experts.gate_up_proj": "colwise", "experts.down_proj": "rowwise"}},
+                            use_cache=False, verify=True)
+    assert _llama4_styles(own)["1.feed_forward.experts.gate_up_proj"] == "colwise", str(own)
+
+
 class _WritesIntoExperts(models.MoE):
     """The experts' output changed in place before the top-k sum (``y += bias``): partial sums
     cannot be written into (the reads see one all-reduced copy)."""
