@@ -214,12 +214,44 @@ def test_hf_llama4_plan_as_shipped(moe_every):
     assert _llama4_styles(own)["1.feed_forward.experts.gate_up_proj"] == "colwise", str(own)
 
 
-class _WritesIntoExperts(models.MoE):
-    """The experts' output changed in place before the top-k sum (``y += bias``): partial sums
-    cannot be written into (the reads see one all-reduced copy)."""
+def _gpt_oss(impl: str) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         layer_types=["full_attention"] * 2, experts_implementation=impl)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # biases as a trained model has them (a zero bias added once per rank is no test)
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(0.0, 0.5)
+    return model
 
-    def __init__(self):
+
+@pytest.mark.parametrize("impl,world", [("grouped_mm", 2), ("grouped_mm", 3), ("batched_mm", 2), ("batched_mm", 4)])
+def test_gpt_oss_experts_add_their_bias_once(impl, world):
+    """GPT-OSS's experts: gate_up [E, hidden, 2 x ffn] with gate and up interleaved ([..., ::2],
+    [..., 1::2]: cut in pairs), each projection followed by ``out.add_(bias[ids])``. The down
+    projection's bias is added into partial sums: on rank 0 alone, so the one all_reduce holds it
+    once. Were whole on every rank (the add_ into partial sums kept them whole)."""
+    report = dynashard.explain(_gpt_oss(impl), torch.randint(3, 96, (2, 7)), world_size=world, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    rows = _experts_rows(report)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        assert rows[f"{prefix}.gate_up_proj"][:2] == ("colwise", "-"), str(report)
+        assert rows[f"{prefix}.down_proj"] == ("rowwise", "all_reduce", TOKENS * HIDDEN * 4), str(report)
+
+
+class _WritesIntoExperts(models.MoE):
+    """The experts' output changed in place before the top-k sum: ``y += bias`` (HF's expert biases)
+    is added on one rank only (the partial sums' memory is read by nothing else); ``y *= scale``
+    and a write into memory another op reads cannot be kept partial (the reads see one all-reduced
+    copy)."""
+
+    def __init__(self, write: str):
         super().__init__(HIDDEN, 48)
+        self.write = write
         self.bias = nn.Parameter(torch.randn(HIDDEN))
 
     def forward(self, x):
@@ -229,18 +261,29 @@ class _WritesIntoExperts(models.MoE):
         gate, up = torch.bmm(self.gate_up_proj[flat], h.repeat_interleave(self.k, 0).unsqueeze(-1)).squeeze(-1).chunk(
             2, -1)
         y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-        y += self.bias
+        seen = y * 2.0 if self.write == "add_read_before" else None
+        if self.write == "scale":
+            y *= self.bias
+        else:
+            y += self.bias
+        y = y + seen if self.write == "add_read_before" else y
         return (y * weights.reshape(-1, 1)).view(-1, self.k, HIDDEN).sum(1).view(x.shape)
 
 
-def test_a_write_into_partial_sums_keeps_the_experts_whole():
+@pytest.mark.parametrize("write", ["add", "scale", "add_read_before"])
+def test_a_write_into_partial_sums(write):
     torch.manual_seed(0)
-    report = dynashard.explain(_WritesIntoExperts(), torch.randn(2, 7, HIDDEN), world_size=2, verify=True,
+    report = dynashard.explain(_WritesIntoExperts(write), torch.randn(2, 7, HIDDEN), world_size=2, verify=True,
                                options={"min_shard_numel": 0})
     down = next(r for r in report.rows if r.fqn == "down_proj")
+    if write == "add":  # the bias once in the sum (was: kept whole, as the others)
+        assert down.style == "rowwise", str(report)
+        gm = rewritten(_WritesIntoExperts(write), torch.randn(2, 7, HIDDEN), world=2, rank=1)
+        assert _count(gm, "all_reduce") == 1 and _count(gm, "zeros_like") == 1, gm.code
+        return
     assert down.style == "replicate" and "in-place" in down.reason, str(report)
-    with pytest.raises(UsageError, match="in-place op .*add_.* writes into the output of \\['down_proj'\\]"):
-        dynashard.explain(_WritesIntoExperts(), torch.randn(2, 7, HIDDEN), world_size=2,
+    with pytest.raises(UsageError, match="in-place op .*_.* writes into the output of \\['down_proj'\\]"):
+        dynashard.explain(_WritesIntoExperts(write), torch.randn(2, 7, HIDDEN), world_size=2,
                           options={"plan": {"gate_up_proj": "colwise", "down_proj": "rowwise"}})
 
 

@@ -285,7 +285,7 @@ def moe_cases(draw):
     form = draw(st.sampled_from(["batched", "loop", "transposed", "whole"]))
     moe = models.MoE(hidden=draw(st.integers(4, 40)), ffn=draw(st.integers(1, 40)), experts=experts,
                      top_k=draw(st.integers(1, experts)), loop=form == "loop", transposed=form == "transposed",
-                     residual=False, whole=form == "whole")
+                     residual=False, whole=form == "whole", bias=draw(st.booleans()))
     shared = draw(st.sampled_from([0, 0, 8, 24]))
     return (MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS))), shared, in_place=draw(st.booleans())),
             moe.router.in_features)
@@ -296,12 +296,13 @@ def moe_cases(draw):
 def test_random_moe(case, world, shape3d, plan_draw, data):
     """Experts of any count, width (down to fewer features than ranks) and top-k, in the batched,
     transposed, loop and whole (Llama4's bmm of the whole [E, in, out] parameter) forms, a shared
-    expert added out of place or in place, auto or drawn plans, followed by ops linear in their partial sums
+    expert added out of place or in place, expert biases added in place (once, on partial sums),
+    auto or drawn plans, followed by ops linear in their partial sums
     or not (MOE_TAILS): partial sums reduced exactly once, where needed."""
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
-    layers = {"moe.router", "moe.gate_up_proj", "moe.down_proj"}
+    layers = {"moe.router", "moe.gate_up_proj", "moe.down_proj"}  # (biases are parameters, not layers)
     layers |= {f"shared.{n}" for n in ("w1", "w2", "w3")} if model.shared is not None else set()
     plan = "auto"
     if plan_draw:

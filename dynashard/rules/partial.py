@@ -15,8 +15,9 @@ An op keeps a partial when it is linear in it and every other tensor it reads is
 views and copies of it, a product or quotient by a replicated value or a number (reading the
 partial once: ``p * p`` is not linear), a selection of rows (``index``, ``select``, ``slice``),
 sums over dims, a sum, difference or concatenation of partials only, or of zeros nothing writes
-into (``p + 1.0`` would add the number once per rank), and ``p.add_(q)`` of partials into memory
-nothing else reads (Llama4's shared expert's output, added to in place). Every other reader --
+into (``p + 1.0`` would add the number once per rank), and ``p.add_(q)`` into memory nothing else
+reads, of partials (Llama4's shared expert's output, added to in place) or of a whole ``q`` added
+on rank 0 alone (HF's expert biases, ``out.add_(bias[ids])``: lowerings.AddOnce). Every other reader --
 every other in-place op, any op with a Shard operand, the graph's outputs -- reads it all-reduced
 (``Record.reduced``).
 """
@@ -26,9 +27,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.lowerings import AddOnce
 from dynashard.nodes import mutates_self, tensor_args, val
 from dynashard.rules.inplace import aliases_input
-from dynashard.shard import LayoutMap
+from dynashard.shard import LayoutMap, Record
 
 aten = torch.ops.aten
 
@@ -79,13 +81,18 @@ def stays_partial(lm: LayoutMap, node: object, depth: int = 4) -> bool:
 
 
 def _adds_into_own(lm: LayoutMap, node: torch.fx.Node) -> bool:
-    """``p.add_(q)`` where ``p`` is partial sums in memory of its own that nothing else reads (not a
-    view; this add its only reader): the sum is written where no all-reduced copy of ``p`` is
-    read, so it stays partial (any later write into it is refused: inplace.unsafe_mutations)."""
+    """``p.add_(q)`` where ``p`` is partial sums in memory nothing else reads (``p`` and each value
+    it views, back to the op that made the memory, read once: by the next view, then this add):
+    the sum is written where no all-reduced copy of ``p`` is read, so it stays partial (a later
+    write into it is refused: inplace.unsafe_mutations)."""
     target = node.args[0]
-    return (node.target is aten.add_.Tensor and len(node.args) == 2 and not node.kwargs
-            and isinstance(target, torch.fx.Node) and target in lm.partial and len(target.users) == 1
-            and not aliases_input(target))
+    if node.target is not aten.add_.Tensor or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
+        return False
+    if not isinstance(target, torch.fx.Node) or target not in lm.partial:
+        return False
+    while len(target.users) == 1 and aliases_input(target):  # (a squeeze of a bmm: HF's batched experts)
+        target = target.args[0]
+    return len(target.users) == 1 and not aliases_input(target)
 
 
 def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -95,9 +102,9 @@ def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node] | None:
-    """The partial origins of ``node``'s output when it reads partial operands and is linear in
-    them (the driver then records every operand read locally); None otherwise."""
+def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """``node``'s record when it reads partial operands and is linear in them (every operand read
+    locally, the output partial with their origins); None otherwise."""
     if node.op != "call_function" or (mutates_self(node) and not _adds_into_own(lm, node)):
         return None
     args = tensor_args(node)
@@ -105,6 +112,7 @@ def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node
     others = [a for a in args if a not in lm.partial]
     if not reads or any(lm.layouts.get(a) is not None for a in args):
         return None
+    lowering = None
     if node.target in _LINEAR_IN_FIRST or (node.target is aten._to_copy.default and _widening_copy(node)):
         ok = reads == [node.args[0]]
     elif node.target in _SCALED:  # by a replicated tensor or a number: p * w, p / w, p * 2.0
@@ -114,6 +122,12 @@ def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node
         operands = node.args[0] if node.target is aten.cat.default else node.args[:2]
         ok = (all(isinstance(a, torch.fx.Node) for a in operands)
               and all(_is_zeros(lm, a) for a in others))
+        if not ok and node.target is aten.add_.Tensor and reads == [node.args[0]] and others == [node.args[1]]:
+            # p.add_(b), b whole (HF's expert biases: GPT-OSS): b added on one rank only. (Out of place,
+            # ``x + p`` reads p reduced as before: a residual is added after the one all_reduce.)
+            ok, lowering = True, AddOnce(at=1)
     else:
         ok = False
-    return frozenset().union(*(lm.partial[a] for a in reads)) if ok else None
+    if not ok:
+        return None
+    return lm.keep(node, None, partial=frozenset().union(*(lm.partial[a] for a in reads)), lowering=lowering)
