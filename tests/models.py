@@ -690,7 +690,7 @@ class MoE(nn.Module):
                 out = out + y * (weights * (ids == e)).sum(-1, keepdim=True)
             return x + out.view(shape) if self.residual else out.view(shape)
         if self.whole:
-            scores = torch.zeros(h.shape[0], self.e, dtype=h.dtype, device=h.device).scatter(-1, ids, weights)
+            scores = torch.zeros(h.shape[0], self.e, dtype=weights.dtype, device=h.device).scatter(-1, ids, weights)
             routed = (h.repeat(self.e, 1) * scores.t().reshape(-1, 1)).view(self.e, -1, shape[-1])
             gate_up = torch.bmm(routed, self.gate_up_proj)
             if self.gate_up_bias is not None:

@@ -4,8 +4,11 @@ Planned and simulated in one process (``explain(verify=True)`` runs every rank's
 against the unsharded model); real gloo ranks run the ``moe`` (world 2 and 4, eager and Inductor)
 and ``hf_mixtral`` (world 2, eager) battery cases (test_numerics.py). Forms: HF
 transformers 5.23's ``batched_mm`` (``bmm`` of ``W[ids]``) and ``grouped_mm`` experts (its fp32
-fallback op, ``aten._grouped_mm`` in bf16), and a python loop over experts (``F.linear(x, W[e])``).
-Before this file's change none was matched: every expert weight stayed whole on every rank.
+fallback op, ``aten._grouped_mm`` in bf16), a python loop over experts (``F.linear(x, W[e])``),
+Llama4's ``bmm`` of the whole ``[E, in, out]`` parameter (its shared expert added in place) and
+GPT-OSS's (biases added in place into the partial sums), each also under bf16 autocast. The gloo
+scenario for Llama4 and GPT-OSS is in test_forms.py (its spawn). Before this file's changes none
+was matched: every expert weight stayed whole on every rank.
 """
 
 from __future__ import annotations
@@ -241,6 +244,51 @@ def test_gpt_oss_experts_add_their_bias_once(impl, world):
         prefix = f"model.layers.{layer}.mlp.experts"
         assert rows[f"{prefix}.gate_up_proj"][:2] == ("colwise", "-"), str(report)
         assert rows[f"{prefix}.down_proj"] == ("rowwise", "all_reduce", TOKENS * HIDDEN * 4), str(report)
+
+
+_AUTOCAST_FORMS = {
+    "llama4": lambda: (_llama4(), torch.randint(3, 96, (2, 7))),
+    "gpt_oss_batched_mm": lambda: (_gpt_oss("batched_mm"), torch.randint(3, 96, (2, 7))),
+    "mixtral_batched_mm": lambda: (_mixtral("batched_mm"), torch.randint(3, 96, (2, 7))),
+    "loop": lambda: (models.MoE(HIDDEN, 48, loop=True).eval(), torch.randn(2, 7, HIDDEN)),
+    "batched": lambda: (models.MoE(HIDDEN, 48).eval(), torch.randn(2, 7, HIDDEN)),
+    "whole": lambda: (models.MoE(HIDDEN, 48, whole=True).eval(), torch.randn(2, 7, HIDDEN)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_AUTOCAST_FORMS))
+def test_experts_under_autocast_are_cut_as_without_it(form):
+    """Under bf16 autocast the expert weight reaches its matmul through a dtype conversion
+    (``_to_copy(W[ids])``, ``_to_copy(W)``, ``t(_to_copy(W[e]))``): seen through as a linear's
+    is, so every form is cut as without autocast (were whole: only the grouped_mm forms, whose
+    op autocast leaves alone, were matched). Verified at bf16's tolerance (explain)."""
+    torch.manual_seed(0)
+    model, x = _AUTOCAST_FORMS[form]()
+    kwargs = {"use_cache": False} if x.dtype == torch.long else {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = dynashard.explain(model, x, world_size=2, verify=True, options={"min_shard_numel": 0}, **kwargs)
+    experts = {(r.fqn.rsplit(".", 1)[-1], r.style, r.collectives) for r in report.rows
+               if r.fqn.endswith(("gate_up_proj", "down_proj")) and "shared" not in r.fqn}
+    assert experts == {("gate_up_proj", "colwise", "-"), ("down_proj", "rowwise", "all_reduce")}, str(report)
+
+
+class _Autocast(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.block(x)
+
+
+def test_llama4_moe_block_under_autocast_takes_one_all_reduce():
+    gm = rewritten(_Autocast(_FirstOutput(_llama4(1).model.layers[0].feed_forward)), torch.randn(2, 7, HIDDEN))
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes
+              if n.op == "placeholder" and getattr(n.meta.get("val"), "ndim", 0) == 3]
+    weights = sorted(s for s in shapes if all(isinstance(d, int) for d in s))  # (the input's are symbolic)
+    assert weights == [(4, 32, HIDDEN), (4, HIDDEN, 64)], shapes  # each rank's half of down and of gate + up
 
 
 class _WritesIntoExperts(models.MoE):
