@@ -246,6 +246,14 @@ def test_gpt_oss_experts_add_their_bias_once(impl, world):
         assert rows[f"{prefix}.down_proj"] == ("rowwise", "all_reduce", TOKENS * HIDDEN * 4), str(report)
 
 
+def test_gpt_oss_moe_block_takes_one_all_reduce():
+    """Rank 1's graph of one GPT-OSS MoE block: no gather, one all_reduce after the top-k sum, the
+    down projection's bias replaced by zeros here (rank 0 adds it)."""
+    gm = rewritten(_FirstOutput(_gpt_oss("batched_mm").model.layers[0].mlp), torch.randn(2, 7, HIDDEN), rank=1)
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    assert _count(gm, "zeros_like") == 1 and _count(gm, "add_") == 2, gm.code  # gate_up's bias added as it is
+
+
 _AUTOCAST_FORMS = {
     "llama4": lambda: (_llama4(), torch.randint(3, 96, (2, 7))),
     "gpt_oss_batched_mm": lambda: (_gpt_oss("batched_mm"), torch.randint(3, 96, (2, 7))),
