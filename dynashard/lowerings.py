@@ -49,6 +49,20 @@ class AllocateLocal(Lowering):
 
 
 @dataclasses.dataclass(frozen=True)
+class AddOnce(Lowering):
+    """``p + b`` (or ``p.add_(b)``) on partial sums ``p``, ``b`` whole on every rank: rank 0 adds
+    ``b``, the others add zeros, so the all-reduced sum holds ``b`` once (rules/partial.py)."""
+
+    at: int  # the argument that is ``b``
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        args, kwargs = sharder.args(node)
+        if sharder.lm.rank != 0:
+            args = (*args[: self.at], torch.zeros_like(args[self.at]), *args[self.at + 1 :])
+        return node.target(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class TakeParts(Lowering):
     """A split or slice of the cut dim (an index of consecutive positions: a slice): this rank's
     parts, ``sizes`` long (a slice: ``(start, length)``)."""

@@ -17,12 +17,8 @@ vocab-parallel embedding and a weight tied to a colwise LM head is split on the 
 ``F.embedding(..., max_norm=m)`` first renormalises the rows it looks up in place
 (``embedding_renorm_(detach(W), ids, m, p)``); that renorm belongs to the match.
 
-Experts (mixture-of-experts weights stacked in one 3-D parameter ``W[E, out, in]``, as HF's
-``@use_experts_implementation`` classes hold them) are matched too, in the forms transformers
-5.x traces: ``bmm(W[ids], x.unsqueeze(-1))`` / ``bmm(x.unsqueeze(1), W[ids])`` (``batched_mm``)
-and ``grouped_mm(x, W.transpose(-2, -1), offs)`` (``grouped_mm``: ``aten._grouped_mm`` or
-transformers' fp32 fallback op), and ``mm(x, W[e].t())`` (``F.linear(x, W[e])`` in a python loop
-over experts). Every expert is cut alike: its own colwise / rowwise linear.
+Experts (mixture-of-experts weights stacked in one 3-D parameter, one ``[out, in]`` or ``[in, out]``
+weight per expert) are matched in :mod:`dynashard.match_experts`, as records of the same kind.
 
 Invariants: matching never mutates the graph; every weight placeholder's other uses are
 recorded so the plan can refuse to shard a weight it cannot account for.
@@ -35,7 +31,6 @@ import dataclasses
 import torch
 import torch.fx
 
-from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -242,8 +237,10 @@ def find_linears(
                 operand_path=path,
             )
         )
+    from dynashard.match_experts import find_experts  # (it builds this module's records)
+
     order = {n: i for i, n in enumerate(graph.nodes)}
-    matches = sorted(matches + _embeddings(graph, params) + _experts(graph, params), key=lambda m: order[m.node])
+    matches = sorted(matches + _embeddings(graph, params) + find_experts(graph, params), key=lambda m: order[m.node])
     return matches, _other_uses(matches)
 
 
@@ -284,91 +281,6 @@ def embedding_options(node: torch.fx.Node) -> tuple[int, bool, bool]:
     given = node.args[2:5]
     out = [given[i] if i < len(given) else node.kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
     return int(out[0]), bool(out[1]), bool(out[2])
-
-
-def _is_grouped_mm(node: torch.fx.Node) -> bool:
-    """``aten._grouped_mm`` or transformers' fp32 fallback op (matched by name: no import)."""
-    name = getattr(private_aten.schema_of(node.target), "name", "")
-    return node.op == "call_function" and name in ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
-
-
-def _swaps_last_two(node: torch.fx.Node, ndim: int) -> bool:
-    if node.target is aten.t.default:
-        return ndim == 2
-    if node.target is aten.transpose.int:
-        return sorted(int(d) % ndim for d in node.args[1:3]) == [ndim - 2, ndim - 1]
-    if node.target is aten.permute.default:
-        return [int(d) % ndim for d in node.args[1]] == [*range(ndim - 2), ndim - 1, ndim - 2]
-    return False
-
-
-def _selects_experts(node: torch.fx.Node) -> str | None:
-    """``"index"`` for ``W[ids]`` (1-D ids: one expert per row), ``"select"`` for ``W[e]``."""
-    if node.target is aten.index.Tensor and len(node.args[1]) == 1 and val(node.args[1][0]) is not None:
-        return "index" if val(node.args[1][0]).dim() == 1 else None
-    if node.target is aten.select.int and int(node.args[1]) == 0:
-        return "select"
-    return None
-
-
-def _expert_source(node: object, params: dict[torch.fx.Node, ParamInfo]):
-    """``(W, chain, transposed, selection)`` when ``node`` is a 3-D parameter ``W`` reached through
-    at most one expert selection (``"index"``, ``"select"`` or None) and at most one swap of the
-    last two dims."""
-    chain: list[torch.fx.Node] = []
-    transposed, selection = False, None
-    while isinstance(node, torch.fx.Node) and node not in params:
-        if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node) or val(node.args[0]) is None:
-            return None
-        if not transposed and _swaps_last_two(node, val(node.args[0]).dim()):
-            transposed = True
-        elif selection is None and _selects_experts(node) is not None:
-            selection = _selects_experts(node)
-        else:
-            return None
-        chain.append(node)
-        node = node.args[0]
-    if not isinstance(node, torch.fx.Node) or not params[node].is_parameter or val(node).dim() != 3:
-        return None
-    return node, tuple(reversed(chain)), transposed, selection
-
-
-def _experts(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -> list[LinearMatch]:
-    """Matmuls on a 3-D expert parameter, one record per matmul: ``bmm`` of ``W[ids]``, a grouped
-    matmul of ``W``, or ``mm`` of ``W[e]`` (a python loop over experts)."""
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is aten.bmm.default:
-            a, b = node.args[0], node.args[1]
-            src = _expert_source(a, params)
-            if src is not None and src[3] == "index":  # W[ids] @ x: [S, out, in] @ [S, in, n]
-                weight, chain, transposed, _ = src
-                form, x, in_dim, out_dim = ("in_out" if transposed else "out_in"), b, -2, -2
-            else:  # x @ W[ids]: [S, m, in] @ [S, in, out]
-                src = _expert_source(b, params)
-                if src is None or src[3] != "index":
-                    continue
-                weight, chain, transposed, _ = src
-                form, x, in_dim, out_dim = ("out_in" if transposed else "in_out"), a, -1, -1
-        elif node.target is aten.mm.default or _is_grouped_mm(node):
-            # x @ W[e].t() (F.linear in a loop over experts), or x [S, in] grouped @ W [E, in, out]
-            src = _expert_source(node.args[1], params)
-            if src is None or src[3] != ("select" if node.target is aten.mm.default else None):
-                continue
-            weight, chain, transposed, _ = src
-            form, x, in_dim, out_dim = ("out_in" if transposed else "in_out"), node.args[0], -1, -1
-        else:
-            continue
-        experts, d1, d2 = (int(s) for s in weight.meta["val"].shape)
-        out_f, in_f = (d1, d2) if form == "out_in" else (d2, d1)
-        found.append(
-            LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form=form, transpose=None,
-                        input=x, bias=None, in_features=in_f, out_features=out_f, kind=EXPERTS, chain=chain,
-                        experts=experts, input_dim=in_dim, output_dim=out_dim)
-        )
-    return found
 
 
 def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:

@@ -29,6 +29,18 @@ class Style(str, enum.Enum):
     __format__ = str.__format__
 
 
+class ParamDim(str, enum.Enum):
+    """An HF plan entry for an expert parameter (a key under a ``moe_tp_experts`` container): HF
+    names the weight dim it cuts (its ``ColwiseParallel`` shards dim -2 of any parameter,
+    ``RowwiseParallel`` and ``packed_rowwise`` dim -1), not the layer's features. Which of
+    colwise / rowwise that is depends on how the weight is stored: Mixtral's ``[E, out, in]``
+    gate_up is ``packed_colwise``, Llama4's ``[E, in, out]`` is ``packed_rowwise`` ("row because
+    not linear"); user_plan.py resolves it per layer."""
+
+    SECOND_LAST = "dim -2"
+    LAST = "dim -1"
+
+
 STYLES = tuple(s.value for s in Style)
 COMPILERS = ("inductor", "aot_eager", "eager")
 WEIGHTS = ("replicated", "rank0", "per_rank")
@@ -82,6 +94,10 @@ class Options:
     check_inputs: str = "ids"
     # torch.compile's mode, applied to Inductor as torch.compile applies it (compiler="inductor" only)
     mode: str = "default"
+    # Set, not passed: the plan is a Hugging Face base_model_tp_plan (it has a style only HF names). Such
+    # a plan names the layers of every configuration of its architecture (Llama4's dense MLP keys in an
+    # all-MoE Scout): a key that matches nothing warns, where a user's own key raises (a typo).
+    _hf_plan: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def plan_dict(self) -> dict[str, str] | None:
@@ -103,6 +119,13 @@ def _linear_entries(plan: Mapping[str, Any]) -> dict[str, Any]:
         if why is not None:
             warnings.warn(f"dynashard: plan entry {k!r}: {plan[k]!r} has no effect: {why}.", UserWarning, stacklevel=4)
     return {k: v for k, v in plan.items() if k not in dropped}
+
+
+def _placement(style: Style, key: str, plan: Mapping[str, Any]) -> Style | ParamDim:
+    """``style`` as HF means it where ``key`` names a parameter under a ``moe_tp_experts`` container."""
+    if style == Style.REPLICATE or not any(v == "moe_tp_experts" and key.startswith(k + ".") for k, v in plan.items()):
+        return style
+    return ParamDim.SECOND_LAST if style == Style.COLWISE else ParamDim.LAST
 
 
 def _style_name(value: Any, key: str) -> str:
@@ -140,7 +163,7 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
     if isinstance(raw, Options):
         return raw
     raw = dict(raw or {})
-    valid = [f.name for f in dataclasses.fields(Options)]
+    valid = [f.name for f in dataclasses.fields(Options) if not f.name.startswith("_")]
     unknown = sorted(set(raw) - set(valid))
     if unknown:
         raise UsageError(f"dynashard: unknown option(s) {unknown}; valid options are {valid}.")
@@ -153,7 +176,9 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
             for k in plan:
                 if not isinstance(k, str):
                     raise OptionTypeError(f"dynashard: plan keys must be module FQN strings, found {k!r}.")
-            kwargs["plan"] = tuple((k, _style_name(v, k)) for k, v in _linear_entries(plan).items())
+            kwargs["plan"] = tuple((k, _placement(_style_name(v, k), k, plan))
+                                   for k, v in _linear_entries(plan).items())
+            kwargs["_hf_plan"] = any(isinstance(v, str) and v not in STYLES for v in plan.values())
         else:
             raise OptionTypeError(
                 f"dynashard: option 'plan' is a {type(plan).__name__}; expected \"auto\" or a dict "

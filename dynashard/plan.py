@@ -77,7 +77,8 @@ def make_plan(
         "stacked": options.weights == "per_rank",
     }
     auto = options.plan == "auto"
-    user = None if auto else user_decisions(linears, blocked, options.plan_dict, modes["stacked"], modes["per_rank"])
+    user = None if auto else user_decisions(linears, blocked, options.plan_dict, modes["stacked"], modes["per_rank"],
+                                            options._hf_plan)
 
     def solve(cuts: Cuts) -> dict[torch.fx.Node, Decision]:
         def decide(wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:

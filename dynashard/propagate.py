@@ -81,7 +81,7 @@ def propagate(
             lm.uniform.discard(node)
             kept = keeps_partial(lm, node)
             if kept is not None:
-                lm.commit(node, lm.keep(node, None, partial=kept))
+                lm.commit(node, kept)
                 continue
         record = _record(lm, node, graph, linears, choose)
         record.reduced = partial

@@ -8,7 +8,11 @@ Before: the matched linears of one graph and the plan dict. After: a
     layers.0.mlp.down -> rowwise, "plan key 'mlp.down'"   (a key also matches a dotted suffix)
     lm_head           -> replicate, "not named by the plan"
 
-Invariants: every key matches a linear, else an error naming the closest FQNs; a linear the plan
+A Hugging Face plan's styles for expert parameters (keys under a ``moe_tp_experts`` container) name
+the weight dim HF cuts; each becomes colwise or rowwise by how the weight is stored (options.ParamDim).
+
+Invariants: every key matches a linear, else an error naming the closest FQNs (a warning for a
+Hugging Face plan, which names the layers of every configuration of its architecture); a linear the plan
 names that cannot be sharded (its weight read by other ops, experts or embeddings in a per-rank
 mode, a shared weight split two ways) is an error, never skipped; the last matching key wins.
 """
@@ -17,12 +21,13 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import warnings
 
 import torch.fx
 
 from dynashard.decision import Decision, shared_conflicts
 from dynashard.errors import UsageError
-from dynashard.options import Style
+from dynashard.options import ParamDim, Style
 
 
 def key_matches(key: str, fqn: str) -> bool:
@@ -30,12 +35,26 @@ def key_matches(key: str, fqn: str) -> bool:
     return fnmatch.fnmatchcase(fqn, key) or fnmatch.fnmatchcase(fqn, "*." + key)
 
 
-def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool,
-                   per_rank: bool) -> dict[torch.fx.Node, Decision]:
+def _layer_style(style: Style | ParamDim, m) -> Style:
+    """A plan's style for linear ``m``; an HF expert parameter's cut dim (ParamDim) is colwise where
+    that dim holds the output features, rowwise where it holds the input features."""
+    if not isinstance(style, ParamDim):
+        return style
+    cut = m.kind.weight_dims + (0 if style == ParamDim.SECOND_LAST else 1)
+    return Style.COLWISE if cut == m.out_dim else Style.ROWWISE
+
+
+def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_rank: bool,
+                   hf_plan: bool = False) -> dict[torch.fx.Node, Decision]:
     names = sorted({m.fqn for m in linears})
     for key in plan:
         if not any(key_matches(key, n) for n in names):
             close = difflib.get_close_matches(key, names, n=5, cutoff=0.3) or names[:5]
+            if hf_plan:  # (names the layers of every configuration of its architecture: options.py)
+                warnings.warn(f"dynashard: plan key {key!r} of a Hugging Face plan matches no linear layer in the "
+                              f"compiled graph, so it has no effect (closest linear FQNs: {close}).", UserWarning,
+                              stacklevel=2)
+                continue
             raise UsageError(
                 f"dynashard: plan key {key!r} matches no linear layer in the compiled graph; "
                 f"closest linear FQNs: {close}. Fix the key (globs like 'layers.*.mlp.up' are "
@@ -47,7 +66,7 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool,
         if not keys:
             decisions[m.node] = Decision(Style.REPLICATE, "not named by the plan")
             continue
-        style = plan[keys[-1]]
+        style = _layer_style(plan[keys[-1]], m)
         if style != Style.REPLICATE and blocked[m.node]:
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "

@@ -657,17 +657,23 @@ class MoE(nn.Module):
     follows, as in a decoder layer. ``loop=True``: a python loop over experts with ``F.linear(x,
     W[e])`` on masked tokens instead (every expert computes every token; no data-dependent shapes).
     ``transposed``: weights stored ``[E, in, out]``, used as ``bmm(x.unsqueeze(1), W[ids])``.
-    ``residual=False``: the experts' weighted sum alone."""
+    ``whole``: Llama4's form, weights stored ``[E, in, out]`` and every expert running every token
+    scaled by its router weight (0 where not picked): ``bmm(x.view(E, -1, hidden), W)``, the whole
+    parameter, then a sum over experts. ``bias``: HF's expert biases (GPT-OSS), added in place to
+    each projection's output (``out.add_(b[ids])``; not in the loop form). ``residual=False``: the
+    experts' weighted sum alone."""
 
     def __init__(self, hidden: int = 64, ffn: int = 48, experts: int = 4, top_k: int = 2, loop: bool = False,
-                 transposed: bool = False, residual: bool = True):
+                 transposed: bool = False, residual: bool = True, whole: bool = False, bias: bool = False):
         super().__init__()
-        self.e, self.k, self.ffn, self.loop, self.transposed = experts, top_k, ffn, loop, transposed
-        self.residual = residual
+        self.e, self.k, self.ffn, self.loop, self.transposed = experts, top_k, ffn, loop, transposed or whole
+        self.residual, self.whole = residual, whole
+        self.gate_up_bias = nn.Parameter(torch.randn(experts, 2 * ffn) / 4) if bias and not loop else None
+        self.down_bias = nn.Parameter(torch.randn(experts, hidden) / 4) if bias and not loop else None
         self.router = nn.Linear(hidden, experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / math.sqrt(hidden))
         self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(ffn))
-        if transposed:  # stored [E, in, out] and used as x @ W[ids] (HF's is_transposed experts, gpt-oss)
+        if self.transposed:  # stored [E, in, out] and used as x @ W[ids] (HF's is_transposed experts, gpt-oss)
             self.gate_up_proj = nn.Parameter(self.gate_up_proj.data.transpose(1, 2).contiguous())
             self.down_proj = nn.Parameter(self.down_proj.data.transpose(1, 2).contiguous())
 
@@ -683,14 +689,33 @@ class MoE(nn.Module):
                 y = F.linear(F.silu(gate) * up, self.down_proj[e])
                 out = out + y * (weights * (ids == e)).sum(-1, keepdim=True)
             return x + out.view(shape) if self.residual else out.view(shape)
+        if self.whole:
+            scores = torch.zeros(h.shape[0], self.e, dtype=weights.dtype, device=h.device).scatter(-1, ids, weights)
+            routed = (h.repeat(self.e, 1) * scores.t().reshape(-1, 1)).view(self.e, -1, shape[-1])
+            gate_up = torch.bmm(routed, self.gate_up_proj)
+            if self.gate_up_bias is not None:
+                gate_up.add_(self.gate_up_bias.unsqueeze(1))
+            gate, up = gate_up.chunk(2, -1)
+            y = torch.bmm(F.silu(gate) * up, self.down_proj)
+            if self.down_bias is not None:
+                y.add_(self.down_bias.unsqueeze(1))
+            y = y.view(self.e, -1, shape[-1]).sum(0)
+            return x + y.view(shape) if self.residual else y.view(shape)
         pairs = h.repeat_interleave(self.k, dim=0)  # [tokens * top_k, hidden]
         flat = ids.reshape(-1)
         if self.transposed:
-            gate, up = torch.bmm(pairs.unsqueeze(1), self.gate_up_proj[flat]).squeeze(1).chunk(2, -1)
+            gate_up = torch.bmm(pairs.unsqueeze(1), self.gate_up_proj[flat]).squeeze(1)
+        else:
+            gate_up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1)
+        if self.gate_up_bias is not None:
+            gate_up.add_(self.gate_up_bias[flat])
+        gate, up = gate_up.chunk(2, -1)
+        if self.transposed:
             y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.down_proj[flat]).squeeze(1)
         else:
-            gate, up = torch.bmm(self.gate_up_proj[flat], pairs.unsqueeze(-1)).squeeze(-1).chunk(2, -1)
             y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        if self.down_bias is not None:
+            y.add_(self.down_bias[flat])
         y = (y * weights.reshape(-1, 1)).view(-1, self.k, shape[-1]).sum(1)
         return x + y.view(shape) if self.residual else y.view(shape)
 

@@ -4,8 +4,11 @@ Planned and simulated in one process (``explain(verify=True)`` runs every rank's
 against the unsharded model); real gloo ranks run the ``moe`` (world 2 and 4, eager and Inductor)
 and ``hf_mixtral`` (world 2, eager) battery cases (test_numerics.py). Forms: HF
 transformers 5.23's ``batched_mm`` (``bmm`` of ``W[ids]``) and ``grouped_mm`` experts (its fp32
-fallback op, ``aten._grouped_mm`` in bf16), and a python loop over experts (``F.linear(x, W[e])``).
-Before this file's change none was matched: every expert weight stayed whole on every rank.
+fallback op, ``aten._grouped_mm`` in bf16), a python loop over experts (``F.linear(x, W[e])``),
+Llama4's ``bmm`` of the whole ``[E, in, out]`` parameter (its shared expert added in place) and
+GPT-OSS's (biases added in place into the partial sums), each also under bf16 autocast. The gloo
+scenario for Llama4 and GPT-OSS is in test_forms.py (its spawn). Before this file's changes none
+was matched: every expert weight stayed whole on every rank.
 """
 
 from __future__ import annotations
@@ -123,12 +126,188 @@ def test_the_one_all_reduce_follows_the_top_k_sum():
     assert weights == [(4, 48, HIDDEN), (4, HIDDEN, 24)], shapes  # [E, 2 x 24, hidden], [E, hidden, 24]
 
 
-class _WritesIntoExperts(models.MoE):
-    """The experts' output changed in place before the top-k sum (``y += bias``): partial sums
-    cannot be written into (the reads see one all-reduced copy)."""
+def _llama4(layers: int = 2) -> nn.Module:
+    """Llama4's text model: every layer an MoE (``x @ W[E, in, out]`` experts, top-1, a shared expert)."""
+    torch.manual_seed(0)
+    cfg = T.Llama4TextConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=64, intermediate_size_mlp=128,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, pad_token_id=0,
+                             bos_token_id=1, eos_token_id=2, attention_chunk_size=64)
+    return T.Llama4ForCausalLM(cfg).eval()
 
-    def __init__(self):
+
+class _FirstOutput(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x)[0]  # (Llama4TextMoe returns the router logits too)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_llama4_experts_are_cut_alike_in_every_expert(world):
+    """``bmm(x.view(E, -1, hidden), gate_up_proj)``: the whole [E, in, out] parameter, one batch per
+    expert, not transposed (x @ W). gate_up cut per component (gate and up halves), down on the
+    same features. Were never matched: 68% of Llama4's bytes whole on every rank."""
+    report = dynashard.explain(_llama4(), torch.randint(3, 96, (2, 7)), world_size=world, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    rows = _experts_rows(report)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.feed_forward.experts"
+        assert rows[f"{prefix}.gate_up_proj"][:2] == ("colwise", "-"), str(report)
+        assert rows[f"{prefix}.down_proj"][:2] == ("rowwise", "all_reduce"), str(report)
+    gate_up = next(r for r in report.rows if r.fqn.endswith("0.feed_forward.experts.gate_up_proj"))
+    assert "cut in 2 components of 64/64" in gate_up.reason, str(report)
+
+
+def test_llama4_moe_block_takes_one_all_reduce():
+    """The routed experts' partial sums (top-k summed) are added in place into the shared expert's
+    output (``out.add_(routed)``): both left partial, one all_reduce after the add (was 2: the
+    shared expert's own, and the routed sum's before the add_)."""
+    block = _FirstOutput(_llama4(1).model.layers[0].feed_forward)
+    gm = rewritten(block, torch.randn(2, 7, HIDDEN), world=2, rank=1)
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    add_ = next(i for i, n in enumerate(order) if n.target is torch.ops.aten.add_.Tensor)
+    reduce = next(i for i, n in enumerate(order) if "all_reduce" in str(n.target))
+    assert add_ < reduce, gm.code
+    report = dynashard.explain(_FirstOutput(_llama4(1).model.layers[0].feed_forward), torch.randn(2, 7, HIDDEN),
+                               world_size=2, verify=True, options={"min_shard_numel": 0})
+    assert report.layers["block.shared_expert.down_proj"] == "rowwise", str(report)
+
+
+def _llama4_styles(report) -> dict[str, str]:
+    return {r.fqn.split(".layers.")[-1]: r.style for r in report.rows if ".layers." in r.fqn}
+
+
+@pytest.mark.parametrize("moe_every", [1, 2], ids=["scout", "interleaved"])
+def test_hf_llama4_plan_as_shipped(moe_every):
+    """Llama4's base_model_tp_plan names its expert parameters by the weight dim HF cuts, stored
+    [E, in, out]: gate_up 'packed_rowwise' (its last dim: output features, per component) and down
+    'colwise' (dim -2: input features) under a 'moe_tp_experts' container; dynashard's colwise /
+    rowwise of those layers, as auto plans them. Refused before ("matches no linear layer"). An
+    all-MoE model (Scout) has no dense MLP: those keys warn that they have no effect."""
+    import warnings
+
+    torch.manual_seed(0)
+    cfg = T.Llama4TextConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=64, intermediate_size_mlp=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=moe_every,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_chunk_size=64)
+    model = T.Llama4ForCausalLM(cfg).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=2, verify=True,
+                                   options={"plan": T.Llama4TextConfig.base_model_tp_plan}, use_cache=False)
+    said = sorted({str(w.message).split("'")[1] for w in caught if "dynashard" in str(w.message)})
+    assert said == ([f"layers.*.feed_forward.{p}_proj" for p in ("down", "gate", "up")] if moe_every == 1 else [])
+    styles = _llama4_styles(report)
+    assert styles["1.feed_forward.experts.gate_up_proj"] == "colwise", str(report)
+    assert styles["1.feed_forward.experts.down_proj"] == "rowwise", str(report)
+    assert styles["1.feed_forward.shared_expert.down_proj"] == "rowwise", str(report)
+    auto = dynashard.explain(T.Llama4ForCausalLM(cfg).eval(), torch.randint(3, 96, (2, 7)), world_size=2,
+                             options={"min_shard_numel": 0}, use_cache=False)
+    named = {k: v for k, v in _llama4_styles(auto).items() if not k.endswith("router")}
+    assert {k: styles[k] for k in named} == named, (str(report), str(auto))
+    # a plan of dynashard's own styles names the layer's features, however the weight is stored
+    own = dynashard.explain(T.Llama4ForCausalLM(cfg).eval(), torch.randint(3, 96, (2, 7)), world_size=2,
+                            options={"plan": {"experts.gate_up_proj": "colwise", "experts.down_proj": "rowwise"}},
+                            use_cache=False, verify=True)
+    assert _llama4_styles(own)["1.feed_forward.experts.gate_up_proj"] == "colwise", str(own)
+
+
+def _gpt_oss(impl: str) -> nn.Module:
+    torch.manual_seed(0)
+    cfg = T.GptOssConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         layer_types=["full_attention"] * 2, experts_implementation=impl)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # biases as a trained model has them (a zero bias added once per rank is no test)
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("impl,world", [("grouped_mm", 2), ("grouped_mm", 3), ("batched_mm", 2), ("batched_mm", 4)])
+def test_gpt_oss_experts_add_their_bias_once(impl, world):
+    """GPT-OSS's experts: gate_up [E, hidden, 2 x ffn] with gate and up interleaved ([..., ::2],
+    [..., 1::2]: cut in pairs), each projection followed by ``out.add_(bias[ids])``. The down
+    projection's bias is added into partial sums: on rank 0 alone, so the one all_reduce holds it
+    once. Were whole on every rank (the add_ into partial sums kept them whole)."""
+    report = dynashard.explain(_gpt_oss(impl), torch.randint(3, 96, (2, 7)), world_size=world, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    rows = _experts_rows(report)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        assert rows[f"{prefix}.gate_up_proj"][:2] == ("colwise", "-"), str(report)
+        assert rows[f"{prefix}.down_proj"] == ("rowwise", "all_reduce", TOKENS * HIDDEN * 4), str(report)
+
+
+def test_gpt_oss_moe_block_takes_one_all_reduce():
+    """Rank 1's graph of one GPT-OSS MoE block: no gather, one all_reduce after the top-k sum, the
+    down projection's bias replaced by zeros here (rank 0 adds it)."""
+    gm = rewritten(_FirstOutput(_gpt_oss("batched_mm").model.layers[0].mlp), torch.randn(2, 7, HIDDEN), rank=1)
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    assert _count(gm, "zeros_like") == 1 and _count(gm, "add_") == 2, gm.code  # gate_up's bias added as it is
+
+
+_AUTOCAST_FORMS = {
+    "llama4": lambda: (_llama4(), torch.randint(3, 96, (2, 7))),
+    "gpt_oss_batched_mm": lambda: (_gpt_oss("batched_mm"), torch.randint(3, 96, (2, 7))),
+    "mixtral_batched_mm": lambda: (_mixtral("batched_mm"), torch.randint(3, 96, (2, 7))),
+    "loop": lambda: (models.MoE(HIDDEN, 48, loop=True).eval(), torch.randn(2, 7, HIDDEN)),
+    "batched": lambda: (models.MoE(HIDDEN, 48).eval(), torch.randn(2, 7, HIDDEN)),
+    "whole": lambda: (models.MoE(HIDDEN, 48, whole=True).eval(), torch.randn(2, 7, HIDDEN)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_AUTOCAST_FORMS))
+def test_experts_under_autocast_are_cut_as_without_it(form):
+    """Under bf16 autocast the expert weight reaches its matmul through a dtype conversion
+    (``_to_copy(W[ids])``, ``_to_copy(W)``, ``t(_to_copy(W[e]))``): seen through as a linear's
+    is, so every form is cut as without autocast (were whole: only the grouped_mm forms, whose
+    op autocast leaves alone, were matched). Verified at bf16's tolerance (explain)."""
+    torch.manual_seed(0)
+    model, x = _AUTOCAST_FORMS[form]()
+    kwargs = {"use_cache": False} if x.dtype == torch.long else {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = dynashard.explain(model, x, world_size=2, verify=True, options={"min_shard_numel": 0}, **kwargs)
+    experts = {(r.fqn.rsplit(".", 1)[-1], r.style, r.collectives) for r in report.rows
+               if r.fqn.endswith(("gate_up_proj", "down_proj")) and "shared" not in r.fqn}
+    assert experts == {("gate_up_proj", "colwise", "-"), ("down_proj", "rowwise", "all_reduce")}, str(report)
+
+
+class _Autocast(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.block(x)
+
+
+def test_llama4_moe_block_under_autocast_takes_one_all_reduce():
+    gm = rewritten(_Autocast(_FirstOutput(_llama4(1).model.layers[0].feed_forward)), torch.randn(2, 7, HIDDEN))
+    assert _count(gm, "all_reduce") == 1 and _count(gm, "all_gather") == 0, gm.code
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes
+              if n.op == "placeholder" and getattr(n.meta.get("val"), "ndim", 0) == 3]
+    weights = sorted(s for s in shapes if all(isinstance(d, int) for d in s))  # (the input's are symbolic)
+    assert weights == [(4, 32, HIDDEN), (4, HIDDEN, 64)], shapes  # each rank's half of down and of gate + up
+
+
+class _WritesIntoExperts(models.MoE):
+    """The experts' output changed in place before the top-k sum: ``y += bias`` (HF's expert biases)
+    is added on one rank only (the partial sums' memory is read by nothing else); ``y *= scale``
+    and a write into memory another op reads cannot be kept partial (the reads see one all-reduced
+    copy)."""
+
+    def __init__(self, write: str):
         super().__init__(HIDDEN, 48)
+        self.write = write
         self.bias = nn.Parameter(torch.randn(HIDDEN))
 
     def forward(self, x):
@@ -138,18 +317,29 @@ class _WritesIntoExperts(models.MoE):
         gate, up = torch.bmm(self.gate_up_proj[flat], h.repeat_interleave(self.k, 0).unsqueeze(-1)).squeeze(-1).chunk(
             2, -1)
         y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
-        y += self.bias
+        seen = y * 2.0 if self.write == "add_read_before" else None
+        if self.write == "scale":
+            y *= self.bias
+        else:
+            y += self.bias
+        y = y + seen if self.write == "add_read_before" else y
         return (y * weights.reshape(-1, 1)).view(-1, self.k, HIDDEN).sum(1).view(x.shape)
 
 
-def test_a_write_into_partial_sums_keeps_the_experts_whole():
+@pytest.mark.parametrize("write", ["add", "scale", "add_read_before"])
+def test_a_write_into_partial_sums(write):
     torch.manual_seed(0)
-    report = dynashard.explain(_WritesIntoExperts(), torch.randn(2, 7, HIDDEN), world_size=2, verify=True,
+    report = dynashard.explain(_WritesIntoExperts(write), torch.randn(2, 7, HIDDEN), world_size=2, verify=True,
                                options={"min_shard_numel": 0})
     down = next(r for r in report.rows if r.fqn == "down_proj")
+    if write == "add":  # the bias once in the sum (was: kept whole, as the others)
+        assert down.style == "rowwise", str(report)
+        gm = rewritten(_WritesIntoExperts(write), torch.randn(2, 7, HIDDEN), world=2, rank=1)
+        assert _count(gm, "all_reduce") == 1 and _count(gm, "zeros_like") == 1, gm.code
+        return
     assert down.style == "replicate" and "in-place" in down.reason, str(report)
-    with pytest.raises(UsageError, match="in-place op .*add_.* writes into the output of \\['down_proj'\\]"):
-        dynashard.explain(_WritesIntoExperts(), torch.randn(2, 7, HIDDEN), world_size=2,
+    with pytest.raises(UsageError, match="in-place op .*_.* writes into the output of \\['down_proj'\\]"):
+        dynashard.explain(_WritesIntoExperts(write), torch.randn(2, 7, HIDDEN), world_size=2,
                           options={"plan": {"gate_up_proj": "colwise", "down_proj": "rowwise"}})
 
 

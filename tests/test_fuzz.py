@@ -265,39 +265,44 @@ MOE_TAILS = {
 
 class MoETail(nn.Module):
     """The experts' output, plus a shared expert's (DeepSeek, Qwen-MoE: left partial and reduced
-    with the experts' when cut rowwise), then a tail."""
+    with the experts' when cut rowwise; ``in_place``: Llama4's ``shared(x).add_(y)``), then a tail."""
 
-    def __init__(self, moe: nn.Module, tail: str, shared: int = 0):
+    def __init__(self, moe: nn.Module, tail: str, shared: int = 0, in_place: bool = False):
         super().__init__()
-        self.moe, self.tail = moe, tail
+        self.moe, self.tail, self.in_place = moe, tail, in_place
         self.shared = models.SwiGLU(moe.router.in_features, shared) if shared else None
 
     def forward(self, x):
         y = self.moe(x)
-        return MOE_TAILS[self.tail](y if self.shared is None else y + self.shared(x), x)
+        if self.shared is not None:
+            y = self.shared(x).add_(y) if self.in_place else y + self.shared(x)
+        return MOE_TAILS[self.tail](y, x)
 
 
 @st.composite
 def moe_cases(draw):
     experts = draw(st.integers(1, 5))
-    form = draw(st.sampled_from(["batched", "loop", "transposed"]))
+    form = draw(st.sampled_from(["batched", "loop", "transposed", "whole"]))
     moe = models.MoE(hidden=draw(st.integers(4, 40)), ffn=draw(st.integers(1, 40)), experts=experts,
                      top_k=draw(st.integers(1, experts)), loop=form == "loop", transposed=form == "transposed",
-                     residual=False)
+                     residual=False, whole=form == "whole", bias=draw(st.booleans()))
     shared = draw(st.sampled_from([0, 0, 8, 24]))
-    return MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS))), shared), moe.router.in_features
+    return (MoETail(moe, draw(st.sampled_from(sorted(MOE_TAILS))), shared, in_place=draw(st.booleans())),
+            moe.router.in_features)
 
 
 @fuzz(10, 25, case=moe_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
       data=st.data())
 def test_random_moe(case, world, shape3d, plan_draw, data):
     """Experts of any count, width (down to fewer features than ranks) and top-k, in the batched,
-    transposed and loop forms, auto or drawn plans, followed by ops linear in their partial sums
+    transposed, loop and whole (Llama4's bmm of the whole [E, in, out] parameter) forms, a shared
+    expert added out of place or in place, expert biases added in place (once, on partial sums),
+    auto or drawn plans, followed by ops linear in their partial sums
     or not (MOE_TAILS): partial sums reduced exactly once, where needed."""
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
-    layers = {"moe.router", "moe.gate_up_proj", "moe.down_proj"}
+    layers = {"moe.router", "moe.gate_up_proj", "moe.down_proj"}  # (biases are parameters, not layers)
     layers |= {f"shared.{n}" for n in ("w1", "w2", "w3")} if model.shared is not None else set()
     plan = "auto"
     if plan_draw:

@@ -70,7 +70,7 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         base = root.get(node.args[0], node.args[0])
         members = [n for n in graph.nodes if root.get(n, n) is base]
         partial = frozenset().union(*(lm.partial[m] for m in members if m in lm.partial))
-        if partial:
+        if partial and node not in lm.partial:  # (an add_ of partials into its own memory: rules/partial.py)
             found.append((node, partial))
             continue
         shard = next((lm.layouts[m] for m in members if lm.layouts.get(m) is not None), None)

@@ -28,6 +28,7 @@ from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, V
 from dynashard.match import Embedding, Experts, LinearKind, LinearMatch
 from dynashard.nodes import size_at, val
 from dynashard.options import Style
+from dynashard.rules.partial import stays_partial
 from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard, WishKind
 from dynashard.split import Split, even
 
@@ -191,7 +192,10 @@ def _joins_partial_sums(lm: LayoutMap, match: LinearMatch) -> bool:
         return bool(users) and all(
             (u.target in _VIEWS and depth > 0 and added(u, depth - 1))
             or (u.target is aten.add.Tensor and len(u.args) == 2 and not u.kwargs
-                and any(a is not value and a in lm.partial for a in u.args)) for u in users)
+                and any(a is not value and a in lm.partial for a in u.args))
+            # Llama4: ``shared.add_(routed.view(k, -1, h).sum(0))``, the routed sum not walked yet
+            or (u.target is aten.add_.Tensor and value is match.node and len(users) == 1 and not u.kwargs
+                and len(u.args) == 2 and u.args[0] is value and stays_partial(lm, u.args[1])) for u in users)
 
     return added(match.node)
 

@@ -15,8 +15,10 @@ An op keeps a partial when it is linear in it and every other tensor it reads is
 views and copies of it, a product or quotient by a replicated value or a number (reading the
 partial once: ``p * p`` is not linear), a selection of rows (``index``, ``select``, ``slice``),
 sums over dims, a sum, difference or concatenation of partials only, or of zeros nothing writes
-into (``p + 1.0`` would add the number once per rank). Every other reader -- every in-place op,
-any op with a Shard operand, the graph's outputs -- reads it all-reduced
+into (``p + 1.0`` would add the number once per rank), and ``p.add_(q)`` into memory nothing else
+reads, of partials (Llama4's shared expert's output, added to in place) or of a whole ``q`` added
+on rank 0 alone (HF's expert biases, ``out.add_(bias[ids])``: lowerings.AddOnce). Every other reader --
+every other in-place op, any op with a Shard operand, the graph's outputs -- reads it all-reduced
 (``Record.reduced``).
 """
 
@@ -25,8 +27,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard.lowerings import AddOnce
 from dynashard.nodes import mutates_self, tensor_args, val
-from dynashard.shard import LayoutMap
+from dynashard.rules.inplace import aliases_input
+from dynashard.shard import LayoutMap, Record
 
 aten = torch.ops.aten
 
@@ -39,7 +43,8 @@ _LINEAR_IN_FIRST = {
     aten.mul.Scalar, aten.div.Scalar,
 }
 _SCALED = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,)}  # linear in one operand if the other is replicated
-_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default}  # linear only when every operand is partial
+# linear only when every operand is partial (add_: see _adds_into_own)
+_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default, aten.add_.Tensor}
 _ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
 
 
@@ -63,6 +68,33 @@ def _widening_copy(node: torch.fx.Node) -> bool:
             and out.dtype.itemsize >= src.dtype.itemsize)
 
 
+def stays_partial(lm: LayoutMap, node: object, depth: int = 4) -> bool:
+    """``node`` is partial sums, or will be when the walk reaches it: a partial value through ops
+    linear in it alone (views, sums; no other tensor operand), which keep it partial whatever
+    the plan (a rowwise linear ahead of a routed sum asks, Llama4's shared expert)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node in lm.partial:
+        return True
+    return (depth > 0 and node.op == "call_function" and node.target in _LINEAR_IN_FIRST
+            and tensor_args(node) == [node.args[0]] and stays_partial(lm, node.args[0], depth - 1))
+
+
+def _adds_into_own(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    """``p.add_(q)`` where ``p`` is partial sums in memory nothing else reads (``p`` and each value
+    it views, back to the op that made the memory, read once: by the next view, then this add):
+    the sum is written where no all-reduced copy of ``p`` is read, so it stays partial (a later
+    write into it is refused: inplace.unsafe_mutations)."""
+    target = node.args[0]
+    if node.target is not aten.add_.Tensor or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
+        return False
+    if not isinstance(target, torch.fx.Node) or target not in lm.partial:
+        return False
+    while len(target.users) == 1 and aliases_input(target):  # (a squeeze of a bmm: HF's batched experts)
+        target = target.args[0]
+    return len(target.users) == 1 and not aliases_input(target)
+
+
 def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Every node argument, repeats kept (``mul(p, p)`` reads ``p`` twice: not linear in it)."""
     found: list[torch.fx.Node] = []
@@ -70,16 +102,17 @@ def _operands(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node] | None:
-    """The partial origins of ``node``'s output when it reads partial operands and is linear in
-    them (the driver then records every operand read locally); None otherwise."""
-    if node.op != "call_function" or mutates_self(node):
+def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """``node``'s record when it reads partial operands and is linear in them (every operand read
+    locally, the output partial with their origins); None otherwise."""
+    if node.op != "call_function" or (mutates_self(node) and not _adds_into_own(lm, node)):
         return None
     args = tensor_args(node)
     reads = [a for a in _operands(node) if a in lm.partial]  # with repeats
     others = [a for a in args if a not in lm.partial]
     if not reads or any(lm.layouts.get(a) is not None for a in args):
         return None
+    lowering = None
     if node.target in _LINEAR_IN_FIRST or (node.target is aten._to_copy.default and _widening_copy(node)):
         ok = reads == [node.args[0]]
     elif node.target in _SCALED:  # by a replicated tensor or a number: p * w, p / w, p * 2.0
@@ -89,6 +122,12 @@ def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> frozenset[torch.fx.Node
         operands = node.args[0] if node.target is aten.cat.default else node.args[:2]
         ok = (all(isinstance(a, torch.fx.Node) for a in operands)
               and all(_is_zeros(lm, a) for a in others))
+        if not ok and node.target is aten.add_.Tensor and reads == [node.args[0]] and others == [node.args[1]]:
+            # p.add_(b), b whole (HF's expert biases: GPT-OSS): b added on one rank only. (Out of place,
+            # ``x + p`` reads p reduced as before: a residual is added after the one all_reduce.)
+            ok, lowering = True, AddOnce(at=1)
     else:
         ok = False
-    return frozenset().union(*(lm.partial[a] for a in reads)) if ok else None
+    if not ok:
+        return None
+    return lm.keep(node, None, partial=frozenset().union(*(lm.partial[a] for a in reads)), lowering=lowering)
