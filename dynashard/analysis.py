@@ -15,6 +15,7 @@ import torch.fx
 from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
 from dynashard.decision import split_dim
+from dynashard.linear_forms import normalise
 from dynashard.match import ParamInfo, find_linears
 from dynashard.nodes import PARAMETER, val
 from dynashard.options import Options, Style
@@ -104,8 +105,6 @@ def analyse(
     """This rank's plan for ``gm``: a function of the graph, the options, the world and ``earlier`` (what
     earlier compiles cut or read whole, ``WeightStore.earlier_cuts``), nothing else."""
     aten_gm = private.trace_aten(gm, fake_args)
-    _drop_dead_detaches(aten_gm)
-    _merge_duplicate_views(aten_gm)
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     params: dict[int, tuple[str, torch.fx.Node]] = {}
@@ -125,6 +124,9 @@ def analyse(
         node.meta[PARAMETER] = is_param
         params[i] = (fqn, node)
         names[i] = fqn
+    normalise(aten_gm, {node for node, info in infos.items() if info.is_parameter})
+    _drop_dead_detaches(aten_gm)
+    _merge_duplicate_views(aten_gm)
     linears, other_uses = find_linears(aten_gm.graph, infos)
     stacked = options.weights == "per_rank"
     uniform = frozenset() if stacked else frozenset(infos)

@@ -903,3 +903,42 @@ class HFLogits(nn.Module):
 
     def forward(self, ids):
         return self.m(ids, use_cache=False).logits
+
+
+class ClothedLinear(nn.Module):
+    """A linear on ``x [B, S, in]`` written in one of ``FORMS`` (issue 28, linears in other clothes);
+    the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``);
+    the bias, if any, added after."""
+
+    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis")
+
+    def __init__(self, in_features: int, out_features: int, form: str, bias: bool = True) -> None:
+        super().__init__()
+        self.form = form
+        shape = {"einsum_in_out": (in_features, out_features)}.get(form, (out_features, in_features))
+        self.weight = nn.Parameter(torch.randn(shape) / max(in_features, 1) ** 0.5)
+        self.bias = nn.Parameter(torch.randn(out_features) / 4) if bias else None
+
+    def forward(self, x):
+        w, form = self.weight, self.form
+        if form == "linear":
+            y = F.linear(x, w)
+        elif form == "einsum":
+            y = torch.einsum("bsd,hd->bsh", x, w)
+        elif form == "einsum_in_out":
+            y = torch.einsum("bsd,dh->bsh", x, w)
+        else:  # "einsum_ellipsis"
+            y = torch.einsum("...d,hd->...h", x, w)
+        return y if self.bias is None else y + self.bias
+
+
+class ClothedMLP(nn.Module):
+    """up -> activation -> down, each a :class:`ClothedLinear` of its own form, with a residual."""
+
+    def __init__(self, hidden: int, ffn: int, up: str, down: str, bias: bool = True) -> None:
+        super().__init__()
+        self.up, self.down = ClothedLinear(hidden, ffn, up, bias), ClothedLinear(ffn, hidden, down, bias)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+

@@ -240,6 +240,27 @@ def test_random_attention_under_autocast(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data, autocast=True)
 
 
+@st.composite
+def clothed_cases(draw):
+    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum, nn.Linear's)."""
+    hidden, ffn = draw(st.integers(2, 24)), draw(st.integers(2, 40))  # (einsum over 1 feature: a mul, no linear)
+    up, down = (draw(st.sampled_from(models.ClothedLinear.FORMS)) for _ in range(2))
+    return models.ClothedMLP(hidden, ffn, up, down, bias=draw(st.booleans())), hidden
+
+
+@fuzz(6, 20, case=clothed_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), dynamic=st.booleans(),
+      data=st.data())
+def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, data):
+    model, hidden = case
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    names = ["up", "down"]
+    plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n) for n in names}
+    options = {"min_shard_numel": 0, "plan": plan if plan_draw else "auto"}
+    report = dynashard.explain(model, torch.randn(2, 3, hidden), world_size=world, options=options, verify=True,
+                               dynamic=dynamic)
+    assert set(report.layers) == set(names), str(report)  # every form matched
+
+
 def _zeros_written(y, x):
     acc = torch.zeros_like(x)
     acc[..., :1] = 1.0  # written in place: no longer zeros

@@ -1,0 +1,133 @@
+"""Linears in other clothes: rewritten, before matching, into the form match.py reads.
+
+Before (what make_fx traces) -> after (each traced from the line of torch in ``_LINEAR``, so the
+graph's symbolic sizes stay its own)::
+
+    einsum("bsd,hd->bsh", x, W)          bmm(view(x', [1, M, K]), view(permute(unsqueeze(W)), [1, K, N]))
+        -> view(mm(view(x, [-1, K]), t(W)), [.., M, N])     (W stored [out, in]; [in, out]: mm(.., W))
+
+The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
+from the 2-D parameter is replayed on a meta tensor, and the per-batch matrix is W.t() or W
+exactly when it is a [K, N] view with W.t()'s (or W's) strides at offset 0 (einsum's
+unsqueeze/permute/view chains differ by equation; the strides do not).
+
+Invariants: the only step of analysis that changes what the graph computes as written, and it
+never changes a value: each replacement computes the same products and sums (a matmul kernel's
+own order aside). A node that is not exactly one of these forms is left as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from dynashard import _torch_private as private
+from dynashard.nodes import val
+
+aten = torch.ops.aten
+
+# Ops that only re-view their first argument (the chain from a weight to a bmm)
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.squeeze.dims, aten.permute.default, aten.transpose.int, aten.t.default, aten.alias.default}
+# What each form becomes, as the model could have written it ("out_in": W stored [out, in])
+# (contiguous: a matmul reads a non-contiguous 3-D input as an expand and a bmm, not a view and an mm)
+_LINEAR = {
+    "out_in": lambda x, w: F.linear(x.contiguous(), w),
+    "in_out": lambda x, w: torch.matmul(x.contiguous(), w),
+}
+
+
+def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
+    """Rewrite every linear on a parameter in ``params`` written in another form (above) in place."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.bmm.default:
+            found = _broadcast_weight(node.args[1], params)
+            if found is not None:
+                _replace(gm, node, found[1], [node.args[0], found[0]])
+    gm.recompile()
+
+
+def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tuple[torch.fx.Node, str] | None:
+    """``(W, form)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
+    ("in_out") of a 2-D parameter W, in its one batch: views of W."""
+    node, chain = operand, []
+    while node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node):
+        chain.append(node)
+        node = node.args[0]
+    weight = val(node)
+    if node not in params or weight is None or weight.dim() != 2 or not all(isinstance(s, int) for s in weight.shape):
+        return None
+    replayed = torch.empty(weight.shape, device="meta")
+    try:
+        for step in reversed(chain):
+            replayed = step.target(replayed, *step.args[1:], **step.kwargs)
+    except (TypeError, RuntimeError):  # a symbolic size (a node) among the view's arguments, or none fits
+        return None
+    while replayed.dim() > 2 and replayed.shape[0] == 1:
+        replayed = replayed[0]
+    if replayed.dim() != 2 or replayed.storage_offset() != 0:
+        return None
+    (k, n), (out_f, in_f) = replayed.shape, weight.shape
+    strides = _steps(replayed.shape, replayed.stride())
+    if (k, n) == (in_f, out_f) and strides == _steps((k, n), (1, in_f)):
+        return node, "out_in"
+    if (k, n) == (out_f, in_f) and strides == _steps((k, n), (in_f, 1)):
+        return node, "in_out"
+    return None
+
+
+def _steps(shape, strides) -> tuple:
+    """The strides that step (a size-1 dim's stride is no layout: W.t() and W.view(in, 1) are one tensor)."""
+    return tuple(s if d > 1 else None for d, s in zip(shape, strides))
+
+
+def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, form: str, inputs: list[torch.fx.Node]) -> None:
+    """``node`` replaced by the aten trace of ``_LINEAR[form]`` on ``inputs``, copied in before it."""
+    sub = private.trace_aten(_LINEAR[form], [val(i) for i in inputs])
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    sizes = _sizes_before(gm.graph, node)
+    copied = dict(zip(placeholders, inputs, strict=True))
+    with gm.graph.inserting_before(node):
+        out = gm.graph.graph_copy(sub.graph, copied)
+    # The trace reads sizes off its own inputs (a sym_size of a layer's output, which a cut layout
+    # would gather first): each is read from the graph's own node for that size where it has one.
+    for new in [copied[n] for n in sub.graph.nodes if n.target is aten.sym_size.int]:
+        same = sizes.get(_symbol(new))
+        if same is not None:
+            new.replace_all_uses_with(same)
+            gm.graph.erase_node(new)
+    old_args = list(node.all_input_nodes)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+    for arg in old_args:
+        _erase_dead(gm.graph, arg)
+
+
+def _symbol(node: torch.fx.Node):
+    v = node.meta.get("val")
+    return v.node.expr if isinstance(v, torch.SymInt) else None
+
+
+def _sizes_before(graph: torch.fx.Graph, node: torch.fx.Node) -> dict:
+    """The graph's nodes before ``node`` that hold a symbolic size, by its expression (the first of each)."""
+    found: dict = {}
+    for n in graph.nodes:
+        if n is node:
+            return found
+        if _symbol(n) is not None:
+            found.setdefault(_symbol(n), n)
+    return found
+
+
+def _erase_dead(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """``node`` and the views before it, once nothing reads them."""
+    while node.op == "call_function" and not node.users and node.target in _VIEWS:
+        source = node.args[0]
+        graph.erase_node(node)
+        if not isinstance(source, torch.fx.Node):
+            return
+        node = source
+
