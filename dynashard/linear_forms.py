@@ -5,6 +5,8 @@ graph's symbolic sizes stay its own)::
 
     einsum("bsd,hd->bsh", x, W)          bmm(view(x', [1, M, K]), view(permute(unsqueeze(W)), [1, K, N]))
         -> view(mm(view(x, [-1, K]), t(W)), [.., M, N])     (W stored [out, in]; [in, out]: mm(.., W))
+    Conv1d(k=1) on [B, C, L]             convolution(x, W[out, in, 1], b, [1], [0], [1], False, [0], 1)
+        -> transpose(view(addmm(b, view(clone(transpose(x))), t(squeeze(W, -1)))), 1, 2)
 
 The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
 from the 2-D parameter is replayed on a meta tensor, and the per-batch matrix is W.t() or W
@@ -35,6 +37,8 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, 
 _LINEAR = {
     "out_in": lambda x, w: F.linear(x.contiguous(), w),
     "in_out": lambda x, w: torch.matmul(x.contiguous(), w),
+    "conv1x1": lambda x, w, b: F.linear(x.transpose(1, 2).contiguous(), w.squeeze(-1), b).transpose(1, 2),
+    "conv1x1_no_bias": lambda x, w: F.linear(x.transpose(1, 2).contiguous(), w.squeeze(-1)).transpose(1, 2),
 }
 
 
@@ -47,6 +51,9 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
             found = _broadcast_weight(node.args[1], params)
             if found is not None:
                 _replace(gm, node, found[1], [node.args[0], found[0]])
+        elif node.target is aten.convolution.default and _pointwise_conv1d(node, params):
+            x, w, b = node.args[:3]
+            _replace(gm, node, "conv1x1_no_bias" if b is None else "conv1x1", [x, w] + ([b] if b is not None else []))
     gm.recompile()
 
 
@@ -82,6 +89,15 @@ def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tup
 def _steps(shape, strides) -> tuple:
     """The strides that step (a size-1 dim's stride is no layout: W.t() and W.view(in, 1) are one tensor)."""
     return tuple(s if d > 1 else None for d, s in zip(shape, strides))
+
+
+def _pointwise_conv1d(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
+    """``convolution(x[B, in, L], W[out, in, 1], b)`` with stride 1, no padding, no dilation, one group."""
+    x, w, _, stride, padding, dilation, transposed, _, groups = node.args
+    vx, vw = val(x), val(w)
+    return (w in params and vx is not None and vw is not None and vx.dim() == 3 and vw.dim() == 3
+            and vw.shape[2] == 1 and list(stride) == [1] and list(padding) == [0] and list(dilation) == [1]
+            and not transposed and groups == 1)
 
 
 def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, form: str, inputs: list[torch.fx.Node]) -> None:
@@ -131,3 +147,10 @@ def _erase_dead(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             return
         node = source
 
+
+def squeezed_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``[out, in, 1]`` weight that ``node`` squeezes to ``[out, in]`` (a pointwise Conv1d's, above)."""
+    if node.op != "call_function" or node.target is not aten.squeeze.dim or val(node.args[0]) is None:
+        return None
+    source = val(node.args[0])
+    return node.args[0] if source.dim() == 3 and source.shape[2] == 1 and int(node.args[1]) % 3 == 2 else None

@@ -31,6 +31,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from dynashard.linear_forms import squeezed_source
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -172,14 +173,16 @@ def _converted_source(node: torch.fx.Node) -> torch.fx.Node | None:
 def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Node, ...], torch.fx.Node | None]:
     """From a matmul's second operand back to what it computes from: (source, the nodes between it and
     the matmul in order, the transpose among them): through one dtype conversion on either side of
-    one transpose, each optional."""
-    path, node, transpose, converted = [], mat2, None, False
+    one transpose, each optional, and a pointwise Conv1d's squeeze of its [out, in, 1] weight."""
+    path, node, transpose, converted, squeezed = [], mat2, None, False, False
     while True:
         source = _converted_source(node) if not converted else None
         if source is not None:
             converted = True
         elif transpose is None and (source := _transposed_source(node)) is not None:
             transpose = node
+        elif not squeezed and (source := squeezed_source(node)) is not None:
+            squeezed = True
         else:
             return node, tuple(reversed(path)), transpose
         path.append(node)
@@ -220,7 +223,7 @@ def find_linears(
         if weight not in params or not (params[weight].is_parameter or _quantized(weight, path)):
             continue
         shape = weight.meta["val"].shape
-        if len(shape) != 2:
+        if len(shape) != 2 + any(squeezed_source(n) is not None for n in path):
             continue
         out_f, in_f = (shape[0], shape[1]) if form == "out_in" else (shape[1], shape[0])
         matches.append(

@@ -907,20 +907,23 @@ class HFLogits(nn.Module):
 
 class ClothedLinear(nn.Module):
     """A linear on ``x [B, S, in]`` written in one of ``FORMS`` (issue 28, linears in other clothes);
-    the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``);
-    the bias, if any, added after."""
+    the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``) or a
+    Conv1d's ``[out, in, 1]``; the bias, if any, added after."""
 
-    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis")
+    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1")
 
     def __init__(self, in_features: int, out_features: int, form: str, bias: bool = True) -> None:
         super().__init__()
         self.form = form
-        shape = {"einsum_in_out": (in_features, out_features)}.get(form, (out_features, in_features))
-        self.weight = nn.Parameter(torch.randn(shape) / max(in_features, 1) ** 0.5)
+        shape = {"conv1x1": (out_features, in_features, 1), "einsum_in_out": (in_features, out_features)}
+        shape = shape.get(form, (out_features, in_features))
+        self.weight = nn.Parameter(torch.randn(*shape) / max(in_features, 1) ** 0.5)
         self.bias = nn.Parameter(torch.randn(out_features) / 4) if bias else None
 
     def forward(self, x):
         w, form = self.weight, self.form
+        if form == "conv1x1":  # on [B, C, L], as a 1x1 conv MLP holds its activations
+            return F.conv1d(x.transpose(1, 2), w, self.bias).transpose(1, 2)
         if form == "linear":
             y = F.linear(x, w)
         elif form == "einsum":

@@ -6,8 +6,11 @@ einsum: ``torch.einsum("bsd,hd->bsh", x, W)`` (W stored ``[out, in]``), ``"bsd,d
 ``[in, out]``) and ``"...d,hd->...h"``. Traced, each is a batch-1 ``bmm`` behind unsqueeze / permute /
 view chains that differ by equation; the weight's chain is recognised by its strides (W.t() or W).
 
+Conv1d(kernel_size=1) on ``[B, C, L]``: the weight ``[out, in, 1]`` is cut on out-channels (colwise)
+or in-channels (rowwise); a Conv1d with a wider kernel, padding, stride or groups is left as written.
+
 Simulated at worlds 2, 3 and 4 (dims that do not divide) against the model, goldens counting the
-collectives, and on 2 real gloo ranks: forward against the unsharded model.
+collectives, and on 2 real gloo ranks: forward and SGD gradients against the unsharded twin.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dynashard
+from dynashard.parameters import FACADES
+from dynashard.weights import STORE, cut
 from tests.scenarios import Scenarios
 from tests.test_graphs import _count, rewritten
 
@@ -39,6 +44,18 @@ def _collectives(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     """(all_reduces, all_gathers) in rank 0's rewritten graph at world 2, sizes symbolic."""
     gm = rewritten(model, x)
     return _count(gm, "all_reduce"), _count(gm, "all_gather")
+
+
+class ConvMLP(nn.Module):
+    """A 1x1 conv MLP on ``[B, C, L]``: Conv1d(d, 4d, 1) -> GELU -> Conv1d(4d, d, 1)."""
+
+    def __init__(self, d: int = 16, kernel: int = 1, bias: bool = True) -> None:
+        super().__init__()
+        self.up = nn.Conv1d(d, 4 * d, kernel, padding=kernel // 2, bias=bias)
+        self.down = nn.Conv1d(4 * d, d, 1, bias=bias)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
 
 
 class EinsumMLP(nn.Module):
@@ -81,17 +98,33 @@ def test_einsum_linears_cost_one_all_reduce():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])  # 64 channels: 32/32, 22/21/21, 16 x 4
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointwise_conv1d_mlp_is_paired_like_nn_linear(world, bias):
+    torch.manual_seed(0)
+    assert _layers(ConvMLP(bias=bias), torch.randn(2, 16, 5), world, dynamic=world == 3) == PAIRED  # was: {}
+    assert _collectives(ConvMLP(bias=bias), torch.randn(2, 16, 5)) == (1, 0)
+
+
+@pytest.mark.unit
+def test_a_conv1d_with_a_wider_kernel_stays_as_written():
+    torch.manual_seed(0)
+    assert _layers(ConvMLP(kernel=3), torch.randn(2, 16, 5), 2) == {"down": "replicate"}
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("form", ["reshaped"])
 def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
     torch.manual_seed(0)
     assert _layers(NoLinearBmm(form), torch.randn(2, 3, 16), 2) == {}
 
 
-# On real ranks, eager: each form's forward against the unsharded model.
+# On real ranks, eager: each form's forward against the unsharded model, and for a
+# 1x1 conv MLP, SGD steps whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
-    for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16))]:
+    for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
         fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "eager"})
@@ -100,4 +133,38 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             # float32 O(1) activations, sums of 16-64 products in another order: a few ulps
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
+    for model, shape, sharded in [(ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"})]:
+        torch._dynamo.reset()
+        assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
 
+
+# float32: the sharded step sums the same products in another order, forward and backward (test_training's
+# bound: a few ulps of each gradient's scale measured there, 1e-4 leaves room)
+GRAD_RTOL = 1e-4
+
+
+def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[str]) -> float:
+    """Worst gradient error over 2 SGD steps against the twin, relative to each gradient's largest element."""
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, torch.randn(*shape), options={"min_shard_numel": 0, "compiler": "eager"})
+    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "eager"})
+    sgd, sgd_twin = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    facades = {f"{prefix}.{attr}" if prefix else attr: facade for prefix, module in model.named_modules()
+               for attr, facade in module.__dict__.get(FACADES, {}).items()}
+    shards = dict(model.named_parameters())
+    assert set(facades) >= sharded, sorted(facades)  # (else the twin is compared with itself)
+    worst = 0.0
+    for step in range(2):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+        fast(x).pow(2).mean().backward()
+        twin(x).pow(2).mean().backward()
+        for name, p in twin.named_parameters():
+            g = p.grad
+            if name in facades:  # sharded: compared with the same cut of the twin's gradient
+                spec = STORE.spec_of(facades[name])
+                g = cut(g, spec.dim, spec.split, spec.world, spec.rank)
+            worst = max(worst, float((shards[name].grad - g).abs().max()) / float(g.abs().max()))
+        for opt in (sgd, sgd_twin):
+            opt.step()
+            opt.zero_grad()
+    return worst

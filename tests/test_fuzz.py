@@ -242,7 +242,7 @@ def test_random_attention_under_autocast(case, world, plan_draw, data):
 
 @st.composite
 def clothed_cases(draw):
-    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum, nn.Linear's)."""
+    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum, Conv1d k=1, nn.Linear's)."""
     hidden, ffn = draw(st.integers(2, 24)), draw(st.integers(2, 40))  # (einsum over 1 feature: a mul, no linear)
     up, down = (draw(st.sampled_from(models.ClothedLinear.FORMS)) for _ in range(2))
     return models.ClothedMLP(hidden, ffn, up, down, bias=draw(st.booleans())), hidden
