@@ -7,6 +7,7 @@ graph's symbolic sizes stay its own)::
         -> view(mm(view(x, [-1, K]), t(W)), [.., M, N])     (W stored [out, in]; [in, out]: mm(.., W))
     Conv1d(k=1) on [B, C, L]             convolution(x, W[out, in, 1], b, [1], [0], [1], False, [0], 1)
         -> transpose(view(addmm(b, view(clone(transpose(x))), t(squeeze(W, -1)))), 1, 2)
+    F.linear(h, W.t()) (a tied decoder)  mm(h, t(t(W)))  ->  mm(h, W)
 
 The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
 from the 2-D parameter is replayed on a meta tensor, and the per-batch matrix is W.t() or W
@@ -44,7 +45,8 @@ _LINEAR = {
 
 def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
     """Rewrite every linear on a parameter in ``params`` written in another form (above) in place."""
-    for node in list(gm.graph.nodes):
+    graph = gm.graph
+    for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.bmm.default:
@@ -54,6 +56,8 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
         elif node.target is aten.convolution.default and _pointwise_conv1d(node, params):
             x, w, b = node.args[:3]
             _replace(gm, node, "conv1x1_no_bias" if b is None else "conv1x1", [x, w] + ([b] if b is not None else []))
+        elif node.target in (aten.mm.default, aten.addmm.default):
+            _cancel_double_transpose(graph, node, params)
     gm.recompile()
 
 
@@ -98,6 +102,17 @@ def _pointwise_conv1d(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
     return (w in params and vx is not None and vw is not None and vx.dim() == 3 and vw.dim() == 3
             and vw.shape[2] == 1 and list(stride) == [1] and list(padding) == [0] and list(dilation) == [1]
             and not transposed and groups == 1)
+
+
+def _cancel_double_transpose(graph: torch.fx.Graph, node: torch.fx.Node, params: set[torch.fx.Node]) -> None:
+    """``mm(h, t(t(W)))``: ``F.linear(h, W.t())``, a tied decoder reading its encoder's W as stored."""
+    mat2 = node.args[-1]
+    if not (isinstance(mat2, torch.fx.Node) and mat2.target is aten.t.default):
+        return
+    inner = mat2.args[0]
+    if isinstance(inner, torch.fx.Node) and inner.target is aten.t.default and inner.args[0] in params:
+        node.replace_input_with(mat2, inner.args[0])
+        _erase_dead(graph, mat2)
 
 
 def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, form: str, inputs: list[torch.fx.Node]) -> None:

@@ -945,3 +945,14 @@ class ClothedMLP(nn.Module):
     def forward(self, x):
         return x + self.down(F.gelu(self.up(x)))
 
+
+class TiedAutoencoder(nn.Module):
+    """Encoder ``F.linear(x, W)``, decoder ``F.linear(h, W.t())``: one W, read as stored by the decoder."""
+
+    def __init__(self, hidden: int, code: int) -> None:
+        super().__init__()
+        self.tied = nn.Parameter(torch.randn(code, hidden) / hidden ** 0.5)
+        self.enc_bias, self.dec_bias = nn.Parameter(torch.randn(code) / 4), nn.Parameter(torch.randn(hidden) / 4)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(F.linear(x, self.tied, self.enc_bias)), self.tied.t(), self.dec_bias)

@@ -9,6 +9,10 @@ view chains that differ by equation; the weight's chain is recognised by its str
 Conv1d(kernel_size=1) on ``[B, C, L]``: the weight ``[out, in, 1]`` is cut on out-channels (colwise)
 or in-channels (rowwise); a Conv1d with a wider kernel, padding, stride or groups is left as written.
 
+A tied autoencoder: the encoder ``F.linear(x, W)`` and the decoder ``F.linear(h, W.t())`` read one W,
+the decoder as stored. The encoder colwise cuts W on dim 0, which is the decoder's input dim: it is
+then rowwise on the same cut, one all_reduce, and W's gradient is the sum of both uses' (gloo).
+
 Simulated at worlds 2, 3 and 4 (dims that do not divide) against the model, goldens counting the
 collectives, and on 2 real gloo ranks: forward and SGD gradients against the unsharded twin.
 """
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 import dynashard
 from dynashard.parameters import FACADES
 from dynashard.weights import STORE, cut
+from tests import models
 from tests.scenarios import Scenarios
 from tests.test_graphs import _count, rewritten
 
@@ -113,14 +118,24 @@ def test_a_conv1d_with_a_wider_kernel_stays_as_written():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_tied_autoencoder_is_colwise_then_rowwise_on_one_cut(world):
+    torch.manual_seed(0)
+    report = dynashard.explain(models.TiedAutoencoder(16, 40), torch.randn(2, 3, 16), world_size=world,
+                               options={"min_shard_numel": 0}, verify=True)
+    assert [(r.fqn, str(r.style)) for r in report.rows] == [("tied", "colwise"), ("tied", "rowwise")], str(report)
+    assert _collectives(models.TiedAutoencoder(16, 40), torch.randn(2, 3, 16)) == (1, 0)  # was: W whole
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("form", ["reshaped"])
 def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
     torch.manual_seed(0)
     assert _layers(NoLinearBmm(form), torch.randn(2, 3, 16), 2) == {}
 
 
-# On real ranks, eager: each form's forward against the unsharded model, and for a
-# 1x1 conv MLP, SGD steps whose gradients equal the twin's own cut.
+# On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
+# twice) and a 1x1 conv MLP, SGD steps whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
@@ -133,7 +148,8 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             # float32 O(1) activations, sums of 16-64 products in another order: a few ulps
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
-    for model, shape, sharded in [(ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"})]:
+    for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
+                                  (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"})]:
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
 

@@ -242,8 +242,11 @@ def test_random_attention_under_autocast(case, world, plan_draw, data):
 
 @st.composite
 def clothed_cases(draw):
-    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum, Conv1d k=1, nn.Linear's)."""
+    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum, Conv1d k=1,
+    nn.Linear's), or a tied autoencoder (the decoder reads W.t())."""
     hidden, ffn = draw(st.integers(2, 24)), draw(st.integers(2, 40))  # (einsum over 1 feature: a mul, no linear)
+    if draw(st.integers(0, 7)) == 0:
+        return models.TiedAutoencoder(hidden, ffn), hidden
     up, down = (draw(st.sampled_from(models.ClothedLinear.FORMS)) for _ in range(2))
     return models.ClothedMLP(hidden, ffn, up, down, bias=draw(st.booleans())), hidden
 
@@ -253,12 +256,15 @@ def clothed_cases(draw):
 def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, data):
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
-    names = ["up", "down"]
-    plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n) for n in names}
+    tied = isinstance(model, models.TiedAutoencoder)
+    names = ["tied"] if tied else ["up", "down"]
+    # (the tied W's two uses share one name: one style for both would cut W two ways, a UsageError)
+    styles = ["replicate"] if tied else ["colwise", "rowwise", "replicate"]
+    plan = {n: data.draw(st.sampled_from(styles), label=n) for n in names}
     options = {"min_shard_numel": 0, "plan": plan if plan_draw else "auto"}
     report = dynashard.explain(model, torch.randn(2, 3, hidden), world_size=world, options=options, verify=True,
                                dynamic=dynamic)
-    assert set(report.layers) == set(names), str(report)  # every form matched
+    assert set(report.layers) == set(names), str(report)  # every form matched (the tied W: two uses)
 
 
 def _zeros_written(y, x):
