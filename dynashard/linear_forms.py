@@ -4,6 +4,7 @@ Before (what make_fx traces) -> after (each traced from the line of torch in ``_
 graph's symbolic sizes stay its own)::
 
     einsum("bsd,hd->bsh", x, W)          bmm(view(x', [1, M, K]), view(permute(unsqueeze(W)), [1, K, N]))
+    bmm(x, W.t().expand(B, -1, -1))      bmm(x, expand(t(W), [B, -1, -1]))
         -> view(mm(view(x, [-1, K]), t(W)), [.., M, N])     (W stored [out, in]; [in, out]: mm(.., W))
     Conv1d(k=1) on [B, C, L]             convolution(x, W[out, in, 1], b, [1], [0], [1], False, [0], 1)
         -> transpose(view(addmm(b, view(clone(transpose(x))), t(squeeze(W, -1)))), 1, 2)
@@ -12,7 +13,8 @@ graph's symbolic sizes stay its own)::
 The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
 from the 2-D parameter is replayed on a meta tensor, and the per-batch matrix is W.t() or W
 exactly when it is a [K, N] view with W.t()'s (or W's) strides at offset 0 (einsum's
-unsqueeze/permute/view chains differ by equation; the strides do not).
+unsqueeze/permute/view chains differ by equation; the strides do not). A broadcast over the batch
+(an ``expand`` of one matrix) is the same matrix in every batch, so the bmm is one linear.
 
 Invariants: the only step of analysis that changes what the graph computes as written, and it
 never changes a value: each replacement computes the same products and sums (a matmul kernel's
@@ -33,6 +35,7 @@ aten = torch.ops.aten
 # Ops that only re-view their first argument (the chain from a weight to a bmm)
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.squeeze.dims, aten.permute.default, aten.transpose.int, aten.t.default, aten.alias.default}
+_DEAD = _VIEWS | {aten.expand.default}  # what a rewritten form leaves unread (erased)
 # What each form becomes, as the model could have written it ("out_in": W stored [out, in])
 # (contiguous: a matmul reads a non-contiguous 3-D input as an expand and a bmm, not a view and an mm)
 _LINEAR = {
@@ -63,8 +66,10 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
 
 def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tuple[torch.fx.Node, str] | None:
     """``(W, form)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
-    ("in_out") of a 2-D parameter W, in its one batch: views of W."""
+    ("in_out") of a 2-D parameter W, in every batch: views of W, then at most one expand over the batch."""
     node, chain = operand, []
+    if node.op == "call_function" and node.target is aten.expand.default:
+        node = node.args[0]  # (a broadcast: the rest must be one matrix, checked by its shape below)
     while node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node):
         chain.append(node)
         node = node.args[0]
@@ -82,6 +87,8 @@ def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tup
     if replayed.dim() != 2 or replayed.storage_offset() != 0:
         return None
     (k, n), (out_f, in_f) = replayed.shape, weight.shape
+    if tuple(d if isinstance(d, int) else None for d in val(operand).shape[-2:]) != (k, n):
+        return None  # an expand over more than the batch (a column repeated): not one linear
     strides = _steps(replayed.shape, replayed.stride())
     if (k, n) == (in_f, out_f) and strides == _steps((k, n), (1, in_f)):
         return node, "out_in"
@@ -155,7 +162,7 @@ def _sizes_before(graph: torch.fx.Graph, node: torch.fx.Node) -> dict:
 
 def _erase_dead(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """``node`` and the views before it, once nothing reads them."""
-    while node.op == "call_function" and not node.users and node.target in _VIEWS:
+    while node.op == "call_function" and not node.users and node.target in _DEAD:
         source = node.args[0]
         graph.erase_node(node)
         if not isinstance(source, torch.fx.Node):

@@ -910,12 +910,13 @@ class ClothedLinear(nn.Module):
     the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``) or a
     Conv1d's ``[out, in, 1]``; the bias, if any, added after."""
 
-    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1")
+    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1", "bmm_expand", "bmm_in_out")
 
     def __init__(self, in_features: int, out_features: int, form: str, bias: bool = True) -> None:
         super().__init__()
         self.form = form
-        shape = {"conv1x1": (out_features, in_features, 1), "einsum_in_out": (in_features, out_features)}
+        shape = {"conv1x1": (out_features, in_features, 1), "einsum_in_out": (in_features, out_features),
+                 "bmm_in_out": (in_features, out_features)}
         shape = shape.get(form, (out_features, in_features))
         self.weight = nn.Parameter(torch.randn(*shape) / max(in_features, 1) ** 0.5)
         self.bias = nn.Parameter(torch.randn(out_features) / 4) if bias else None
@@ -930,8 +931,12 @@ class ClothedLinear(nn.Module):
             y = torch.einsum("bsd,hd->bsh", x, w)
         elif form == "einsum_in_out":
             y = torch.einsum("bsd,dh->bsh", x, w)
-        else:  # "einsum_ellipsis"
+        elif form == "einsum_ellipsis":
             y = torch.einsum("...d,hd->...h", x, w)
+        elif form == "bmm_expand":
+            y = torch.bmm(x, w.t().expand(x.shape[0], -1, -1))
+        else:  # "bmm_in_out"
+            y = torch.bmm(x, w.unsqueeze(0).expand(x.shape[0], -1, -1))
         return y if self.bias is None else y + self.bias
 
 

@@ -6,6 +6,9 @@ einsum: ``torch.einsum("bsd,hd->bsh", x, W)`` (W stored ``[out, in]``), ``"bsd,d
 ``[in, out]``) and ``"...d,hd->...h"``. Traced, each is a batch-1 ``bmm`` behind unsqueeze / permute /
 view chains that differ by equation; the weight's chain is recognised by its strides (W.t() or W).
 
+bmm with an expanded weight: ``torch.bmm(x, W.t().expand(B, -1, -1))`` and
+``torch.bmm(x, W.unsqueeze(0).expand(B, -1, -1))``: one matrix broadcast over the batch is one linear.
+
 Conv1d(kernel_size=1) on ``[B, C, L]``: the weight ``[out, in, 1]`` is cut on out-channels (colwise)
 or in-channels (rowwise); a Conv1d with a wider kernel, padding, stride or groups is left as written.
 
@@ -76,7 +79,8 @@ class EinsumMLP(nn.Module):
 
 class NoLinearBmm(nn.Module):
     """A bmm on a weight that is not one linear's: "reshaped", ``W.reshape(1, in, out)`` with W stored
-    ``[out, in]`` (its columns are not W's rows)."""
+    ``[out, in]`` (its columns are not W's rows); "broadcast", ``W.t().expand(B, in, 5)`` with W one
+    row ``[1, in]`` (the expand repeats that output 5 times, not over the batch alone)."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -84,7 +88,9 @@ class NoLinearBmm(nn.Module):
         self.w = nn.Parameter(torch.randn(40 if form == "reshaped" else 1, 16) / 4)
 
     def forward(self, x):
-        return torch.bmm(x, self.w.reshape(1, 16, 40).expand(x.shape[0], -1, -1))
+        if self.form == "reshaped":
+            return torch.bmm(x, self.w.reshape(1, 16, 40).expand(x.shape[0], -1, -1))
+        return torch.bmm(x, self.w.t().expand(x.shape[0], 16, 5))
 
 
 @pytest.mark.unit
@@ -128,7 +134,17 @@ def test_a_tied_autoencoder_is_colwise_then_rowwise_on_one_cut(world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("form", ["reshaped"])
+@pytest.mark.parametrize("forms", [("bmm_expand", "bmm_expand"), ("bmm_in_out", "bmm_expand"),
+                                   ("bmm_expand", "bmm_in_out")])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bmm_with_an_expanded_weight_is_paired_like_nn_linear(forms, world):
+    torch.manual_seed(0)
+    assert _layers(models.ClothedMLP(16, 40, *forms), torch.randn(2, 3, 16), world, dynamic=world == 3) == PAIRED
+    assert _collectives(models.ClothedMLP(16, 40, *forms), torch.randn(2, 3, 16)) == (1, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("form", ["reshaped", "broadcast"])
 def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
     torch.manual_seed(0)
     assert _layers(NoLinearBmm(form), torch.randn(2, 3, 16), 2) == {}
@@ -139,7 +155,8 @@ def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
-    for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5))]:
+    for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5)),
+                         (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (3, 5, 16))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
         fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "eager"})
