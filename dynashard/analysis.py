@@ -124,7 +124,7 @@ def analyse(
         node.meta[PARAMETER] = is_param
         params[i] = (fqn, node)
         names[i] = fqn
-    normalise(aten_gm, {node for node, info in infos.items() if info.is_parameter})
+    normalise(aten_gm, {n for n, info in infos.items() if info.is_parameter}, {n: i.fqn for n, i in infos.items()})
     _drop_dead_detaches(aten_gm)
     _merge_duplicate_views(aten_gm)
     linears, other_uses = find_linears(aten_gm.graph, infos)

@@ -16,12 +16,19 @@ exactly when it is a [K, N] view with W.t()'s (or W's) strides at offset 0 (eins
 unsqueeze/permute/view chains differ by equation; the strides do not). A broadcast over the batch
 (an ``expand`` of one matrix) is the same matrix in every batch, so the bmm is one linear.
 
+A linear whose weight the graph computes from parameters (``weight_norm``'s
+``_weight_norm_interface(v, g)``, ``spectral_norm``'s ``W / sigma``) is left whole, with the reason
+logged at debug level: dynashard cuts parameters a linear reads as stored. (weight_norm cut by
+rows, v and g alike, would be exact; spectral_norm's sigma sums over every row.)
+
 Invariants: the only step of analysis that changes what the graph computes as written, and it
 never changes a value: each replacement computes the same products and sums (a matmul kernel's
 own order aside). A node that is not exactly one of these forms is left as it is.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.fx
@@ -31,6 +38,7 @@ from dynashard import _torch_private as private
 from dynashard.nodes import val
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 # Ops that only re-view their first argument (the chain from a weight to a bmm)
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
@@ -46,8 +54,9 @@ _LINEAR = {
 }
 
 
-def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
-    """Rewrite every linear on a parameter in ``params`` written in another form (above) in place."""
+def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node], module_tensors: dict[torch.fx.Node, str]) -> None:
+    """Rewrite every linear on a parameter in ``params`` written in another form (above) in place;
+    ``module_tensors``: every input that is a module's parameter or buffer, with its FQN."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -61,7 +70,34 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> None:
             _replace(gm, node, "conv1x1_no_bias" if b is None else "conv1x1", [x, w] + ([b] if b is not None else []))
         elif node.target in (aten.mm.default, aten.addmm.default):
             _cancel_double_transpose(graph, node, params)
+            _log_computed_weight(node, params, module_tensors)
     gm.recompile()
+
+
+def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module_tensors: dict[torch.fx.Node, str]
+                         ) -> None:
+    """Say why a matmul on a weight computed from parameters alone (no activation) is no linear here."""
+    operand = node.args[-1]
+    while isinstance(operand, torch.fx.Node) and operand.target in (aten.t.default, aten._to_copy.default):
+        operand = operand.args[0]
+    if not isinstance(operand, torch.fx.Node) or operand.op != "call_function":
+        return
+    seen, todo, ops = set(), [operand], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n not in module_tensors:
+            return  # an activation: attention's scores, not a weight
+        if n.op == "call_function":
+            ops.add(getattr(n.target, "__name__", str(n.target)))
+            todo += n.all_input_nodes
+    sources = sorted(module_tensors[n] for n in seen & params)
+    if sources:
+        log.debug("dynashard: %s reads a weight computed from parameters %s by %s: left whole (dynashard cuts "
+                  "parameters a linear reads as stored; weight_norm and spectral_norm are not cut yet)",
+                  node.name, sources, sorted(ops))
 
 
 def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tuple[torch.fx.Node, str] | None:

@@ -16,6 +16,11 @@ A tied autoencoder: the encoder ``F.linear(x, W)`` and the decoder ``F.linear(h,
 the decoder as stored. The encoder colwise cuts W on dim 0, which is the decoder's input dim: it is
 then rowwise on the same cut, one all_reduce, and W's gradient is the sum of both uses' (gloo).
 
+``weight_norm`` / ``spectral_norm`` (``torch.nn.utils.parametrizations``): the weight is computed
+from the parametrization's tensors, so these linears are left whole, the reason logged at debug level
+(never cut wrongly). Cutting weight_norm's v and g alike by rows would be exact (its norms are per
+row); spectral_norm's sigma (``vdot(u, W v)``) sums over every row, so a cut would need it reduced.
+
 Simulated at worlds 2, 3 and 4 (dims that do not divide) against the model, goldens counting the
 collectives, and on 2 real gloo ranks: forward and SGD gradients against the unsharded twin.
 """
@@ -201,3 +206,27 @@ def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[s
             opt.step()
             opt.zero_grad()
     return worst
+
+
+class NormedMLP(nn.Module):
+    """up and down under ``torch.nn.utils.parametrizations.weight_norm`` or ``spectral_norm``."""
+
+    def __init__(self, parametrization: str) -> None:
+        super().__init__()
+        wrap = getattr(nn.utils.parametrizations, parametrization)
+        self.up, self.down = wrap(nn.Linear(16, 40)), wrap(nn.Linear(40, 16))
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("parametrization,train", [("weight_norm", False), ("spectral_norm", False),
+                                                   ("spectral_norm", True)])  # (train: power iteration in place)
+def test_parametrized_linears_are_left_whole_with_a_reason(parametrization, train, caplog):
+    torch.manual_seed(0)
+    model = NormedMLP(parametrization).train(train)
+    with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
+        assert _layers(model, torch.randn(2, 3, 16), 2) == {}  # whole, and every rank equal to the model
+    reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
+    assert len(set(reasons)) == 2 and all("parametrizations.weight.original" in r for r in reasons), reasons  # up, down
