@@ -1,0 +1,136 @@
+"""Attention written with ``flex_attention``: q/k/v/o cut by heads through Dynamo's higher-order op.
+
+The score_mod adds an ALiBi-style bias whose slope is a captured per-head buffer read at the head
+index ``h`` (and ``h`` itself, scaled): on a rank holding heads 3..5, ``h`` must be the global index
+or the bias is another head's, a silent wrong answer that only ``explain(verify=True)`` against
+the unsharded model sees. The block mask is causal for every head (H 1, kept) or a sliding window
+per head (H heads, narrowed to this rank's; its mask_mod reads a per-head window at ``h``).
+
+NOTE: torch 2.13 on CPU runs flex_attention without gradients only ("FlexAttention does not support
+backward on CPU"): eagerly (its math path, which reads mask_mod and not the block tensors), under
+``aot_eager``, and under Inductor for simple mods (this score_mod's captured buffer fails Inductor's
+CPU lowering of the unsharded model too: "not enough values to unpack"). Hence no training here, and
+the block tensors' narrowing is checked on the rewritten graph's shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import dynashard
+from tests.scenarios import Scenarios
+from tests.test_graphs import _count, rewritten
+
+SCENARIOS_DEADLINE_S = 180  # one spawn at world 2: ~15 s quiet; 3x slower machine, 2x margin, plus startup
+pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
+
+
+class FlexAttention(nn.Module):
+    """``heads`` query heads of 16 features, ``kv_heads`` K/V heads (GQA when fewer), mask "causal"
+    (one block mask for every head), "window" (a block mask per head, head h reaching h + 1 keys back) or
+    "two_rows" (the window's block mask built for 2 heads only)."""
+
+    def __init__(self, heads: int = 6, kv_heads: int | None = None, mask: str = "causal") -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.mask = heads, kv_heads or heads, mask
+        hidden = 16 * heads
+        self.q, self.o = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.k, self.v = (nn.Linear(hidden, 16 * self.kv_heads, bias=False) for _ in range(2))
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1.0, heads + 1))  # ALiBi's, one per head
+        self.register_buffer("windows", torch.arange(1, heads + 1))  # a window of h + 1 keys back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, 16).transpose(1, 2)
+        k, v = (y(x).view(b, t, self.kv_heads, 16).transpose(1, 2) for y in (self.k, self.v))
+        slopes, windows = self.slopes, self.windows
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx) + 0.25 * h
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        def window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])
+
+        rows = {"causal": None, "window": self.heads, "two_rows": 2}[self.mask]
+        block = create_block_mask(causal if self.mask == "causal" else window, None, rows, t, t, device=x.device)
+        y = flex_attention(q, k, v, score_mod=alibi, block_mask=block, enable_gqa=self.kv_heads != self.heads)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _plan(model: nn.Module, x: torch.Tensor, world: int) -> dict[str, tuple[str, str]]:
+    """Style and collectives per layer, every rank simulated against the model (raises beyond the
+    float32 tolerance: sums of 16-96 O(1) products in another order)."""
+    with torch.no_grad():
+        report = dynashard.explain(model, x, world_size=world, options={"min_shard_numel": 0}, verify=True)
+    return {r.fqn: (str(r.style), r.collectives) for r in report.rows}
+
+
+CUT = {"q": ("colwise", "-"), "k": ("colwise", "-"), "v": ("colwise", "-"), "o": ("rowwise", "all_reduce")}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mask", ["causal", "window"])
+@pytest.mark.parametrize("world", [2, 3, 4])  # 6 heads: 3/3, 2/2/2, 2/2/1/1
+def test_flex_attention_is_cut_by_heads_with_the_global_head_index(world, mask):
+    torch.manual_seed(0)
+    assert _plan(FlexAttention(mask=mask), torch.randn(2, 9, 96), world) == CUT
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world,mask", [(2, "causal"), (4, "window")])  # 2 K/V heads: 1/1; whole, narrowed
+def test_flex_attention_with_gqa_is_cut_by_query_heads(world, mask):
+    torch.manual_seed(0)
+    plan = _plan(FlexAttention(heads=8, kv_heads=2, mask=mask), torch.randn(2, 7, 128), world)
+    # at world 4 the 2 K/V heads cannot be cut: k and v stay whole, each rank narrows its group's
+    kv = ("colwise", "-") if world == 2 else ("replicate", "-")
+    assert plan == {**CUT, "k": kv, "v": kv}, plan
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_flex_attention_costs_one_all_reduce_and_narrows_a_per_head_block_mask(mask):
+    torch.manual_seed(0)
+    gm = rewritten(FlexAttention(mask=mask), torch.randn(2, 9, 96), world=4, rank=3)  # heads 5..5
+    assert (_count(gm, "all_reduce"), _count(gm, "all_gather")) == (1, 0), gm.code
+    (flex,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.flex_attention]
+    assert flex.args[0].meta["val"].shape[1] == 1  # this rank's one query head
+    block_rows = {a.meta["val"].shape[1] for a in flex.args[4] if isinstance(a, torch.fx.Node)
+                  and isinstance(a.meta.get("val"), torch.Tensor)}
+    assert block_rows == {1}, block_rows  # causal: H 1 kept; window: 6 rows narrowed to this rank's
+
+
+@pytest.mark.unit
+def test_flex_attention_runs_on_every_head_with_a_block_mask_of_other_head_rows(caplog):
+    # a block mask of 2 head rows for 6 heads (flex_attention accepts it): no rank's rows of it are
+    # known, so q/k/v run whole (their gather costs more than keeping them whole), verified exact
+    torch.manual_seed(0)
+    with caplog.at_level(logging.DEBUG, logger="dynashard"):
+        plan = _plan(FlexAttention(mask="two_rows"), torch.randn(2, 5, 96), 2)
+    assert all(plan[name][0] == "replicate" for name in "qkv"), plan
+    assert "its block mask has 2 head rows for 6 heads" in caplog.text, caplog.text
+
+
+@on_ranks
+@torch.no_grad()
+def test_flex_attention_on_real_ranks_equals_unsharded(rank, world):
+    for compiler, mask in [("eager", "window"), ("aot_eager", "causal")]:
+        torch._dynamo.reset()
+        model = FlexAttention(mask=mask)
+        reference = copy.deepcopy(model)
+        fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": compiler})
+        for shape in [(2, 9, 96), (3, 5, 96)]:
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+            want = reference(x)
+            # float32 O(1) activations, sums of 96 products in another order: a few ulps of ~1
+            assert float((fast(x) - want).abs().max()) <= 1e-5, (compiler, shape)
+        assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), compiler
