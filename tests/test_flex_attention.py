@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dynashard
+from tests import models
 from tests.scenarios import Scenarios
 from tests.test_graphs import _count, rewritten
 
@@ -33,9 +34,9 @@ on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
 
 
 class FlexAttention(nn.Module):
-    """``heads`` query heads of 16 features, ``kv_heads`` K/V heads (GQA when fewer), mask "causal"
-    (one block mask for every head), "window" (a block mask per head, head h reaching h + 1 keys back) or
-    "two_rows" (the window's block mask built for 2 heads only)."""
+    """``heads`` query heads of 16 features, ``kv_heads`` K/V heads (GQA when fewer), attention by
+    ``models.flex_alibi``: mask "causal" (one block mask for every head), "window" (a block mask per
+    head, head h reaching h + 1 keys back) or "two_rows" (no bias, a window mask built for 2 heads)."""
 
     def __init__(self, heads: int = 6, kv_heads: int | None = None, mask: str = "causal") -> None:
         super().__init__()
@@ -50,20 +51,13 @@ class FlexAttention(nn.Module):
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.heads, 16).transpose(1, 2)
         k, v = (y(x).view(b, t, self.kv_heads, 16).transpose(1, 2) for y in (self.k, self.v))
-        slopes, windows = self.slopes, self.windows
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx) + 0.25 * h
-
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-
-        def window(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])
-
-        rows = {"causal": None, "window": self.heads, "two_rows": 2}[self.mask]
-        block = create_block_mask(causal if self.mask == "causal" else window, None, rows, t, t, device=x.device)
-        y = flex_attention(q, k, v, score_mod=alibi, block_mask=block, enable_gqa=self.kv_heads != self.heads)
+        if self.mask == "two_rows":  # the window's mask built for 2 heads only
+            block = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= self.windows[h], None, 2,
+                                      t, t, device=x.device)
+            y = flex_attention(q, k, v, block_mask=block)
+        else:
+            y = models.flex_alibi(q, k, v, self.slopes, self.windows if self.mask == "window" else None,
+                                  gqa=self.kv_heads != self.heads)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
