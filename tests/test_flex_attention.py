@@ -8,9 +8,10 @@ per head (H heads, narrowed to this rank's; its mask_mod reads a per-head window
 
 NOTE: torch 2.13 on CPU runs flex_attention without gradients only ("FlexAttention does not support
 backward on CPU"): eagerly (its math path, which reads mask_mod and not the block tensors), under
-``aot_eager``, and under Inductor for simple mods (this score_mod's captured buffer fails Inductor's
-CPU lowering of the unsharded model too: "not enough values to unpack"). Hence no training here, and
-the block tensors' narrowing is checked on the rewritten graph's shapes.
+``aot_eager``, and under Inductor where q/k/v are 4-D buffers (a view of a linear's 2-D output fails
+Inductor's CPU template, the unsharded model too: "not enough values to unpack"). Hence no training
+here; the block tensors' narrowing is checked on the rewritten graph, and numerically under Inductor
+(whose kernel reads them) in the slow tier.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def test_flex_attention_costs_one_all_reduce_and_narrows_a_per_head_block_mask(m
     assert (_count(gm, "all_reduce"), _count(gm, "all_gather")) == (1, 0), gm.code
     (flex,) = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.flex_attention]
     assert flex.args[0].meta["val"].shape[1] == 1  # this rank's one query head
-    block_rows = {a.meta["val"].shape[1] for a in flex.args[4] if isinstance(a, torch.fx.Node)
-                  and isinstance(a.meta.get("val"), torch.Tensor)}
-    assert block_rows == {1}, block_rows  # causal: H 1 kept; window: 6 rows narrowed to this rank's
+    block = [a.meta["val"] for a in flex.args[4] if isinstance(a, torch.fx.Node)
+             and isinstance(a.meta.get("val"), torch.Tensor)]
+    assert {t.shape[1] for t in block} == {1}, block  # causal: H 1 kept; window: 6 rows narrowed to this rank's
+    # in buffers of their own: Inductor's CPU kernel ignores a view's offset (rows 0.. read instead)
+    assert all(t.storage_offset() == 0 for t in block), [t.storage_offset() for t in block]
 
 
 @pytest.mark.unit
@@ -128,3 +131,39 @@ def test_flex_attention_on_real_ranks_equals_unsharded(rank, world):
             # float32 O(1) activations, sums of 96 products in another order: a few ulps of ~1
             assert float((fast(x) - want).abs().max()) <= 1e-5, (compiler, shape)
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), compiler
+
+
+class HeadWindows(nn.Module):
+    """4 heads, a causal window of ``100 * h`` keys per head and a bias slope growing with ``h``, both
+    computed from ``h`` (Inductor's CPU kernel took these mods, not the captured buffers above). At 256
+    positions the block mask has 2 x 2 blocks of 128 and head 0's lower block is empty: a rank given
+    another head's rows of the block mask skips or keeps the wrong blocks in the compiled kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # NOTE: contiguous: Inductor's CPU flex template reads q's layout as 4-D, and a view of the
+        # linear's 2-D output is not ("not enough values to unpack", the unsharded model too; torch 2.13)
+        q, k, v = (p(x).view(b, t, 4, 16).transpose(1, 2).contiguous() for p in (self.q, self.k, self.v))
+        block = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j <= 100 * h), None, 4, t, t, device=x.device)
+        y = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + 0.05 * (h + 1) * (j - i), block_mask=block)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+# Inductor's flex kernel reads the block mask's tensors (the eager math path reads only mask_mod): this
+# checks their narrowing numerically. Slow: an Inductor compile per rank (~20 s each on 2 loaded cores).
+@pytest.mark.slow
+@on_ranks.alone(2)
+@torch.no_grad()
+def test_flex_attention_with_a_per_head_block_mask_under_inductor_equals_unsharded(rank, world):
+    model = HeadWindows()
+    reference = copy.deepcopy(model)
+    fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "inductor"})
+    x = torch.randn(1, 256, 64, generator=torch.Generator().manual_seed(0))
+    want = reference(x)
+    # float32, sums of 64 O(1) products and softmaxes over up to 256 keys in another order: a few ulps of ~1
+    assert float((fast(x) - want).abs().max()) <= 1e-5
+

@@ -55,7 +55,8 @@ class FlexOnHeads(Lowering):
     per_head_mask: bool  # the block mask's tensors have one row per query head
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
-        q, k, v = (sharder.read(node, a, self.heads) for a in node.args[:3])
+        q, k, v = (_own(sharder.read(node, a, self.heads)) if sharder.lm.read_of(node, a) != Read.LOCAL
+                   else sharder.read(node, a, self.heads) for a in node.args[:3])
         args = list(node.args)
         score_mod = sharder.env[args[private_aten.FLEX_SCORE_MOD]]
         mask = list(args[private_aten.FLEX_BLOCK_MASK])
@@ -77,8 +78,18 @@ class FlexOnHeads(Lowering):
     def _block(self, value: Any) -> Any:
         if value is None or not self.per_head_mask:
             return value
-        # [B, H, ...]: this rank's rows of H (contiguous: the compiled kernels index them by stride)
-        return take(value, self.heads.moved(1 - value.dim())).contiguous()
+        return _own(take(value, self.heads.moved(1 - value.dim())))  # [B, H, ...]: this rank's rows of H
+
+
+def _own(value: torch.Tensor) -> torch.Tensor:
+    """A narrowed operand in a buffer of its own.
+
+    NOTE: Inductor's CPU flex_attention template (torch 2.13) reads its tensor inputs from the start of
+    their buffer, ignoring a view's storage offset: measured, rows 2..3 of a block mask (a view, and
+    ``contiguous()`` keeps it one where B is 1) were read as rows 0..1, and a head slice of q as heads
+    0..1, both silently wrong. A clone is a buffer of its own under every compiler (a few bytes for a
+    block mask; q/k/v only where they were narrowed from whole ones)."""
+    return value.clone(memory_format=torch.contiguous_format)
 
 
 def _shifted(mod: Callable[..., Any], at: int, first: int) -> Callable[..., Any]:
