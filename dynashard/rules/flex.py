@@ -122,7 +122,7 @@ def _decline(node: torch.fx.Node, why: str) -> None:
 def flex_attention(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     q, k, v = node.args[:3]
     if not any(lm.layouts.get(a) is not None for a in (q, k, v)):
-        return None  # nothing cut reaches it (a gather would be free to decline too; say nothing)
+        return None  # nothing cut reaches it: nothing to decide
     groups = kv_groups(q, k)
     if groups is None:
         return _decline(node, "q and k/v head counts are not a whole multiple")
