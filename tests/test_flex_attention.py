@@ -91,6 +91,33 @@ def test_flex_attention_with_gqa_is_cut_by_query_heads(world, mask):
     assert plan == {**CUT, "k": kv, "v": kv}, plan
 
 
+class GivenMask(nn.Module):
+    """The block mask built outside the compiled model and passed in (its tensors graph inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = FlexAttention()
+
+    def forward(self, x: torch.Tensor, block) -> torch.Tensor:
+        m, (b, t, _) = self.inner, x.shape
+        q, k, v = (p(x).view(b, t, 6, 16).transpose(1, 2) for p in (m.q, m.k, m.v))
+        slopes = m.slopes
+        y = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i), block_mask=block)
+        return m.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rows", [None, 6])
+def test_flex_attention_with_a_block_mask_passed_in_is_cut_by_heads(rows):
+    torch.manual_seed(0)
+    block = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j <= h + 1), None, rows, 9, 9, device="cpu")
+    with torch.no_grad():
+        report = dynashard.explain(GivenMask(), torch.randn(2, 9, 96), block, world_size=4, verify=True,
+                                   options={"min_shard_numel": 0})
+    assert {fqn.rsplit(".", 1)[-1]: str(s) for fqn, s in report.layers.items()} == {
+        n: style for n, (style, _) in CUT.items()}, str(report)
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("mask", ["causal", "window"])
 def test_flex_attention_costs_one_all_reduce_and_narrows_a_per_head_block_mask(mask):
