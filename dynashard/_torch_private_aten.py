@@ -86,6 +86,10 @@ def recording_dispatch():
     calls: list[tuple[Any, tuple, dict]] = []
 
     class Recorder(TorchDispatchMode):
+        # NOTE: a higher-order op (flex_attention) refuses a mode without this flag; with it the op
+        # comes here whole and is re-dispatched, like an aten op, to the modes below.
+        supports_higher_order_operators = True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             calls.append((func, args, kwargs))
@@ -93,3 +97,27 @@ def recording_dispatch():
 
     with Recorder():
         yield calls
+
+
+# flex_attention, as Dynamo hands it over: a higher-order op whose score_mod and mask_mod are
+# subgraphs (get_attr GraphModules) of the graph that calls it.
+# NOTE: torch 2.13's argument layout (trace_flex_attention, torch/_higher_order_ops/flex_attention.py),
+# every argument positional: (q, k, v, score_mod, block_mask, scale, kernel_options,
+# score_mod_other_buffers, mask_mod_other_buffers). block_mask is BlockMask.as_tuple(): (Q_LEN, KV_LEN,
+# kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+# full_q_num_blocks, full_q_indices, <dQ write-order metadata: 4 optional entries>, Q_BLOCK_SIZE,
+# KV_BLOCK_SIZE, mask_mod); those eight block tensors are [B, H, ...] (H 1: one mask for every head).
+# score_mod(score, b, h, q_idx, kv_idx, *buffers) and mask_mod(b, h, q_idx, kv_idx, *buffers) get the
+# query head index h as a 0-d int tensor; outputs: (out [B, H, L, Ev], logsumexp [B, H, L], max [B, H, L]).
+FLEX_ATTENTION = torch.ops.higher_order.flex_attention
+FLEX_SCORE_MOD, FLEX_BLOCK_MASK, FLEX_SCORE_BUFFERS, FLEX_MASK_BUFFERS = 3, 4, 7, 8
+FLEX_BLOCK_TENSORS = range(2, 10)  # in block_mask; what lies between them and the block sizes: dQ metadata
+FLEX_SCORE_HEAD, FLEX_MASK_HEAD = 2, 1  # h's position among score_mod's / mask_mod's arguments
+
+
+def subgraph(node: Any) -> torch.fx.GraphModule | None:
+    """The GraphModule a get_attr node names (a higher-order op's score_mod / mask_mod)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    found = getattr(node.graph.owning_module, str(node.target), None)
+    return found if isinstance(found, torch.fx.GraphModule) else None

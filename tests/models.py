@@ -295,13 +295,37 @@ def repeat_kv(x, n_rep: int):
     return x[:, :, None, :, :].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
 
 
+def flex_alibi(q, k, v, slopes, windows=None, gqa=False):
+    """``flex_attention`` with an ALiBi bias read at the head index ``h`` (a per-head slope from a
+    captured buffer, and ``h`` itself), under a causal block mask built for every head (H 1) or,
+    with ``windows``, a sliding window per head (a block mask of one row per head; head ``h``
+    reaches ``windows[h]`` keys back). A rank that saw its local ``h`` would read another head's."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t, heads = q.shape[-2], q.shape[-3]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx) + 0.25 * h
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= windows[h])
+
+    block = (create_block_mask(causal, None, None, t, t, device=q.device) if windows is None
+             else create_block_mask(window, None, heads, t, t, device=q.device))
+    return flex_attention(q, k, v, score_mod=alibi, block_mask=block, enable_gqa=gqa)
+
+
 class LlamaAttention(nn.Module):
     """Separate q/k/v projections, GQA (``n_kv_heads`` <= ``n_heads``), RoPE, causal attention.
 
     ``rope``: "half" (HF: rotate_half with slices, cat, neg, mul on [B, H, T, D]) or "complex"
     (Meta: view_as_complex multiply on [B, T, H, D]). ``repeat``: "expand" (HF repeat_kv),
     "interleave" (``repeat_interleave``) or "sdpa" (no repeat: ``enable_gqa=True``, what HF's sdpa
-    attention does without a mask). ``attention``: "sdpa" or "manual" (softmax-matmul).
+    attention does without a mask). ``attention``: "sdpa", "manual" (softmax-matmul), "flex" or
+    "flex_window" (``flex_alibi``, with ``enable_gqa`` where ``repeat`` is "sdpa").
     """
 
     def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, rope: str = "half",
@@ -313,6 +337,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(n_heads * self.head_dim, hidden, bias=False)
+        if attention.startswith("flex"):
+            self.register_buffer("slopes", 2.0 ** -torch.arange(1.0, n_heads + 1))
+            self.register_buffer("windows", torch.arange(1, n_heads + 1) if attention == "flex_window" else None)
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
@@ -329,6 +356,9 @@ class LlamaAttention(nn.Module):
             c, s = cos[:t].unsqueeze(0).unsqueeze(0), sin[:t].unsqueeze(0).unsqueeze(0)
             q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
         n_rep = self.n_heads // self.n_kv_heads
+        if self.attention.startswith("flex") and self.repeat == "sdpa":
+            y = flex_alibi(q, k, v, self.slopes, self.windows, gqa=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.repeat == "sdpa":
             return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                                .transpose(1, 2).reshape(b, t, -1))
@@ -336,7 +366,9 @@ class LlamaAttention(nn.Module):
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         else:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if self.attention == "manual":
+        if self.attention.startswith("flex"):
+            y = flex_alibi(q, k, v, self.slopes, self.windows)
+        elif self.attention == "manual":
             att = (q @ k.transpose(2, 3)) / math.sqrt(self.head_dim)
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             y = att.masked_fill(~causal, float("-inf")).softmax(-1) @ v

@@ -35,7 +35,8 @@ OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
 
 
 # One of each weight form in the default run (GQA; Conv1D's [in, out] weight and a tied head; fused qkv and
-# gate_up; experts; Falcon's grouped qkv); the other 14 in the slow tier (all 19 passed when this was written).
+# gate_up; experts; Falcon's grouped qkv); the other 16 in the slow tier (all passed when
+# this was written; DiffLlama when it was added).
 DEFAULT_ARCHS = {"llama", "gpt2", "phi3", "mixtral", "falcon"}
 
 

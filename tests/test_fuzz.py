@@ -93,7 +93,8 @@ class Attention(nn.Module):
 
 
 class RandomTransformerAttention(nn.Module):
-    """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA or softmax-matmul),
+    """Llama-style (GQA, RoPE in either form, expand or repeat_interleave, SDPA, softmax-matmul or
+    flex_attention with a per-head bias and mask read at the head index),
     a Phi-3 style fused qkv ([q | k | v]) or a Falcon style one (grouped per KV head, taken apart by
     list indexing; or Falcon-7B's multi-query [q heads | k | v]), or timm ViT's (its parts a dim of
     their own), with a residual."""
@@ -154,7 +155,7 @@ def transformer_attention_cases(draw):
         heads, kv, dh,
         rope=draw(st.sampled_from(["half", "complex"])),
         repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
-        attention=draw(st.sampled_from(["sdpa", "manual"])),
+        attention=draw(st.sampled_from(["sdpa", "manual", "flex", "flex_window"])),
         fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache", "falcon_mqa", "vit"])),
     )
     return model, heads * dh

@@ -51,7 +51,7 @@ _ATTENTION = {
 }
 
 
-def _heads_alike(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node], dim: int) -> Shard | None:
+def heads_alike(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node], dim: int) -> Shard | None:
     """The shard every operand has (or can be narrowed to) on ``dim``; wishes when they differ."""
     lays = [lm.layouts.get(a) for a in operands]
     sharded = [lay for lay in lays if lay is not None]
@@ -103,15 +103,15 @@ def attention(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
         return None
     if spec.debug_mask is not None and _op_arg(node, spec.debug_mask, "return_debug_mask"):
         return None  # a debug mask output per head pair: run whole
-    groups = _kv_groups(q, k)
+    groups = kv_groups(q, k)
     if groups is None or (groups > 1 and not spec.gqa):
         return None
     if groups > 1:
-        first = _gqa_heads(lm, node, q, k, v, groups)
+        first = gqa_heads(lm, node, q, k, v, groups)
     else:
-        first = _heads_alike(lm, node, [q, k, v], -3)
+        first = heads_alike(lm, node, [q, k, v], -3)
     if first is None or (lm.layouts.get(q) is None and groups > 1):
-        _off_heads_wish(lm, node, [q, k, v])
+        off_heads_wish(lm, node, [q, k, v])
         return None  # (a replicated q with K/V cut alike by heads is narrowed to this rank's heads)
     origins = frozenset().union(*(lm.layouts[a].origins for a in (q, k, v) if lm.layouts.get(a) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
@@ -128,7 +128,7 @@ def attention(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     return record
 
 
-def _off_heads_wish(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node]) -> None:
+def off_heads_wish(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.Node]) -> None:
     """Operands cut by heads meet others cut on another dim (one K/V head's features: MQA, where
     the head view keeps the cut on ``head_dim``): keep those others' projections whole."""
     lays = [lm.layouts.get(a) for a in operands]
@@ -141,7 +141,7 @@ def _off_heads_wish(lm: LayoutMap, node: torch.fx.Node, operands: list[torch.fx.
                 "narrows them to its query heads")
 
 
-def _kv_groups(q: torch.fx.Node, k: torch.fx.Node) -> int | None:
+def kv_groups(q: torch.fx.Node, k: torch.fx.Node) -> int | None:
     """Query heads per K/V head (1 unless K/V are not repeated: SDPA's ``enable_gqa``)."""
     qv, kv = val(q), val(k)
     if qv is None or kv is None or qv.dim() < 3 or kv.dim() < 3:
@@ -154,7 +154,7 @@ def _kv_groups(q: torch.fx.Node, k: torch.fx.Node) -> int | None:
     return hq // hk
 
 
-def _gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node, v: torch.fx.Node,
+def gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node, v: torch.fx.Node,
                n: int) -> Shard | None:
     """Attention where query head ``h`` reads K/V head ``h // n`` (K/V not repeated).
 
@@ -198,9 +198,9 @@ def bmm(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     a, b = node.args[1:3] if bias is not None else node.args[:2]
     bias_val = val(bias) if bias is not None else None
     spans = bias_val is not None and bias_val.dim() >= 3 and not private_aten.known_equal(bias_val.shape[-3], 1)
-    first = _heads_alike(lm, node, [a, b, bias] if spans else [a, b], -3)
+    first = heads_alike(lm, node, [a, b, bias] if spans else [a, b], -3)
     if first is None:
-        _off_heads_wish(lm, node, [a, b])
+        off_heads_wish(lm, node, [a, b])
         return None
     origins = frozenset().union(*(lm.layouts[x].origins for x in (a, b, bias) if lm.layouts.get(x) is not None))
     out = Shard(first.split, origins, -3, lm.world, lm.rank)
