@@ -248,7 +248,8 @@ def test_a_decode_step_costs_one_all_reduce_per_attention_and_per_mlp():
 
 
 W2 = [("index_put", "eager", 8, 4), ("index_copy", "eager", 8, 4), ("slice", "eager", 8, 4), ("lazy", "eager", 8, 4),
-      ("index_put", "inductor", 8, 4), ("cat", "inductor", 8, 4)]
+      ("cat", "inductor", 8, 4)]
+W2_SLOW = [("index_put", "inductor", 8, 4)]  # (a spawn of its own, slow tier)
 W4 = [("index_copy", "eager", 8, 4), ("index_put", "eager", 8, 2)]  # 1 K/V head per rank; 2 on 4: whole
 # HF models: (architecture, cache, how the model is compiled; see test_hf_generate_matches_the_unsharded_model)
 # (each case costs about 5 s of compiles at world 2, 20 s at world 4: the suite keeps one per form and model;
@@ -264,10 +265,8 @@ HF_W4 = [("mistral", "static", "compile_config")]  # 2 K/V heads on 4 ranks
 on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=420, marks={4: pytest.mark.slow})
 
 
-@pytest.mark.gloo
-@on_ranks(cases={2: W2, 4: W4})
 @torch.no_grad()
-def test_decode_with_sharded_caches_matches_the_unsharded_model(rank, world, case):
+def _decode(rank, world, case):
     """Each form at world 2 (eager, and gpt-fast's under Inductor), world 4 with 1 K/V head per rank
     and with 2 K/V heads on 4 ranks (held whole): logits of a prefill and 7 greedy decode steps within
     1e-5 of the unsharded twin (float32: attention sums the same products in another order), 2 compiles
@@ -301,6 +300,23 @@ def test_decode_with_sharded_caches_matches_the_unsharded_model(rank, world, cas
     assert held == (full if whole else full // world), (held, full)
     freed = all(t.untyped_storage().nbytes() == 0 for t in caches)
     assert freed != whole, freed
+
+
+@pytest.mark.gloo
+@on_ranks(cases={2: W2, 4: W4})
+def test_decode_with_sharded_caches_matches_the_unsharded_model(rank, world, case):
+    """Each form at world 2 (eager; the cat form under Inductor), world 4 with 1 K/V head per
+    rank and with 2 K/V heads on 4 ranks (held whole): see _decode."""
+    _decode(rank, world, case)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@on_ranks.alone(2, cases=W2_SLOW)
+def test_decode_under_inductor_in_the_index_put_form(rank, world, case):
+    """_decode's checks for the index_put form under Inductor at world 2 (the default run decodes that form
+    under eager, and the cat form under Inductor)."""
+    _decode(rank, world, case)
 
 
 def _hf_model(arch: str, kv_heads: int = 4):
@@ -380,13 +396,29 @@ def test_hf_generate_matches_the_unsharded_model(rank, world, case, tmp_path):
 
 
 # HF's default DynamicCache: (architecture, K/V heads, how the model is compiled, as above)
-DYN_W2 = [("llama", 4, "forward"), ("mistral", 4, "forward"), ("gemma2", 4, "parallelize"), ("gpt2", 8, "dynamic")]
+DYN_W2 = [("llama", 4, "forward"), ("mistral", 4, "forward"), ("gemma2", 4, "parallelize")]
+DYN_W2_SLOW = [("gpt2", 8, "dynamic")]  # (a spawn of its own, slow tier)
 DYN_W4 = [("llama", 4, "forward"), ("llama", 2, "forward"), ("qwen2", 4, "dynamic"), ("phi3", 4, "parallelize")]
 
 
 @pytest.mark.gloo
 @on_ranks(cases={2: DYN_W2, 4: DYN_W4})
 def test_hf_default_cache_is_held_by_heads(rank, world, case):
+    """See _default_cache."""
+    _default_cache(rank, world, case)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@on_ranks.alone(2, cases=DYN_W2_SLOW)
+def test_hf_default_cache_of_gpt2_compiled_with_dynamic_true_is_held_by_heads(rank, world, case):
+    """_default_cache's checks for GPT-2 with ``dynamic=True`` at world 2 (the default run holds GPT-2's
+    cache through parallelize in test_hf_generate_matches_the_unsharded_model, and compiles dynamic=True
+    with HF generate for Qwen2 there)."""
+    _default_cache(rank, world, case)
+
+
+def _default_cache(rank, world, case):
     """``generate`` with HF's default DynamicCache (``torch.cat`` growth, returned by each graph and
     read back by the next): greedy tokens equal the unsharded model's for prompts of 5 and 7 tokens,
     and with beam search (``num_beams=2``: HF reorders the cache eagerly, ``keys[beam_idx]`` on the
