@@ -43,14 +43,16 @@ def full_tensor(t):
     return _full_tensor(t)
 
 
-def parallelize(model, *args, options=None, checkpoint=None, device=None, **kwargs):
+def parallelize(model, *args, options=None, checkpoint=None, device=None, dtensor=False, **kwargs):
     """Shard ``model`` now, as ``torch.compile(model, backend="dynashard", options=options)`` would
     for these example inputs, and register each rank's shards as its parameters; with ``checkpoint``
     (a meta model) each rank reads only its slices from it, onto ``device`` (default: the inputs').
-    Returns ``model``."""
+    ``dtensor=True``: the parameters as DTensors on ``options["group"]``, a DeviceMesh's tp dim, for
+    FSDP2's ``fully_shard`` over its dp dim afterwards. Returns ``model``."""
     from dynashard.parameters import parallelize as _parallelize
 
-    return _parallelize(model, *args, options=options, checkpoint=checkpoint, device=device, **kwargs)
+    return _parallelize(model, *args, options=options, checkpoint=checkpoint, device=device, dtensor=dtensor,
+                        **kwargs)
 
 
 def empty_weights():

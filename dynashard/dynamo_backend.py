@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import gate
+from dynashard import dtensor_params, gate
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
@@ -56,6 +56,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
         return private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
     check_data_parallel()
+    dtensor_params.refuse_strays(gm, example_inputs)
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
     agree = not private.is_fake_group(group)
@@ -67,7 +68,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     planned = time.perf_counter()
     sharded = analysis.sharded_inputs() if analysis else {}
-    _refuse_fsdp_managed(gm, sharded)
+    _refuse_fsdp_managed(gm, sharded, example_inputs)
     named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
     named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in analysis.params]
     fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
@@ -80,11 +81,14 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
             STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
+    live = dtensor_params.live_slots(example_inputs)
     if not sharded:  # left whole: compiled as it is (gradients included)
         compiled = private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
         if analysis is not None:
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
         _log_compile(gm, fake_args, analysis, started, planned)
+        if live:
+            compiled = dtensor_params.ReadLive(compiled, live)
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
     gate_slot = None
     with agreed(group, "compiling", doing="rewriting and compiling"):
@@ -120,23 +124,28 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}
     _log_compile(gm, fake_args, analysis, started, planned)
-    return ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
-                          gate=gate_slot)
+    program = ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
+                             gate=gate_slot)
+    program.live = live
+    return program
 
 
-def _refuse_fsdp_managed(gm: torch.fx.GraphModule, sharded: dict[int, Any]) -> None:
+def _refuse_fsdp_managed(gm: torch.fx.GraphModule, sharded: dict[int, Any], example_inputs: list[Any]) -> None:
     """A weight FSDP2's ``fully_shard`` manages cannot be cut: FSDP gathers a fresh copy of it into the module
     before every forward and reduces the gradient that copy gets, so this rank's cut of the first copy would
     be read stale and its gradients lost (measured: every cut parameter ended the backward with no gradient).
-    Every rank plans the same graph alike, so every rank raises here."""
+    Unless it is a facade of ``parallelize(dtensor=True)``: the program reads FSDP's current parameter then
+    (dtensor_params.py). Every rank plans the same graph alike, so every rank raises here."""
     slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    managed = [sharded[i][0] for i in sorted(sharded) if private.from_fsdp_module(slots[i])]
+    managed = [sharded[i][0] for i in sorted(sharded)
+               if private.from_fsdp_module(slots[i]) and not dtensor_params.is_live(example_inputs[i])]
     if managed:
         raise UsageError(
             f"dynashard: this graph would cut {managed[:3]}, parameters FSDP2's fully_shard manages; FSDP swaps them "
             "for gathered copies at every forward, so the cut ones would go stale and their gradients be lost. FSDP2 "
-            "does not compose with dynashard yet. Expected tensor parallelism by dynashard over mesh['tp'] and data "
-            "parallelism by DDP over mesh['dp'] (README, 'Several machines'), or fully_shard without dynashard.")
+            "composes with dynashard's parameters registered as DTensors: expected dynashard.parallelize(model, x, "
+            "options={'group': mesh['tp']}, dtensor=True) before fully_shard(model, mesh=mesh['dp']), or DDP over "
+            "mesh['dp'] (README, 'Several machines'), or fully_shard without dynashard.")
 
 
 def _log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], analysis: Analysis | None, started: float,

@@ -68,6 +68,11 @@ class _Answers:
             return _plain(func, args, kwargs)
         if kind == "set" and name in _SETTERS:
             return _plain(func, args, kwargs)
+        if _live(args):  # parallelize(dtensor=True): the values are the module's DTensor, not the store's shard
+            raise UsageError(
+                f"dynashard: {name} of a facade that stands for a DTensor parameter (parallelize(dtensor=True)); its "
+                "values live in the module's parameter (FSDP2 swaps it), which eager code reads as module.<name>. "
+                "Expected the module's attribute or model.parameters(), not a tensor kept from inside a compile.")
         answer = _EAGER.get((kind, name))
         if answer is not None:
             return answer(func, args, kwargs)
@@ -144,6 +149,12 @@ def _name_of(func: Any) -> tuple[str, str]:
     if type(func).__name__ == "method-wrapper" and type(owner).__name__ == "getset_descriptor":
         return ("get" if func.__name__ == "__get__" else "set"), owner.__name__
     return "call", getattr(func, "__name__", str(func))
+
+
+def _live(args: tuple) -> bool:
+    from dynashard.dtensor_params import is_live
+
+    return bool(args) and is_live(args[0])
 
 
 def _store():

@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch_private as private
+from dynashard import dtensor_params
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.facades import storage_less
@@ -48,10 +49,11 @@ from dynashard.protocol import agreed, resolve_group
 from dynashard.weights import STORE, cut
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
+_SWAPPED: dict[type, type] = {}  # a module class -> its subclass holding shards (_swapped_class)
 
 
 def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: Any = None, device: Any = None,
-                **kwargs: Any) -> nn.Module:
+                dtensor: bool = False, **kwargs: Any) -> nn.Module:
     """Plan ``model`` as ``torch.compile(model, backend="dynashard", options=options)`` would for
     these example inputs, cut every planned weight and register the shards as its parameters.
     With ``checkpoint`` (a path: safetensors file, directory or HF index, or a DCP directory) the
@@ -60,9 +62,17 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     ``checkpoint``, or the weights its model holds) and sends every rank its pieces: the other ranks'
     models may be on meta, and their ``checkpoint`` is not read. ``device``: where the parameters read
     or dealt (those on meta) are put (default: the example inputs' device, else the CPU); weights the
-    model holds are cut where they are. Returns ``model``. Every rank of the group must call it, with
-    the same model and inputs."""
+    model holds are cut where they are. ``dtensor=True`` (``options["group"]`` a 1-D DeviceMesh, the tp
+    dim of a dp x tp mesh): every parameter registered as a DTensor on that mesh (shards ``Shard(dim)``,
+    the others ``Replicate()``), for FSDP2's ``fully_shard`` over the dp dim after it
+    (dtensor_params.py). Returns ``model``. Every rank of the group must call it, with the same model
+    and inputs."""
     opts = parse_options(options)
+    mesh = dtensor_params.mesh_of(options) if dtensor else None
+    if dtensor and opts.inputs == "per_rank":
+        raise UsageError("dynashard.parallelize(dtensor=True) trains on replicated inputs within the tp group "
+                         "(each dp replica its own batch, FSDP2 over mesh['dp']); found inputs='per_rank'. "
+                         "Expected inputs='replicated' (the default).")
     if not (dist.is_available() and dist.is_initialized()):
         raise UsageError("dynashard.parallelize: no process group is initialized. Expected "
                          "torch.distributed.init_process_group(...) on every rank first (torchrun).")
@@ -110,6 +120,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
     _register(model)
+    if mesh is not None:
+        dtensor_params.register(model, mesh, group, FACADES, _install)
     _run_calls_through_dynashard(model, opts)
     _refuse_save_pretrained(model)
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
@@ -234,7 +246,6 @@ def _parallelized(model: nn.Module) -> bool:
 def _register(model: nn.Module) -> None:
     """Each sharded parameter's shard registered in its place (every owner of a tied weight), the
     full-shape parameter kept as the facade Dynamo reads."""
-    swapped: dict[type, type] = {}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for attr, p in private.parameter_slots(module).items():
@@ -247,24 +258,30 @@ def _register(model: nn.Module) -> None:
         shard = STORE.as_parameter(facade)
         for module, attr in entries:
             private.parameter_slots(module)[attr] = shard
-            if FACADES not in module.__dict__:
-                module.__dict__[FACADES] = {}
-                # state_dict() detaches each parameter, and a detached tensor loses the checkpoint
-                # protocol: put it back, or DCP would save this rank's shard as the whole tensor
-                module.register_state_dict_post_hook(_checkpointable_state)
-            module.__dict__[FACADES][attr] = facade
-            cls = type(module)
-            if cls not in swapped.values():
-                if cls not in swapped:
-                    swapped[cls] = _swapped_class(cls)
-                module.__class__ = swapped[cls]
-                module.register_load_state_dict_pre_hook(_full_size_into_shards)
-            setattr(type(module), attr, _facade_property(attr))
+            _install(module, attr, facade)
+
+
+def _install(module: nn.Module, attr: str, facade: torch.Tensor) -> None:
+    """``facade`` kept for ``module.<attr>`` (whose slot holds what the model trains: a shard, a DTensor),
+    answered by a property of a subclass swapped onto the module."""
+    if FACADES not in module.__dict__:
+        module.__dict__[FACADES] = {}
+        # state_dict() detaches each parameter, and a detached tensor loses the checkpoint
+        # protocol: put it back, or DCP would save this rank's shard as the whole tensor
+        module.register_state_dict_post_hook(_checkpointable_state)
+    module.__dict__[FACADES][attr] = facade
+    cls = type(module)
+    if not getattr(cls, "_dynashard_swapped", False):
+        if cls not in _SWAPPED:  # (one subclass per class: its modules share it, and Dynamo's guards on it)
+            _SWAPPED[cls] = _swapped_class(cls)
+        module.__class__ = _SWAPPED[cls]
+        module.register_load_state_dict_pre_hook(_full_size_into_shards)
+    setattr(type(module), attr, _facade_property(attr))
 
 
 def _checkpointable_state(module: nn.Module, state: dict, prefix: str, _metadata: Any) -> None:
     for attr, facade in module.__dict__[FACADES].items():
-        if prefix + attr in state:
+        if prefix + attr in state and not _is_dtensor(state[prefix + attr]):  # (DTensor: DCP's own protocol)
             state[prefix + attr] = STORE.checkpointable(facade, state[prefix + attr])
 
 
@@ -272,12 +289,17 @@ def _register_parameter(self, name: str, param) -> None:
     """A sharded parameter is not replaced (``module.weight = ...``, ``load_state_dict(assign=True)``):
     the compiled program reads the shard registered by ``parallelize``, so a new object would be
     ignored silently."""
+    facade = self.__dict__.get(FACADES, {}).get(name)
+    if facade is not None and dtensor_params.is_live(facade) and _is_dtensor(param) and param.shape == facade.shape:
+        nn.Module.register_parameter(self, name, param)  # FSDP2's swap of a dtensor=True parameter (sharded, gathered)
+        return
     if name in self.__dict__.get(FACADES, {}) and _is_dtensor(param):  # (FSDP2's fully_shard swapping it)
         raise UsageError(
             f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize, and a DTensor "
             "(FSDP2's fully_shard, or DTensor's parallelize_module) is replacing it. FSDP2 does not compose with "
-            "dynashard yet. Expected tensor parallelism by dynashard over mesh['tp'] and data parallelism by DDP over "
-            "mesh['dp'] (README, 'Several machines'): DDP(model, process_group=mesh['dp'].get_group()).")
+            "plain shards. Expected parallelize(model, x, options={'group': mesh['tp']}, dtensor=True) before "
+            "fully_shard(model, mesh=mesh['dp']) (the shards registered as DTensors on mesh['tp']), or data "
+            "parallelism by DDP over mesh['dp'] (README, 'Several machines').")
     if name in self.__dict__.get(FACADES, {}):
         raise UsageError(
             f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize and cannot be "
@@ -297,7 +319,10 @@ def _facade_property(attr: str) -> property:
         facades = self.__dict__.get(FACADES, {})
         if attr not in facades:  # another instance of the class, whose parameter was not sharded
             return nn.Module.__getattr__(self, attr)
-        return facades[attr]  # (eager use of it is answered by the facade itself: facades.py)
+        facade = facades[attr]
+        if not torch.compiler.is_compiling() and dtensor_params.is_live(facade):
+            return private.parameter_slots(self)[attr]  # dtensor=True: eager code (FSDP2) gets the DTensor
+        return facade  # (eager use of it is answered by the facade itself: facades.py)
 
     return property(get, doc=f"the full-shape facade of the sharded parameter {attr!r} (Dynamo reads it)")
 
@@ -329,7 +354,7 @@ def _swapped_class(cls: type) -> type:
         cls.__setattr__(self, name, value)
 
     body = {"__module__": cls.__module__, "register_parameter": _register_parameter, "_apply": _apply,
-            "__reduce_ex__": __reduce_ex__, "__setattr__": __setattr__}
+            "__reduce_ex__": __reduce_ex__, "__setattr__": __setattr__, "_dynashard_swapped": True}
     return type(cls.__name__, (cls,), body)
 
 

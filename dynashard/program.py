@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import gradients
+from dynashard import dtensor_params, gradients
 from dynashard.errors import SetupError, UsageError
 from dynashard.facades import is_facade
 from dynashard.gate import Opened
@@ -136,6 +136,7 @@ class ShardedProgram:
         self.options, self.fingerprint = dataclasses.replace(options, group=None), fingerprint
         self.replays = private.uses_cudagraphs(options.compiler, options.mode)  # (held outputs are copied)
         self.failures = 0
+        self.live: frozenset[int] = frozenset()  # input slots of dtensor=True facades (dtensor_params.current)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -147,7 +148,9 @@ class ShardedProgram:
         if handshake is not None and self.gate is None:
             handshake.wait()
         args = list(args)
-        shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items()}
+        # parallelize(dtensor=True): the module's current parameters (FSDP2 swaps them every forward)
+        live = {i: dtensor_params.current(args[i]) for i in self.live if dtensor_params.is_live(args[i])}
+        shards = {i: STORE.shard_for(args[i], spec, fqn) for i, (fqn, spec) in self.specs.items() if i not in live}
         fresh = [i for i, s in shards.items() if s is None]
         if fresh:
             if handshake is not None:  # (adoption's agreement comes after the inputs' on the host group)
@@ -162,6 +165,8 @@ class ShardedProgram:
                 if shard.requires_grad:  # (a frozen weight gets no gradient, and no hook)
                     gradients.mark(shard, group)
             args[i] = shard
+        for i, local in live.items():
+            args[i] = local
         grads = torch.no_grad() if torch.is_grad_enabled() and not self.train else contextlib.nullcontext()
         with grads, Opened(self.gate, handshake):
             try:

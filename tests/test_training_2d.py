@@ -200,6 +200,135 @@ def test_ddp_optimizer_is_refused_and_gradient_as_bucket_view_warns(rank, world)
     assert "DDPOptimizer" in msg and "optimize_ddp = False" in msg, msg
 
 
+def _fsdp_model(case: str, vocab: int):
+    """(model, twin, its loss on one batch): the MLP (whole bias: a Replicate DTensor) or HF Llama (8 heads,
+    4 KV heads, vocab-parallel embedding and head)."""
+    import copy
+
+    import torch
+
+    from tests import models
+
+    torch.manual_seed(0)
+    if case == "mlp":
+        model = models.build("mlp", 32, 96)
+    else:
+        import transformers as T
+
+        model = _Logits(T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+            vocab_size=vocab, max_position_embeddings=64, use_cache=False)))
+    return model, copy.deepcopy(model)
+
+
+def _Logits(hf):
+    import torch
+
+    class Logits(torch.nn.Module):
+        def __init__(self, hf):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, ids):
+            return self.hf(input_ids=ids, use_cache=False).logits
+
+    return Logits(hf)
+
+
+@on_ranks(cases=["mlp", "hf_llama"])
+def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, world, case, tmp_path):
+    """torchtitan's recipe: ``parallelize(..., dtensor=True)`` over mesh["tp"], then ``fully_shard`` over
+    mesh["dp"], then ``torch.compile``. Every parameter is a 2-D DTensor holding 1/4 of each cut weight and 1/2
+    of each whole one; 5 SGD steps with ``clip_grad_norm_`` at half the twin's norm (DTensor's norm sums over
+    both dims) give the twin's raw gradients, clipped norms and parameters; 10 AdamW steps the twin's losses.
+    Then a DCP checkpoint of the 2x2 model loads into the model parallelized 1x4 (tp over all 4 ranks),
+    whose forward is the twin's."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import dynashard
+
+    vocab, hidden, mesh = 96, 32, _mesh()
+    name = "mlp" if case == "mlp" else "llama"
+    model, twin = _fsdp_model(case, vocab)
+    torch._dynamo.reset()
+    options = {**OPTIONS, "group": mesh["tp"]}
+    x0, _ = _batch(name, hidden, vocab, 0, mesh.get_local_rank("dp"))
+    dynashard.parallelize(model, x0, options=options, dtensor=True)
+    fully_shard(model, mesh=mesh["dp"])
+    fast = torch.compile(model, backend="dynashard", options=options)
+    total = sum(q.numel() for q in twin.parameters())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    two_d = all(isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in model.parameters())
+    held = sum(p.to_local().numel() for p in model.parameters())
+    reference = dict(twin.named_parameters())
+
+    def step(i: int) -> float:
+        x, target = _batch(name, hidden, vocab, i, mesh.get_local_rank("dp"))
+        loss = _loss(fast(x), target)
+        loss.backward()
+        both, both_target = _both_batches(name, hidden, vocab, i)
+        loss_twin = _loss(twin(both), both_target)
+        loss_twin.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        return abs(float(mean) / DP - float(loss_twin.detach())) / float(loss_twin.detach())
+
+    params = list(model.parameters())
+    opt, opt_twin = torch.optim.SGD(params, lr=0.05), torch.optim.SGD(twin.parameters(), lr=0.05)
+    grad_err, loss_err, norms, missing = 0.0, 0.0, [], []
+    for i in range(5):
+        loss_err = max(loss_err, step(i))
+        for n, p in model.named_parameters():
+            if p.grad is None:
+                missing.append(n)
+                continue
+            g = reference[n].grad
+            scale = float(g.abs().max()) or 1.0
+            grad_err = max(grad_err, float((p.grad.full_tensor() - g).abs().max()) / scale)
+        max_norm = 0.5 * float(torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()]))
+        mine = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norms.append((float(mine.full_tensor() if isinstance(mine, DTensor) else mine),
+                      float(torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm))))
+        for o in (opt, opt_twin):
+            o.step()
+            o.zero_grad()
+    with torch.no_grad():
+        param_err = max(float((p.full_tensor() - reference[n]).abs().max()) for n, p in model.named_parameters())
+    opt, opt_twin = torch.optim.AdamW(params, lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    adamw_loss_err = 0.0
+    for i in range(5, 15):
+        adamw_loss_err = max(adamw_loss_err, step(i))
+        for o in (opt, opt_twin):
+            o.step()
+            o.zero_grad()
+    state = sum(opt.state[p]["exp_avg"].to_local().numel() for p in params)
+    # DCP: the 2x2 model's 2-D DTensors, loaded into the model parallelized over all 4 ranks as tp
+    dcp.save(model.state_dict(), checkpoint_id=f"{tmp_path}/fsdp_{case}")
+    dist.barrier()
+    wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    other, _ = _fsdp_model(case, vocab)  # (fresh values: the load must replace them)
+    torch._dynamo.reset()
+    wide_options = {**OPTIONS, "group": wide["tp"]}
+    dynashard.parallelize(other, _batch(name, hidden, vocab, 0, 0)[0], options=wide_options, dtensor=True)
+    dcp.load(other.state_dict(), checkpoint_id=f"{tmp_path}/fsdp_{case}")
+    x, _ = _batch(name, hidden, vocab, 99, 0)
+    with torch.no_grad():
+        resumed_err = float((other(x) - twin(x)).abs().max() / twin(x).abs().max())
+    assert two_d and all(shapes[n] == tuple(q.shape) for n, q in reference.items()), shapes
+    # each cut weight 1/4 per rank, each whole one 1/2 (FSDP pads the last rank's rows: a few rows' slack)
+    assert held <= 0.55 * total and state == held, (held, total, state)
+    assert grad_err < GRAD_RTOL and not missing, (grad_err, missing)
+    assert all(abs(a - b) <= 1e-5 * b for a, b in norms), f"(clipped norm, the twin's) per step: {norms}"
+    assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
+    assert adamw_loss_err < 1e-4, f"10 AdamW steps: the mean loss vs the twin's, {adamw_loss_err} relative"
+    assert resumed_err < 1e-5, f"the 1x4 model loaded from the 2x2 checkpoint vs the twin: {resumed_err}"
+
+
 @on_ranks
 def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     """FSDP2's ``fully_shard`` swaps each parameter for its own copy, gathered over dp before every forward:

@@ -1,0 +1,186 @@
+"""``parallelize(..., dtensor=True)``: the parameters as DTensors on the tp mesh, so FSDP2 composes.
+
+FSDP2's ``fully_shard`` composes with tensor parallelism when every parameter it is given is a
+DTensor on the tp mesh: it makes each a 2-D (dp x tp) DTensor, ``clip_grad_norm_`` then sums over
+both dims, and DCP writes 2-D chunks (torchtitan's recipe: TP, then ``fully_shard`` over dp). So
+each shard ``parallelize`` registered becomes ``DTensor.from_local(shard, mesh, [Shard(dim)])`` and
+each parameter left whole a ``Replicate()`` one; every one of them keeps a full-shape, storage-less
+facade, which the module's property returns to Dynamo (eager code, FSDP among it, gets the
+parameter).
+
+FSDP swaps the module's parameter for a copy it gathers over dp before every forward, so a compiled
+program cannot keep the tensor it was given once: for each facade it reads the module's *current*
+parameter, through ``to_local()`` (:func:`current`), and the gradient flows back into that
+parameter, where FSDP reduce-scatters it. (The facades of the plain ``parallelize`` are read from
+the shard store instead; docs/design.md, "FSDP2 x dynashard".)
+
+Only layouts DTensor describes are registered so: ``Shard(dim)`` is torch.chunk's contiguous
+blocks. Heads dealt unevenly (5 heads on 2 ranks as 3/2 is chunk's, 2/2/1/1 on 4 is not), fused
+components cut one by one, and ``weights="per_rank"`` are refused, naming the plain recipe.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dynashard import _torch_private as private
+from dynashard.errors import UsageError
+from dynashard.freed import mark_storage_less
+from dynashard.protocol import agreed
+from dynashard.weights import STORE
+
+# full-shape facade -> (weak reference to the module holding the live parameter, its attribute, the local
+# shape every call must find: a parameter FSDP has not gathered yet has another)
+_LIVE = private.weak_id_dict()
+
+
+def mesh_of(options: Any) -> Any:
+    """The 1-D DeviceMesh ``dtensor=True`` registers the parameters on: ``options["group"]``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = options.get("group") if isinstance(options, dict) else None
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        found = type(mesh).__name__ if not isinstance(mesh, DeviceMesh) else f"a {mesh.ndim}-D DeviceMesh"
+        raise UsageError(
+            "dynashard.parallelize(dtensor=True) registers the parameters as DTensors on the tensor-parallel mesh, "
+            f"and needs that mesh as options={{'group': mesh['tp']}} (a 1-D DeviceMesh); found {found}. Expected "
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), then "
+            "parallelize(model, x, options={'group': mesh['tp']}, dtensor=True), then fully_shard(model, "
+            "mesh=mesh['dp']).")
+    return mesh
+
+
+def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key: str,
+             install: Any) -> None:
+    """Each parameter of ``model`` (already parallelized: shards registered, facades kept under
+    ``module.__dict__[facades_key]``) as a DTensor on ``mesh``; ``install(module, attr, facade)``
+    puts a facade and its property on a module whose parameter was left whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    with agreed(group, "registering the parameters as DTensors (parallelize(dtensor=True))"):
+        _check_layouts(model, facades_key)
+    made: dict[int, nn.Parameter] = {}  # (a tied parameter: one DTensor, one facade, every owner)
+    for module in model.modules():
+        facades = module.__dict__.get(facades_key, {})
+        for attr, p in list(private.parameter_slots(module).items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                facade = facades.get(attr)
+                if facade is not None:  # cut: the shard (parallelize's Parameter) is the local tensor
+                    spec = STORE.spec_of(facade)
+                    dt = DTensor.from_local(p.detach(), mesh, [Shard(spec.dim)], run_check=False,
+                                            shape=facade.shape, stride=facade.stride())
+                else:  # whole: the parameter becomes the facade, its values move to the DTensor
+                    facade = p
+                    local = p.detach().clone(memory_format=torch.contiguous_format)
+                    dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+                    STORE.trust([facade])  # (checked when parallelize ran; its bytes are about to go)
+                    _free(facade)
+                made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                _LIVE[facade] = (weakref.ref(module), attr, tuple(dt.to_local().shape))
+            new = made[id(p)]
+            if attr not in facades:
+                install(module, attr, p)  # (the whole parameter is its own facade; tied: one for every owner)
+            private.parameter_slots(module)[attr] = new
+
+
+def _free(p: torch.Tensor) -> None:
+    storage = p.untyped_storage()
+    if storage.resizable():
+        storage.resize_(0)
+    else:  # memory-mapped (HF from_pretrained): let go of the mapping
+        with private.real_tensors():
+            empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+        empty.untyped_storage().resize_(0)
+        p.data = empty
+    mark_storage_less(p)
+
+
+def _check_layouts(model: nn.Module, facades_key: str) -> None:
+    """Every cut is one DTensor ``Shard(dim)`` describes: torch.chunk's block for this rank."""
+    bad = []
+    for name, module in model.named_modules():
+        for attr, facade in module.__dict__.get(facades_key, {}).items():
+            spec = STORE.spec_of(facade)
+            n = facade.shape[spec.dim]
+            block = -(-n // spec.world)
+            start = min(n, spec.rank * block)
+            chunk = [(start, min(block, n - start))] if n - start > 0 else []
+            pieces = [(s, length) for s, length in spec.split.pieces(spec.world, spec.rank) if length > 0]
+            if spec.stacked or pieces != chunk:
+                bad.append(f"{name}.{attr}" if name else attr)
+    if bad:
+        raise UsageError(
+            f"dynashard.parallelize(dtensor=True): {bad[:3]} are cut in a layout a DTensor's Shard(dim) cannot "
+            "describe (heads dealt unevenly, fused q/k/v or gate/up components cut one by one, or weights="
+            "'per_rank'); Shard(dim) is torch.chunk's contiguous blocks. Expected head counts and fused parts "
+            "divisible by the tensor-parallel size, or dtensor=False with DDP over mesh['dp'] (README, "
+            "'Several machines').")
+
+
+def is_live(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t in _LIVE
+
+
+def live_slots(inputs: list[Any]) -> frozenset[int]:
+    """The input slots of a graph that hold facades of ``dtensor=True`` parameters."""
+    if not len(_LIVE):
+        return frozenset()
+    return frozenset(i for i, t in enumerate(inputs) if is_live(t))
+
+
+def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
+    """A ``dtensor=True`` facade reaching a graph other than as its module's attribute (an argument of a
+    frame Dynamo resumed after a graph break): measured when ``fully_shard`` wraps each block of a model
+    compiled whole (Dynamo breaks the graph at every block's FSDP hooks, which torch 2.13 does not trace).
+    Such a graph cannot tell which module's current parameter to read: refused, naming what works."""
+    slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    stray = [private.placeholder_source_name(slots[i]) or slots[i].name for i in live_slots(inputs)
+             if private.placeholder_source_fqn(slots[i]) is None]
+    if stray:
+        raise UsageError(
+            f"dynashard: graph inputs {stray[:3]} are parameters of parallelize(dtensor=True) that reach this graph "
+            "as values, not as a module's attributes (Dynamo broke the graph around them: FSDP2's hooks on each "
+            "block of a model compiled whole do that). Expected fully_shard(model, mesh=mesh['dp']) on the root "
+            "module only: every parameter is then 1/(tp x dp) per rank at rest, and the forward gathers the "
+            "model's tp shards over dp at once.")
+
+
+def current(facade: torch.Tensor) -> torch.Tensor:
+    """The module's current parameter for ``facade``, as this rank's local tensor (differentiable: its
+    gradient lands in the parameter, FSDP's gathered copy under FSDP2)."""
+    ref, attr, local_shape = _LIVE[facade]
+    module = ref()
+    param = None if module is None else private.parameter_slots(module).get(attr)
+    if param is None:
+        raise UsageError(f"dynashard: the module holding {attr!r} was deleted or the parameter removed; expected "
+                         "the parallelized model alive while its compiled program runs.")
+    local = param.to_local() if hasattr(param, "to_local") else param
+    if tuple(local.shape) != local_shape:
+        raise UsageError(
+            f"dynashard: {type(module).__name__}.{attr} holds a local tensor of shape {list(local.shape)}, and the "
+            f"compiled program expects this rank's tensor-parallel part, {list(local_shape)}. Under FSDP2 the "
+            "module must be called as the model's own forward (FSDP gathers its parameters before it); expected "
+            "fully_shard on the module the compiled forward belongs to, or on a parent it is called from.")
+    return local
+
+
+class ReadLive:
+    """A compiled graph left whole whose inputs include ``dtensor=True`` facades: each call passes the
+    current parameters' local tensors in their place."""
+
+    def __init__(self, compiled: Any, slots: frozenset[int]) -> None:
+        self.compiled, self.slots = compiled, slots
+
+    def __call__(self, *args: Any) -> Any:
+        args = list(args)
+        for i in self.slots:
+            if is_live(args[i]):
+                args[i] = current(args[i])
+        return self.compiled(*args)
