@@ -1,6 +1,6 @@
-"""Train a small Llama on a 2-D mesh: dynashard over mesh["tp"], DDP over mesh["dp"], beside an unsharded twin.
+"""Train a small Llama on a 2-D mesh: dynashard over mesh["tp"], FSDP2 or DDP over mesh["dp"], beside a twin.
 
-One node:  torchrun --standalone --nproc-per-node 4 examples/train_2d.py [--tp 2] [--steps 30]
+One node:  torchrun --standalone --nproc-per-node 4 examples/train_2d.py [--tp 2] [--steps 30] [--dp ddp]
 Two nodes: torchrun --nnodes 2 --nproc-per-node 2 --node-rank R --rdzv-backend c10d \
                --rdzv-endpoint HOST0:29500 --rdzv-id job1 examples/train_2d.py      (on each node, R = 0, 1)
 
@@ -8,13 +8,14 @@ The mesh comes from torchrun's environment: world size / tp data-parallel replic
 each, the tp ranks of a replica consecutive (on one node, when --nproc-per-node is a multiple of
 tp). HF Llama (2 layers, hidden 64, 8 heads, 4 K/V heads) reads the Zen of Python a character at a
 time; each replica trains on its own batches, the same on its tp ranks. Every rank also trains an
-unsharded twin on the replicas' batches concatenated: DDP averages the replicas' gradients, so the
-twin's mean loss is the replicas' mean loss, step after step (AdamW, clipping at 1.0). The last
-line prints both final losses and the largest relative difference over the run; the run exits 1 if
-it passes --rtol.
+unsharded twin on the replicas' batches concatenated: FSDP2 (or DDP) averages the replicas'
+gradients, so the twin's mean loss is the replicas' mean loss, step after step (AdamW, clipping at
+1.0). The last line prints both final losses and the largest relative difference over the run; the
+run exits 1 if it passes --rtol.
 
-FSDP2's ``fully_shard`` over mesh["dp"] does not compose with dynashard yet (README, "Several
-machines"); DDP is the data-parallel dimension here.
+``--dp fsdp2`` (the default): ``parallelize(..., dtensor=True)`` then ``fully_shard(model,
+mesh=mesh["dp"])``, each rank holding 1/(tp x dp) of the cut weights and their AdamW state.
+``--dp ddp``: the plain shards, DDP over mesh["dp"] (README, "Several machines").
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager", "eager"))
+    parser.add_argument("--dp", default="fsdp2", choices=("fsdp2", "ddp"), help="what shards or replicates over dp")
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative loss difference allowed")
     args = parser.parse_args()
     import transformers as T
@@ -76,23 +78,30 @@ def main() -> int:
     twin = copy.deepcopy(model)  # trained unsharded on every replica's batch, for comparison
     options = {"group": mesh["tp"], "compiler": args.compiler, "min_shard_numel": 0}  # a toy: shard every layer
     ids, _ = batches(data, args.batch, args.context, 0, replica)
-    dynashard.parallelize(model, ids, options=options)
+    if args.dp == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        dynashard.parallelize(model, ids, options=options, dtensor=True)  # DTensors on mesh["tp"]
+        fully_shard(model, mesh=mesh["dp"])  # 2-D: this rank's dp part of its tp shard
+        fast = torch.compile(model, backend=dynashard.backend(**options))
+    else:
+        dynashard.parallelize(model, ids, options=options)
+        torch._dynamo.config.optimize_ddp = False  # one graph (DDP's per-bucket split is refused)
+        fast = torch.compile(DDP(model, process_group=mesh["dp"].get_group()), backend=dynashard.backend(**options))
     held = dynashard.held_bytes(model) / sum(t.nbytes for t in twin.state_dict().values())
-    torch._dynamo.config.optimize_ddp = False  # one graph (DDP's per-bucket split is refused)
-    fast = torch.compile(DDP(model, process_group=mesh["dp"].get_group()), backend=dynashard.backend(**options))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     opt_twin = torch.optim.AdamW(twin.parameters(), lr=args.lr)
     worst = 0.0
     for step in range(args.steps):
         ids, target = batches(data, args.batch, args.context, step, replica)
         loss = F.cross_entropy(fast(ids).logits.flatten(0, 1), target.flatten())
-        loss.backward()  # DDP averages the shards' gradients over the replicas
+        loss.backward()  # FSDP2 (DDP) averages the shards' gradients over the replicas
         every = [batches(data, args.batch, args.context, step, r) for r in range(replicas)]
         both, both_target = torch.cat([x for x, _ in every]), torch.cat([y for _, y in every])
         loss_twin = F.cross_entropy(twin(both).logits.flatten(0, 1), both_target.flatten())
         loss_twin.backward()
         for net, optimizer in ((model, opt), (twin, opt_twin)):
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)  # the unsharded norm on every rank
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)  # the unsharded norm (a DTensor under FSDP2)
             optimizer.step()
             optimizer.zero_grad()
         mean = loss.detach().clone()
@@ -105,7 +114,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         sys.stderr.write("\n")
         print(f"final loss: dynashard {mean:.4f}, unsharded {reference:.4f}; largest relative difference "
-              f"{worst:.1e} over {args.steps} steps (mesh dp={replicas} x tp={args.tp}, this rank holds "
+              f"{worst:.1e} over {args.steps} steps (mesh dp={replicas} x tp={args.tp}, {args.dp}, this rank holds "
               f"{held:.0%} of the model's bytes)")
     dist.destroy_process_group()
     return 0 if worst <= args.rtol else 1

@@ -27,8 +27,9 @@ def _free_port() -> int:
 @pytest.mark.timeout(DEADLINE_S + 30)
 def test_train_2d_on_two_nodes_equals_the_unsharded_model():
     """examples/train_2d.py as README "Several machines" launches it on two nodes: two torchruns of 2
-    processes meeting at a c10d rendezvous on localhost, a 2x2 mesh (a node per replica, tp inside it);
-    the replicas' mean loss equals the unsharded twin's at every step (the script exits 1 past 1e-4)."""
+    processes meeting at a c10d rendezvous on localhost, a 2x2 mesh (a node per replica, tp inside it, FSDP2
+    across: the script's default); the replicas' mean loss equals the unsharded twin's at every step (the
+    script exits 1 past 1e-4)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"train2d{port}",
@@ -45,4 +46,4 @@ def test_train_2d_on_two_nodes_equals_the_unsharded_model():
             node.kill()
     printed = "".join(out for out, _ in outs)
     assert all(node.returncode == 0 for node in nodes), printed[-2000:] + "".join(err[-3000:] for _, err in outs)
-    assert "mesh dp=2 x tp=2" in printed and "largest relative difference" in printed, printed[-2000:]
+    assert "mesh dp=2 x tp=2, fsdp2" in printed and "largest relative difference" in printed, printed[-2000:]
