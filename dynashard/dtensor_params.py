@@ -14,9 +14,9 @@ parameter, through ``to_local()`` (:func:`current`), and the gradient flows back
 parameter, where FSDP reduce-scatters it. (The facades of the plain ``parallelize`` are read from
 the shard store instead; docs/design.md, "FSDP2 x dynashard".)
 
-Only layouts DTensor describes are registered so: ``Shard(dim)`` is torch.chunk's contiguous
-blocks. Heads dealt unevenly (5 heads on 2 ranks as 3/2 is chunk's, 2/2/1/1 on 4 is not), fused
-components cut one by one, and ``weights="per_rank"`` are refused, naming the plain recipe.
+Only layouts ``Shard(dim)`` describes are registered so: torch.chunk's contiguous blocks (8 heads
+on 2 or 4 ranks). Heads dealt unevenly (6 heads on 4 ranks as 2/2/1/1), fused components cut one by
+one (:func:`placement` says why) and ``weights="per_rank"`` are refused, naming the plain recipe.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
     """Each parameter of ``model`` (already parallelized: shards registered, facades kept under
     ``module.__dict__[facades_key]``) as a DTensor on ``mesh``; ``install(module, attr, facade)``
     puts a facade and its property on a module whose parameter was left whole."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     with agreed(group, "registering the parameters as DTensors (parallelize(dtensor=True))"):
         _check_layouts(model, facades_key)
@@ -74,7 +74,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                 facade = facades.get(attr)
                 if facade is not None:  # cut: the shard (parallelize's Parameter) is the local tensor
                     spec = STORE.spec_of(facade)
-                    dt = DTensor.from_local(p.detach(), mesh, [Shard(spec.dim)], run_check=False,
+                    dt = DTensor.from_local(p.detach(), mesh, [placement(spec, facade.shape)], run_check=False,
                                             shape=facade.shape, stride=facade.stride())
                 else:  # whole: the parameter becomes the facade, its values move to the DTensor
                     facade = p
@@ -103,25 +103,38 @@ def _free(p: torch.Tensor) -> None:
 
 
 def _check_layouts(model: nn.Module, facades_key: str) -> None:
-    """Every cut is one DTensor ``Shard(dim)`` describes: torch.chunk's block for this rank."""
+    """Every cut is one a DTensor placement describes (:func:`placement`)."""
     bad = []
     for name, module in model.named_modules():
         for attr, facade in module.__dict__.get(facades_key, {}).items():
-            spec = STORE.spec_of(facade)
-            n = facade.shape[spec.dim]
-            block = -(-n // spec.world)
-            start = min(n, spec.rank * block)
-            chunk = [(start, min(block, n - start))] if n - start > 0 else []
-            pieces = [(s, length) for s, length in spec.split.pieces(spec.world, spec.rank) if length > 0]
-            if spec.stacked or pieces != chunk:
+            if placement(STORE.spec_of(facade), facade.shape) is None:
                 bad.append(f"{name}.{attr}" if name else attr)
     if bad:
         raise UsageError(
-            f"dynashard.parallelize(dtensor=True): {bad[:3]} are cut in a layout a DTensor's Shard(dim) cannot "
-            "describe (heads dealt unevenly, fused q/k/v or gate/up components cut one by one, or weights="
-            "'per_rank'); Shard(dim) is torch.chunk's contiguous blocks. Expected head counts and fused parts "
-            "divisible by the tensor-parallel size, or dtensor=False with DDP over mesh['dp'] (README, "
-            "'Several machines').")
+            f"dynashard.parallelize(dtensor=True): {bad[:3]} are cut in a layout no DTensor placement describes "
+            "(fused components cut one by one, such as a fused q/k/v or gate/up; heads dealt unevenly; parts kept "
+            "whole; weights='per_rank'). Expected separate projections and head counts divisible by the "
+            "tensor-parallel size, or dtensor=False with DDP over mesh['dp'] (README, 'Several machines').")
+
+
+def placement(spec: Any, shape: torch.Size) -> Any:
+    """The DTensor placement of this rank's cut, ``Shard(dim)`` for torch.chunk's block of the dim, or None.
+
+    Fused equal components (nanoGPT's ``[q | k | v]``) have one too, ``_StridedShard(dim, split_factor=3)``,
+    and a 1-D DTensor with it gathers right; but under FSDP2 (measured, torch 2.13, 2x2 gloo, nanoGPT) the
+    2-D ``(_StridedShard(0, sf=2), _StridedShard(0, sf=3))`` it makes of it reads back wrong through
+    ``full_tensor()`` (the parameters 0.25 off the twin's while the gradient norms agreed), so a checkpoint
+    of it would be wrong without a word, and DCP refuses strided chunks anyway: refused."""
+    from torch.distributed.tensor import Shard
+
+    if spec.stacked or spec.split.whole or spec.split.deals is not None or len(spec.split.parts) != 1:
+        return None
+    n = shape[spec.dim]
+    block = -(-n // spec.world)
+    start = min(n, spec.rank * block)
+    if spec.split.pieces(spec.world, spec.rank) != [(start, min(block, n - start))]:
+        return None
+    return Shard(spec.dim)
 
 
 def is_live(t: Any) -> bool:

@@ -1,12 +1,13 @@
-"""Two dimensions on real gloo ranks: dynashard over mesh["tp"], DDP over mesh["dp"], on a 2x2 mesh.
+"""Two dimensions on real gloo ranks: dynashard over mesh["tp"], DDP or FSDP2 over mesh["dp"], on a 2x2 mesh.
 
 Ranks 0,1 are data-parallel replica 0 and ranks 2,3 replica 1; each pair shares its layers
 (``options={"group": mesh["tp"]}``) and trains on its own batch, while DDP averages the shards'
 gradients over the replica pair holding the same shard (``process_group=mesh["dp"].get_group()``).
 Every rank also trains an unsharded twin on the two replicas' batches concatenated: DDP's average of
 two mean losses over equal batches is the mean loss of their concatenation, so raw gradients, clipped
-norms, parameters and losses must be the twin's. FSDP2's ``fully_shard`` is refused (README,
-"Several machines": it swaps the module's parameters, the compiled program reads its own shards).
+norms, parameters and losses must be the twin's. FSDP2's ``fully_shard`` over mesh["dp"] trains the same
+way after ``parallelize(..., dtensor=True)`` (its DTensor parameters), and is refused without it (README,
+"Several machines": it swaps the module's parameters, the compiled program would read stale shards).
 Each ``@on_ranks`` scenario runs on the 4 ranks and asserts there, after its last collective
 (tests/scenarios.py); one spawn runs them all.
 """
@@ -331,12 +332,13 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
 
 @on_ranks
 def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
-    """FSDP2's ``fully_shard`` swaps each parameter for its own copy, gathered over dp before every forward:
-    a weight dynashard cut would be read stale and its gradient lost (measured before this refusal: the
-    cut parameters of an MLP fully_shard'ed and then compiled ended every backward with no gradient, the
-    loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
+    """Without ``dtensor=True``: FSDP2's ``fully_shard`` swaps each parameter for its own copy, gathered over
+    dp before every forward: a weight dynashard cut would be read stale and its gradient lost (measured
+    before this refusal: the cut parameters of an MLP fully_shard'ed and then compiled ended every backward
+    with no gradient, the loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
     ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
-    the first call, before any weight is cut)."""
+    the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, a fused layout and a
+    group given as a ProcessGroup are refused at parallelize."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -356,7 +358,15 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     before_compile = str(raised(lambda: torch.compile(model, backend="dynashard", options=options)(x)))
     # (FSDP had gathered its copies for the forward that raised: plain tensors now, none of them freed)
     untouched = all(getattr(p, "_local_tensor", p).untyped_storage().nbytes() > 0 for p in model.parameters())
+    # dtensor=True: a fused [q | k | v] cut per component has no DTensor placement FSDP2 reads back right
+    # (dtensor_params.placement), and the tp mesh must be given as a DeviceMesh
+    fused = str(raised(lambda: dynashard.parallelize(models.build("nanogpt", 64, 96), torch.randint(0, 96, (2, 7)),
+                                                     options=options, dtensor=True)))
+    no_mesh = str(raised(lambda: dynashard.parallelize(models.build("mlp", 32, 96), x, dtensor=True,
+                                                       options={**OPTIONS, "group": mesh["tp"].get_group()})))
+    assert "c_attn.weight" in fused and "dtensor=False" in fused, fused
+    assert "DeviceMesh" in no_mesh and "mesh['tp']" in no_mesh, no_mesh
     for msg in (after_parallelize, before_compile):
-        assert "FSDP2" in msg and "DDP" in msg and "mesh['dp']" in msg, msg
+        assert "FSDP2" in msg and "DDP" in msg and "mesh['dp']" in msg and "dtensor=True" in msg, msg
     assert "up.weight" in before_compile, before_compile
     assert untouched, "the refused compile freed FSDP's weights"
