@@ -35,7 +35,8 @@ from dynashard.protocol import agreed
 from dynashard.weights import STORE
 
 # full-shape facade -> (weak reference to the module holding the live parameter, its attribute, the local
-# shape every call must find: a parameter FSDP has not gathered yet has another)
+# shape and dtype every call must find: a parameter FSDP has not gathered yet has another shape, and
+# FSDP's MixedPrecisionPolicy another dtype)
 _LIVE = private.weak_id_dict()
 
 
@@ -65,7 +66,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
     with agreed(group, "registering the parameters as DTensors (parallelize(dtensor=True))"):
         _check_layouts(model, facades_key)
     made: dict[int, nn.Parameter] = {}  # (a tied parameter: one DTensor, one facade, every owner)
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         facades = module.__dict__.get(facades_key, {})
         for attr, p in list(private.parameter_slots(module).items()):
             if p is None:
@@ -83,7 +84,8 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                     STORE.trust([facade])  # (checked when parallelize ran; its bytes are about to go)
                     _free(facade)
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
-                _LIVE[facade] = (weakref.ref(module), attr, tuple(dt.to_local().shape))
+                fqn = f"{prefix}.{attr}" if prefix else attr
+                _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape), dt.dtype)
             new = made[id(p)]
             if attr not in facades:
                 install(module, attr, p)  # (the whole parameter is its own facade; tied: one for every owner)
@@ -168,19 +170,25 @@ def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
 def current(facade: torch.Tensor) -> torch.Tensor:
     """The module's current parameter for ``facade``, as this rank's local tensor (differentiable: its
     gradient lands in the parameter, FSDP's gathered copy under FSDP2)."""
-    ref, attr, local_shape = _LIVE[facade]
+    ref, attr, fqn, local_shape, dtype = _LIVE[facade]
     module = ref()
     param = None if module is None else private.parameter_slots(module).get(attr)
     if param is None:
-        raise UsageError(f"dynashard: the module holding {attr!r} was deleted or the parameter removed; expected "
+        raise UsageError(f"dynashard: the module holding {fqn!r} was deleted or the parameter removed; expected "
                          "the parallelized model alive while its compiled program runs.")
     local = param.to_local() if hasattr(param, "to_local") else param
     if tuple(local.shape) != local_shape:
         raise UsageError(
-            f"dynashard: {type(module).__name__}.{attr} holds a local tensor of shape {list(local.shape)}, and the "
+            f"dynashard: {fqn!r} holds a local tensor of shape {list(local.shape)}, and the "
             f"compiled program expects this rank's tensor-parallel part, {list(local_shape)}. Under FSDP2 the "
             "module must be called as the model's own forward (FSDP gathers its parameters before it); expected "
             "fully_shard on the module the compiled forward belongs to, or on a parent it is called from.")
+    if local.dtype != dtype:  # (a compiled kernel reading another dtype's bytes would compute garbage)
+        raise UsageError(
+            f"dynashard: {fqn!r} is {local.dtype} at this call, and the model was compiled "
+            f"for {dtype}: FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the parameters it gathers, which "
+            "dynashard's compiled program does not follow yet. Expected mixed precision by torch.autocast around "
+            "the forward (fully_shard without mp_policy), or the model converted before parallelize.")
     return local
 
 

@@ -338,7 +338,7 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     with no gradient, the loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
     ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
     the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, a fused layout and a
-    group given as a ProcessGroup are refused at parallelize."""
+    group given as a ProcessGroup are refused at parallelize, and FSDP2's MixedPrecisionPolicy at the call."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -364,6 +364,14 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
                                                      options=options, dtensor=True)))
     no_mesh = str(raised(lambda: dynashard.parallelize(models.build("mlp", 32, 96), x, dtensor=True,
                                                        options={**OPTIONS, "group": mesh["tp"].get_group()})))
+    # FSDP2's MixedPrecisionPolicy casts what it gathers: a graph compiled for float32 must not read bfloat16
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch._dynamo.reset()
+    cast = dynashard.parallelize(models.build("mlp", 32, 96), x, options=options, dtensor=True)
+    fully_shard(cast, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    mixed = str(raised(lambda: torch.compile(cast, backend="dynashard", options=options)(x)))
+    assert "MixedPrecisionPolicy" in mixed and "torch.autocast" in mixed and "up.weight" in mixed, mixed
     assert "c_attn.weight" in fused and "dtensor=False" in fused, fused
     assert "DeviceMesh" in no_mesh and "mesh['tp']" in no_mesh, no_mesh
     for msg in (after_parallelize, before_compile):
