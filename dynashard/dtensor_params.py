@@ -30,13 +30,13 @@ import torch.nn as nn
 
 from dynashard import _torch_private as private
 from dynashard.errors import UsageError
+from dynashard.facades import storage_less
 from dynashard.freed import mark_storage_less
 from dynashard.protocol import agreed
 from dynashard.weights import STORE
 
-# full-shape facade -> (weak reference to the module holding the live parameter, its attribute, the local
-# shape and dtype every call must find: a parameter FSDP has not gathered yet has another shape, and
-# FSDP's MixedPrecisionPolicy another dtype)
+# full-shape facade -> (weak reference to the module holding the live parameter, its attribute, its FQN, the
+# local shape every call must find: a parameter FSDP has not gathered yet has another)
 _LIVE = private.weak_id_dict()
 
 
@@ -85,7 +85,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                     _free(facade)
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 fqn = f"{prefix}.{attr}" if prefix else attr
-                _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape), dt.dtype)
+                _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape))
             new = made[id(p)]
             if attr not in facades:
                 install(module, attr, p)  # (the whole parameter is its own facade; tied: one for every owner)
@@ -170,7 +170,7 @@ def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
 def current(facade: torch.Tensor) -> torch.Tensor:
     """The module's current parameter for ``facade``, as this rank's local tensor (differentiable: its
     gradient lands in the parameter, FSDP's gathered copy under FSDP2)."""
-    ref, attr, fqn, local_shape, dtype = _LIVE[facade]
+    ref, attr, fqn, local_shape = _LIVE[facade]
     module = ref()
     param = None if module is None else private.parameter_slots(module).get(attr)
     if param is None:
@@ -183,13 +183,23 @@ def current(facade: torch.Tensor) -> torch.Tensor:
             f"compiled program expects this rank's tensor-parallel part, {list(local_shape)}. Under FSDP2 the "
             "module must be called as the model's own forward (FSDP gathers its parameters before it); expected "
             "fully_shard on the module the compiled forward belongs to, or on a parent it is called from.")
-    if local.dtype != dtype:  # (a compiled kernel reading another dtype's bytes would compute garbage)
+    if local.dtype != facade.dtype:  # (a compiled kernel reading another dtype's bytes would compute garbage)
         raise UsageError(
-            f"dynashard: {fqn!r} is {local.dtype} at this call, and the model was compiled "
-            f"for {dtype}: FSDP2's MixedPrecisionPolicy(param_dtype=...) casts the parameters it gathers, which "
-            "dynashard's compiled program does not follow yet. Expected mixed precision by torch.autocast around "
-            "the forward (fully_shard without mp_policy), or the model converted before parallelize.")
+            f"dynashard: {fqn!r} is {local.dtype} at this call, and the graph was compiled for {facade.dtype} (the "
+            "parameter was cast outside dynashard's sight, not by model.to() or FSDP2's MixedPrecisionPolicy, which "
+            "the facade follows). Expected the model converted with model.to(dtype), or torch.autocast.")
     return local
+
+
+def follow(facade: torch.Tensor, param: torch.Tensor) -> None:
+    """FSDP2 put ``param`` in the facade's slot: when it is the gathered tp parameter (a DTensor on the 1-D tp
+    mesh, not FSDP's 2-D shard) in another dtype, FSDP's ``MixedPrecisionPolicy(param_dtype=...)`` cast it,
+    and the facade takes that dtype, so Dynamo (guarding on it) compiles the forward for what it will read."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or mesh.ndim != 1 or param.dtype == facade.dtype:
+        return
+    with private.plain_torch_functions():
+        facade.data = storage_less(facade.shape, param.dtype, facade.device)
 
 
 class ReadLive:

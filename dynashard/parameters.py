@@ -291,6 +291,7 @@ def _register_parameter(self, name: str, param) -> None:
     ignored silently."""
     facade = self.__dict__.get(FACADES, {}).get(name)
     if facade is not None and dtensor_params.is_live(facade) and _is_dtensor(param) and param.shape == facade.shape:
+        dtensor_params.follow(facade, param)  # (FSDP's MixedPrecisionPolicy: the gathered copy's dtype)
         nn.Module.register_parameter(self, name, param)  # FSDP2's swap of a dtensor=True parameter (sharded, gathered)
         return
     if name in self.__dict__.get(FACADES, {}) and _is_dtensor(param):  # (FSDP2's fully_shard swapping it)

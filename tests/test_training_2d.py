@@ -236,14 +236,23 @@ def _Logits(hf):
     return Logits(hf)
 
 
-@on_ranks(cases=["mlp", "hf_llama"])
+# case -> (relative tolerance of gradients, norms and losses; absolute one of parameters). float32: as above.
+# "hf_llama_bf16": FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16) gathers bfloat16 parameters, so the
+# forward and backward run in bfloat16 against the float32 twin: gradients measured within 2.3e-2 of each
+# one's largest element over 5 steps, parameters 3e-4; 6e-2 and 1e-3 leave room, and still catch a
+# gradient missing or off by a factor (2x is 1.0).
+FSDP_CASES = {"mlp": (GRAD_RTOL, 1e-5), "hf_llama": (GRAD_RTOL, 1e-5), "hf_llama_bf16": (6e-2, 1e-3)}
+
+
+@on_ranks(cases=list(FSDP_CASES))
 def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, world, case, tmp_path):
     """torchtitan's recipe: ``parallelize(..., dtensor=True)`` over mesh["tp"], then ``fully_shard`` over
     mesh["dp"], then ``torch.compile``. Every parameter is a 2-D DTensor holding 1/4 of each cut weight and 1/2
     of each whole one; 5 SGD steps with ``clip_grad_norm_`` at half the twin's norm (DTensor's norm sums over
     both dims) give the twin's raw gradients, clipped norms and parameters; 10 AdamW steps the twin's losses.
     Then a DCP checkpoint of the 2x2 model loads into the model parallelized 1x4 (tp over all 4 ranks),
-    whose forward is the twin's."""
+    whose forward is the twin's. With FSDP2's MixedPrecisionPolicy (bfloat16 parameters gathered), the
+    facades follow the gathered dtype and the same checks hold within bfloat16's tolerance."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -255,12 +264,18 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
 
     vocab, hidden, mesh = 96, 32, _mesh()
     name = "mlp" if case == "mlp" else "llama"
+    rtol, atol = FSDP_CASES[case]
     model, twin = _fsdp_model(case, vocab)
     torch._dynamo.reset()
     options = {**OPTIONS, "group": mesh["tp"]}
     x0, _ = _batch(name, hidden, vocab, 0, mesh.get_local_rank("dp"))
     dynashard.parallelize(model, x0, options=options, dtensor=True)
-    fully_shard(model, mesh=mesh["dp"])
+    if case == "hf_llama_bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    else:
+        fully_shard(model, mesh=mesh["dp"])
     fast = torch.compile(model, backend="dynashard", options=options)
     total = sum(q.numel() for q in twin.parameters())
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -320,14 +335,18 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     x, _ = _batch(name, hidden, vocab, 99, 0)
     with torch.no_grad():
         resumed_err = float((other(x) - twin(x)).abs().max() / twin(x).abs().max())
+        trained = {n: p.full_tensor() for n, p in model.named_parameters()}
+        loaded_same = all(torch.equal(p.full_tensor(), trained[n]) for n, p in other.named_parameters())
     assert two_d and all(shapes[n] == tuple(q.shape) for n, q in reference.items()), shapes
     # each cut weight 1/4 per rank, each whole one 1/2 (FSDP pads the last rank's rows: a few rows' slack)
     assert held <= 0.55 * total and state == held, (held, total, state)
-    assert grad_err < GRAD_RTOL and not missing, (grad_err, missing)
-    assert all(abs(a - b) <= 1e-5 * b for a, b in norms), f"(clipped norm, the twin's) per step: {norms}"
-    assert loss_err < 1e-5 and param_err < 1e-5, (loss_err, param_err)
-    assert adamw_loss_err < 1e-4, f"10 AdamW steps: the mean loss vs the twin's, {adamw_loss_err} relative"
-    assert resumed_err < 1e-5, f"the 1x4 model loaded from the 2x2 checkpoint vs the twin: {resumed_err}"
+    assert grad_err < rtol and not missing, (grad_err, missing)
+    assert all(abs(a - b) <= max(1e-5, rtol / 4) * b for a, b in norms), f"(clipped norm, the twin's): {norms}"
+    assert loss_err < max(1e-5, rtol / 4) and param_err < atol, (loss_err, param_err)
+    assert adamw_loss_err < max(1e-4, rtol), f"10 AdamW steps: the mean loss vs the twin's, {adamw_loss_err}"
+    assert loaded_same, "the 1x4 model's parameters loaded from the 2x2 checkpoint differ from the 2x2 model's"
+    # the 1x4 model runs the checkpoint in float32, as the twin does (bfloat16 training left it atol apart)
+    assert resumed_err < (1e-5 if atol < 1e-4 else 5e-2), f"the 1x4 model vs the twin: {resumed_err}"
 
 
 @on_ranks
@@ -338,7 +357,7 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     with no gradient, the loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
     ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
     the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, a fused layout and a
-    group given as a ProcessGroup are refused at parallelize, and FSDP2's MixedPrecisionPolicy at the call."""
+    group given as a ProcessGroup are refused at parallelize."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -364,14 +383,6 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
                                                      options=options, dtensor=True)))
     no_mesh = str(raised(lambda: dynashard.parallelize(models.build("mlp", 32, 96), x, dtensor=True,
                                                        options={**OPTIONS, "group": mesh["tp"].get_group()})))
-    # FSDP2's MixedPrecisionPolicy casts what it gathers: a graph compiled for float32 must not read bfloat16
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    torch._dynamo.reset()
-    cast = dynashard.parallelize(models.build("mlp", 32, 96), x, options=options, dtensor=True)
-    fully_shard(cast, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    mixed = str(raised(lambda: torch.compile(cast, backend="dynashard", options=options)(x)))
-    assert "MixedPrecisionPolicy" in mixed and "torch.autocast" in mixed and "up.weight" in mixed, mixed
     assert "c_attn.weight" in fused and "dtensor=False" in fused, fused
     assert "DeviceMesh" in no_mesh and "mesh['tp']" in no_mesh, no_mesh
     for msg in (after_parallelize, before_compile):
