@@ -48,6 +48,17 @@ def from_fsdp_module(node: torch.fx.Node) -> bool:
     grapharg = node.meta.get("grapharg")
     return grapharg is not None and grapharg.source is not None and grapharg.source.guard_source.is_fsdp_module()
 
+def never_a_frame(fn: Any) -> Any:
+    """``fn`` is never compiled by Dynamo as a frame of its own, yet still inlined into a frame Dynamo traces
+    (``torch._dynamo.eval_frame.skip_code``: the code's own frame runs eagerly). For code that branches on
+    ``torch.compiler.is_compiling()``: called from eager code inside a compiled region (a frame Dynamo fell
+    back from), Dynamo would otherwise trace it alone with ``is_compiling()`` true and hand the traced
+    branch's result back to eager code."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+    return fn
+
 def placeholder_source_name(node: torch.fx.Node) -> str:
     """Dynamo's name for where a placeholder's value comes from (``""`` if it has none)."""
     grapharg = node.meta.get("grapharg")

@@ -150,6 +150,24 @@ def live_slots(inputs: list[Any]) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(inputs) if is_live(t))
 
 
+def refuse_fsdp_inside(model: nn.Module) -> None:
+    """``fully_shard`` on a module inside the parallelized model (each block, torchtitan's way) cannot run
+    through dynashard on torch 2.13: Dynamo breaks the graph at the block's FSDP hooks (it does not trace
+    them), a graph break inside the model's loop over its blocks makes Dynamo run that whole frame eagerly,
+    and eager code reads the DTensor parameters (the embedding then fails inside DTensor: "got mixed
+    torch.Tensor and DTensor"). Raised before that, naming the recipe that works."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = [name for name, m in model.named_modules() if name and isinstance(m, FSDPModule)]
+    if inner:
+        raise UsageError(
+            f"dynashard: fully_shard was applied to modules inside the parallelized model ({inner[:3]}); with "
+            "parallelize(dtensor=True) FSDP2 composes on the root only: Dynamo breaks the graph at each inner "
+            "module's FSDP hooks and runs the model's own forward eagerly, where its DTensor parameters cannot "
+            "be used. Expected fully_shard(model, mesh=mesh['dp']) alone (every parameter is still 1/(tp x dp) "
+            "per rank at rest; the forward gathers the model's tp shards over dp at once).")
+
+
 def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
     """A ``dtensor=True`` facade reaching a graph other than as its module's attribute (an argument of a
     frame Dynamo resumed after a graph break): measured when ``fully_shard`` wraps each block of a model

@@ -56,6 +56,7 @@ class _Answers:
     """The ``__torch_function__`` of every facade (module docstring)."""
 
     @classmethod
+    @private.never_a_frame  # (eager use inside a compiled region: answered eagerly, not traced as a graph alone)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # Dynamo's trace, the backend's analysis and rewrite: plain tensors

@@ -122,14 +122,14 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     _register(model)
     if mesh is not None:
         dtensor_params.register(model, mesh, group, FACADES, _install)
-    _run_calls_through_dynashard(model, opts)
+    _run_calls_through_dynashard(model, opts, dtensor=mesh is not None)
     _refuse_save_pretrained(model)
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
     return model
 
 
-def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
+def _run_calls_through_dynashard(model: nn.Module, opts: Any, dtensor: bool = False) -> None:
     """A call of the parallelized model outside ``torch.compile`` runs it sharded: its forward,
     compiled with the dynashard backend and ``parallelize``'s options on first use. Code that calls
     the model both ways works unchanged (HF ``generate`` with a ``compile_config`` compiles only its
@@ -145,6 +145,8 @@ def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
+        if dtensor and (compiled is None or torch.compiler.is_compiling()):  # (once per compile, not per call)
+            dtensor_params.refuse_fsdp_inside(model)
         if torch.compiler.is_compiling():
             return original(*args, **kwargs)
         if compiled is None:
@@ -316,6 +318,7 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _facade_property(attr: str) -> property:
+    @private.never_a_frame  # (Dynamo tracing it alone would hand eager code the facade: is_compiling() is true)
     def get(self):
         facades = self.__dict__.get(FACADES, {})
         if attr not in facades:  # another instance of the class, whose parameter was not sharded

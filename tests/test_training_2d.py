@@ -357,7 +357,7 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     with no gradient, the loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
     ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
     the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, a fused layout and a
-    group given as a ProcessGroup are refused at parallelize."""
+    group given as a ProcessGroup are refused at parallelize, and fully_shard on each block at the first call."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -383,6 +383,16 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
                                                      options=options, dtensor=True)))
     no_mesh = str(raised(lambda: dynashard.parallelize(models.build("mlp", 32, 96), x, dtensor=True,
                                                        options={**OPTIONS, "group": mesh["tp"].get_group()})))
+    # fully_shard on each block too (torchtitan's way): Dynamo would run the model's loop over its blocks
+    # eagerly, where DTensor parameters fail inside DTensor; refused first, naming the root-only recipe
+    torch._dynamo.reset()
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+    blocks = dynashard.parallelize(models.build("llama", 32, 96), ids, options=options, dtensor=True)
+    for layer in blocks.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(blocks, mesh=mesh["dp"])
+    per_block = str(raised(lambda: torch.compile(blocks, backend="dynashard", options=options)(ids)))
+    assert "layers.0" in per_block and "root only" in per_block, per_block
     assert "c_attn.weight" in fused and "dtensor=False" in fused, fused
     assert "DeviceMesh" in no_mesh and "mesh['tp']" in no_mesh, no_mesh
     for msg in (after_parallelize, before_compile):
