@@ -31,7 +31,6 @@ import torch.nn as nn
 from dynashard import _torch_private as private
 from dynashard.errors import UsageError
 from dynashard.facades import storage_less
-from dynashard.freed import mark_storage_less
 from dynashard.protocol import agreed
 from dynashard.weights import STORE
 
@@ -82,7 +81,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                     local = p.detach().clone(memory_format=torch.contiguous_format)
                     dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
                     STORE.trust([facade])  # (checked when parallelize ran; its bytes are about to go)
-                    _free(facade)
+                    STORE.free([facade], keep=[])
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 fqn = f"{prefix}.{attr}" if prefix else attr
                 _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape))
@@ -90,18 +89,6 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
             if attr not in facades:
                 install(module, attr, p)  # (the whole parameter is its own facade; tied: one for every owner)
             private.parameter_slots(module)[attr] = new
-
-
-def _free(p: torch.Tensor) -> None:
-    storage = p.untyped_storage()
-    if storage.resizable():
-        storage.resize_(0)
-    else:  # memory-mapped (HF from_pretrained): let go of the mapping
-        with private.real_tensors():
-            empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
-        empty.untyped_storage().resize_(0)
-        p.data = empty
-    mark_storage_less(p)
 
 
 def _check_layouts(model: nn.Module, facades_key: str) -> None:
