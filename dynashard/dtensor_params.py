@@ -137,22 +137,21 @@ def live_slots(inputs: list[Any]) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(inputs) if is_live(t))
 
 
-def refuse_fsdp_inside(model: nn.Module) -> None:
-    """``fully_shard`` on a module inside the parallelized model (each block, torchtitan's way) cannot run
-    through dynashard on torch 2.13: Dynamo breaks the graph at the block's FSDP hooks (it does not trace
-    them), a graph break inside the model's loop over its blocks makes Dynamo run that whole frame eagerly,
-    and eager code reads the DTensor parameters (the embedding then fails inside DTensor: "got mixed
-    torch.Tensor and DTensor"). Raised before that, naming the recipe that works."""
-    from torch.distributed.fsdp import FSDPModule
+def compile_owners(model: nn.Module, facades_key: str, backend: Any) -> None:
+    """Each module holding ``dtensor=True`` parameters itself (a linear, an embedding, a norm) gets its
+    forward compiled with the dynashard backend, so that it runs sharded when eager code calls it.
 
-    inner = [name for name, m in model.named_modules() if name and isinstance(m, FSDPModule)]
-    if inner:
-        raise UsageError(
-            f"dynashard: fully_shard was applied to modules inside the parallelized model ({inner[:3]}); with "
-            "parallelize(dtensor=True) FSDP2 composes on the root only: Dynamo breaks the graph at each inner "
-            "module's FSDP hooks and runs the model's own forward eagerly, where its DTensor parameters cannot "
-            "be used. Expected fully_shard(model, mesh=mesh['dp']) alone (every parameter is still 1/(tp x dp) "
-            "per rank at rest; the forward gathers the model's tp shards over dp at once).")
+    Why: ``fully_shard`` on each block as well as the root (torchtitan's way, one block gathered at a
+    time) makes Dynamo break the graph at every block's FSDP hooks (torch 2.13 does not trace them), and
+    a break inside the model's loop over its blocks makes Dynamo run that forward eagerly: its blocks are
+    then compiled as frames of their own, but the modules it calls directly (the embedding, the final
+    norm, the head) would run eagerly on DTensor parameters, which DTensor refuses ("got mixed
+    torch.Tensor and DTensor"). Compiled each on its own, they run as small sharded graphs. Inside a
+    traced frame (a block's, a whole model's) Dynamo inlines them: nothing changes there. (The model's
+    own forward already runs through dynashard: parameters._run_calls_through_dynashard.)"""
+    for module in model.modules():
+        if module is not model and any(is_live(f) for f in module.__dict__.get(facades_key, {}).values()):
+            module.forward = torch.compile(module.forward, backend=backend)
 
 
 def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:

@@ -122,14 +122,20 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     _register(model)
     if mesh is not None:
         dtensor_params.register(model, mesh, group, FACADES, _install)
-    _run_calls_through_dynashard(model, opts, dtensor=mesh is not None)
+    _run_calls_through_dynashard(model, opts)
+    if mesh is not None:
+        dtensor_params.compile_owners(model, FACADES, functools.partial(_sharded_backend, opts=opts))
     _refuse_save_pretrained(model)
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
     return model
 
 
-def _run_calls_through_dynashard(model: nn.Module, opts: Any, dtensor: bool = False) -> None:
+def _sharded_backend(gm: Any, example_inputs: Any, opts: Any) -> Any:
+    return dynashard_backend(gm, example_inputs, opts)
+
+
+def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
     """A call of the parallelized model outside ``torch.compile`` runs it sharded: its forward,
     compiled with the dynashard backend and ``parallelize``'s options on first use. Code that calls
     the model both ways works unchanged (HF ``generate`` with a ``compile_config`` compiles only its
@@ -145,8 +151,6 @@ def _run_calls_through_dynashard(model: nn.Module, opts: Any, dtensor: bool = Fa
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
-        if dtensor and (compiled is None or torch.compiler.is_compiling()):  # (once per compile, not per call)
-            dtensor_params.refuse_fsdp_inside(model)
         if torch.compiler.is_compiling():
             return original(*args, **kwargs)
         if compiled is None:
