@@ -13,8 +13,9 @@ gradients, so the twin's mean loss is the replicas' mean loss, step after step (
 1.0). The last line prints both final losses and the largest relative difference over the run; the
 run exits 1 if it passes --rtol.
 
-``--dp fsdp2`` (the default): ``parallelize(..., dtensor=True)`` then ``fully_shard(model,
-mesh=mesh["dp"])``, each rank holding 1/(tp x dp) of the cut weights and their AdamW state.
+``--dp fsdp2`` (the default): ``parallelize(..., dtensor=True)`` then ``fully_shard`` over mesh["dp"]
+on each decoder layer and on the model, each rank holding 1/(tp x dp) of the cut weights and their
+AdamW state.
 ``--dp ddp``: the plain shards, DDP over mesh["dp"] (README, "Several machines").
 """
 
@@ -82,6 +83,8 @@ def main() -> int:
         from torch.distributed.fsdp import fully_shard
 
         dynashard.parallelize(model, ids, options=options, dtensor=True)  # DTensors on mesh["tp"]
+        for layer in model.model.layers:  # torchtitan's way: each block, then the root (one block gathered at a time)
+            fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])  # 2-D: this rank's dp part of its tp shard
         fast = torch.compile(model, backend=dynashard.backend(**options))
     else:
