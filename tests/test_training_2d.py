@@ -58,6 +58,22 @@ def _both_batches(name: str, hidden: int, vocab: int, step: int):
     return torch.cat([x for x, _ in batches]), target
 
 
+def _step(fast, twin, name: str, hidden: int, vocab: int, i: int, mesh) -> float:
+    """Forward and backward of the 2-D model (its replica's batch) and the twin (both replicas' batches) at
+    step ``i``: the relative error of the replicas' mean loss."""
+    import torch.distributed as dist
+
+    x, target = _batch(name, hidden, vocab, i, mesh.get_local_rank("dp"))
+    loss = _loss(fast(x), target)
+    loss.backward()
+    both, both_target = _both_batches(name, hidden, vocab, i)
+    loss_twin = _loss(twin(both), both_target)
+    loss_twin.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=mesh["dp"].get_group())
+    return abs(float(mean) / DP - float(loss_twin.detach())) / float(loss_twin.detach())
+
+
 def _setup(name: str, hidden: int, vocab: int, mesh, ddp_inside: bool, **ddp_options):
     """Model parallelized over tp and wrapped in DDP over dp (around the model, then compiled; or around
     the compiled model), with its unsharded twin."""
@@ -119,16 +135,7 @@ def test_tp_inside_ddp_trains_as_the_unsharded_model_on_both_batches(rank, world
         return t if s is None else cut(t, s.dim, s.split, s.world, s.rank)
 
     def step(i: int) -> float:
-        """Forward and backward of model and twin on step ``i``'s batches: the mean loss's relative error."""
-        x, target = _batch(name, hidden, vocab, i, mesh.get_local_rank("dp"))
-        loss = _loss(fast(x), target)
-        loss.backward()
-        both, both_target = _both_batches(name, hidden, vocab, i)
-        loss_twin = _loss(twin(both), both_target)
-        loss_twin.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())
-        return abs(float(mean) / DP - float(loss_twin.detach())) / float(loss_twin.detach())
+        return _step(fast, twin, name, hidden, vocab, i, mesh)
 
     with torch._dynamo.config.patch(optimize_ddp=False):
         model, twin, fast = _setup(name, hidden, vocab, mesh, ddp_inside)
@@ -291,15 +298,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     reference = dict(twin.named_parameters())
 
     def step(i: int) -> float:
-        x, target = _batch(name, hidden, vocab, i, mesh.get_local_rank("dp"))
-        loss = _loss(fast(x), target)
-        loss.backward()
-        both, both_target = _both_batches(name, hidden, vocab, i)
-        loss_twin = _loss(twin(both), both_target)
-        loss_twin.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())
-        return abs(float(mean) / DP - float(loss_twin.detach())) / float(loss_twin.detach())
+        return _step(fast, twin, name, hidden, vocab, i, mesh)
 
     params = list(model.parameters())
     opt, opt_twin = torch.optim.SGD(params, lr=0.05), torch.optim.SGD(twin.parameters(), lr=0.05)
