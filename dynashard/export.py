@@ -54,6 +54,7 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     rank = dist.get_rank(group)
     path = os.fspath(path)
     entries = _export_entries(model, STORE)  # [(name, value, facade or None)], the same on every rank
+    _check_meshes(entries, group)
     sizes = [(name, math.prod(full.shape) * full.element_size()) for name, _, full in entries]
     directory = not path.endswith(".safetensors")
     error, writers, into, files = None, [], path, []
@@ -94,7 +95,10 @@ def _write_all(entries: list, files: list, sizes: list, writers: list, error: Ex
     for name, value, full in entries:
         error = None
         spec = STORE.spec_of(full) if full is not value else None
-        if spec is not None:
+        if _is_dtensor(value):  # parallelize(dtensor=True), FSDP2: gathered over its own mesh, every rank
+            whole = value.detach().full_tensor()
+            whole = whole if rank == 0 else None
+        elif spec is not None:
             whole = gather_to_first(value, list(full.shape), spec.dim,
                                     lambda r, s=spec: s.split.pieces(s.world, r), group)
         else:
@@ -123,6 +127,28 @@ def _write_all(entries: list, files: list, sizes: list, writers: list, error: Ex
     first_rank_status(error, group, f"finishing {path}")
 
 
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _check_meshes(entries: list, group: Any) -> None:
+    """A DTensor (``parallelize(dtensor=True)``, FSDP2) is gathered over its mesh: every rank of it must be
+    exporting too, or the gather would wait for ranks that never come."""
+    import torch.distributed as dist
+
+    members = set(dist.get_process_group_ranks(group))
+    for name, value, _ in entries:
+        if _is_dtensor(value):
+            outside = sorted(set(value.device_mesh.mesh.flatten().tolist()) - members)
+            if outside:
+                raise UsageError(
+                    f"dynashard.export_safetensors: {name!r} is a DTensor over ranks {outside} outside the export's "
+                    "group; expected every rank of the model's mesh to call export_safetensors with a group "
+                    "holding them all (the default, the world group).")
 
 
 def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

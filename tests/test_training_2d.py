@@ -353,6 +353,14 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
         trained = saved(model, opt)
         loaded = saved(other, opt_other)
         loaded_same = loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    # the whole weights as safetensors: DTensors gathered over their mesh, every rank calling (measured before:
+    # every tensor written with the right shape and wrong values)
+    from safetensors.torch import load_file
+
+    dynashard.export_safetensors(model, f"{tmp_path}/fsdp_{case}.safetensors")
+    exported = load_file(f"{tmp_path}/fsdp_{case}.safetensors") if rank == 0 else None
+    export_same = rank != 0 or (exported.keys() == {k[:-1] for k in trained if k.endswith(".")} and all(
+        torch.equal(exported[n], trained[n + "."]) for n in exported))
     for i in (15, 16):  # two more AdamW steps from the loaded state, on both replicas' batches, as the twin's
         both, both_target = _both_batches(name, hidden, vocab, i)
         resumed_loss = _loss(other(both), both_target)
@@ -371,6 +379,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     assert loss_err < max(1e-5, rtol / 4) and param_err < atol, (loss_err, param_err)
     assert adamw_loss_err < max(1e-4, rtol), f"10 AdamW steps: the mean loss vs the twin's, {adamw_loss_err}"
     assert loaded_same, "the 1x4 model's parameters or AdamW moments loaded from the 2x2 checkpoint differ"
+    assert export_same, "export_safetensors of the 2x2 model wrote other values than its parameters"
     # the 1x4 model runs the checkpoint in float32, as the twin does (bfloat16 training left it atol apart);
     # its second AdamW step's loss (the first one's update in it) within the AdamW tolerance above
     assert resumed_err < max(1e-4, rtol), f"the resumed 1x4 model's loss vs the twin's: {resumed_err}"
