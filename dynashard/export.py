@@ -136,12 +136,22 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _check_meshes(entries: list, group: Any) -> None:
-    """A DTensor (``parallelize(dtensor=True)``, FSDP2) is gathered over its mesh: every rank of it must be
-    exporting too, or the gather would wait for ranks that never come."""
+    """Each tensor can be gathered over the export's group: a shard dynashard cut over that group (not over a
+    tp group inside it), a DTensor (``parallelize(dtensor=True)``, FSDP2) over a mesh whose every rank is
+    exporting too (else the gather would wait for ranks that never come). Raised before any collective."""
     import torch.distributed as dist
 
+    from dynashard.weights import STORE
+
     members = set(dist.get_process_group_ranks(group))
-    for name, value, _ in entries:
+    for name, value, full in entries:
+        spec = STORE.spec_of(full) if full is not value else None
+        if spec is not None and (spec.world, spec.rank) != (dist.get_world_size(group), dist.get_rank(group)):
+            raise UsageError(
+                f"dynashard.export_safetensors: {name!r} is cut over a group of {spec.world} ranks (this rank is its "
+                f"rank {spec.rank}), and the export's group has {len(members)}: on a dp x tp mesh every tp group "
+                "holds the same shards. Expected one replica to export over its tp group: if "
+                "mesh.get_local_rank('dp') == 0: export_safetensors(model, path, group=mesh['tp'].get_group()).")
         if _is_dtensor(value):
             outside = sorted(set(value.device_mesh.mesh.flatten().tolist()) - members)
             if outside:

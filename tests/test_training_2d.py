@@ -187,13 +187,15 @@ def test_tp_inside_ddp_trains_as_the_unsharded_model_on_both_batches(rank, world
 
 
 @on_ranks
-def test_ddp_optimizer_is_refused_and_gradient_as_bucket_view_warns(rank, world):
+def test_ddp_optimizer_is_refused_and_gradient_as_bucket_view_warns(rank, world, tmp_path):
     """Dynamo's DDPOptimizer left on (its default; it compiles the graph in per-bucket pieces): refused at
     compile time, naming the fix. DDP's gradient_as_bucket_view=True (gradients that norm as this rank's
     part only, which breaks the clipping norm): a warning."""
     import warnings
 
     import torch
+
+    import dynashard
 
     mesh = _mesh()
     with torch._dynamo.config.patch(optimize_ddp=False), warnings.catch_warnings(record=True) as caught:
@@ -203,9 +205,13 @@ def test_ddp_optimizer_is_refused_and_gradient_as_bucket_view_warns(rank, world)
     bucket_view = [str(w.message) for w in caught if "gradient_as_bucket_view" in str(w.message)]
     assert len(bucket_view) == 1 and "clip_grad_norm_" in bucket_view[0], (
         f"warnings naming gradient_as_bucket_view: {bucket_view}")
-    _, _, fast = _setup("mlp", 32, 96, mesh, ddp_inside=True)
+    model, _, fast = _setup("mlp", 32, 96, mesh, ddp_inside=True)
     msg = str(raised(lambda: fast(torch.randn(2, 3, 32)).sum().backward()))  # Dynamo wraps the backend's error
     assert "DDPOptimizer" in msg and "optimize_ddp = False" in msg, msg
+    # export_safetensors over the world group of shards cut over tp: refused before any collective, naming the
+    # tp group of one replica (measured before: an IndexError on rank 0 and the others' connections closed)
+    export = str(raised(lambda: dynashard.export_safetensors(model, f"{tmp_path}/ddp.safetensors")))
+    assert "mesh['tp'].get_group()" in export and "up.weight" in export, export
 
 
 def _fsdp_model(case: str, vocab: int):
