@@ -16,10 +16,11 @@ exactly when it is a [K, N] view with W.t()'s (or W's) strides at offset 0 (eins
 unsqueeze/permute/view chains differ by equation; the strides do not). A broadcast over the batch
 (an ``expand`` of one matrix) is the same matrix in every batch, so the bmm is one linear.
 
-A linear whose weight the graph computes from parameters (``weight_norm``'s
-``_weight_norm_interface(v, g)``, ``spectral_norm``'s ``W / sigma``) is left whole, with the reason
-logged at debug level: dynashard cuts parameters a linear reads as stored. (weight_norm cut by
-rows, v and g alike, would be exact; spectral_norm's sigma sums over every row.)
+``weight_norm``'s ``_weight_norm_interface(v, g)`` is matched on v (match_normed.py; its unread norms
+output is dropped here). Any other linear whose weight the graph computes from parameters
+(``spectral_norm``'s ``W / sigma``, ``weight_norm(dim=None)``'s ``v * (g / norm(v))``) is left whole, with the reason
+logged at debug level: dynashard cuts parameters a linear reads as stored. (spectral_norm's sigma
+sums over every row, and its power iteration over every column.)
 
 Invariants: the only step of analysis that changes what the graph computes as written, and it
 never changes a value: each replacement computes the same products and sums (a matmul kernel's
@@ -35,6 +36,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from dynashard import _torch_private as private
+from dynashard.match_normed import drop_unread_norms, normed_source
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -58,6 +60,7 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node], module_tenso
     """Rewrite every linear on a parameter in ``params`` written in another form (above) in place;
     ``module_tensors``: every input that is a module's parameter or buffer, with its FQN."""
     graph = gm.graph
+    drop_unread_norms(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -80,7 +83,7 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
     operand = node.args[-1]
     while isinstance(operand, torch.fx.Node) and operand.target in (aten.t.default, aten._to_copy.default):
         operand = operand.args[0]
-    if not isinstance(operand, torch.fx.Node) or operand.op != "call_function":
+    if not isinstance(operand, torch.fx.Node) or operand.op != "call_function" or normed_source(operand):
         return
     seen, todo, ops = set(), [operand], set()
     while todo:
@@ -96,7 +99,7 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
     sources = sorted(module_tensors[n] for n in seen & params)
     if sources:
         log.debug("dynashard: %s reads a weight computed from parameters %s by %s: left whole (dynashard cuts "
-                  "parameters a linear reads as stored; weight_norm and spectral_norm are not cut yet)",
+                  "parameters a linear reads as stored; of computed weights only weight_norm(dim=0 or 1)'s is cut)",
                   node.name, sources, sorted(ops))
 
 

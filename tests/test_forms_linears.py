@@ -16,10 +16,11 @@ A tied autoencoder: the encoder ``F.linear(x, W)`` and the decoder ``F.linear(h,
 the decoder as stored. The encoder colwise cuts W on dim 0, which is the decoder's input dim: it is
 then rowwise on the same cut, one all_reduce, and W's gradient is the sum of both uses' (gloo).
 
-``weight_norm`` / ``spectral_norm`` (``torch.nn.utils.parametrizations``): the weight is computed
-from the parametrization's tensors, so these linears are left whole, the reason logged at debug level
-(never cut wrongly). Cutting weight_norm's v and g alike by rows would be exact (its norms are per
-row); spectral_norm's sigma (``vdot(u, W v)``) sums over every row, so a cut would need it reduced.
+``weight_norm(dim=d)`` (``torch.nn.utils.parametrizations``): the weight ``v * g / ||v||`` has one norm
+per slice along d, so v and g cut alike on d give this rank's slices exactly: d=0 colwise, d=1 rowwise.
+A cut on the other dim would divide by part of each norm: refused, the layer kept whole. ``dim=None``
+(one norm) and ``spectral_norm`` (sigma ``vdot(u, W v)`` sums over every row; its power iteration
+over every column) are left whole, the reason logged at debug level (never cut wrongly).
 
 Simulated at worlds 2, 3 and 4 (dims that do not divide) against the model, goldens counting the
 collectives, and on 2 real gloo ranks: forward and SGD gradients against the unsharded twin.
@@ -35,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dynashard
+from dynashard.errors import UsageError
 from dynashard.parameters import FACADES
 from dynashard.weights import STORE, cut
 from tests import models
@@ -156,7 +158,7 @@ def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
 
 
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
-# twice) and a 1x1 conv MLP, SGD steps whose gradients equal the twin's own cut.
+# twice), a 1x1 conv MLP and weight_norm's v and g, SGD steps whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
@@ -170,8 +172,10 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             # float32 O(1) activations, sums of 16-64 products in another order: a few ulps
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
+    normed = {f"{layer}.parametrizations.weight.original{i}" for layer in ("up", "down") for i in (0, 1)}  # g, v
     for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
-                                  (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"})]:
+                                  (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"}),
+                                  (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed)]:
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
 
@@ -209,24 +213,59 @@ def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[s
 
 
 class NormedMLP(nn.Module):
-    """up and down under ``torch.nn.utils.parametrizations.weight_norm`` or ``spectral_norm``."""
+    """up and down under ``torch.nn.utils.parametrizations.weight_norm`` (``dims``: each layer's dim, None
+    a plain nn.Linear, "whole" weight_norm(dim=None)) or ``spectral_norm`` (``dims`` unused)."""
 
-    def __init__(self, parametrization: str) -> None:
+    def __init__(self, parametrization: str, dims: tuple = (0, 0)) -> None:
         super().__init__()
         wrap = getattr(nn.utils.parametrizations, parametrization)
-        self.up, self.down = wrap(nn.Linear(16, 40)), wrap(nn.Linear(40, 16))
+
+        def layer(i: int, o: int, dim) -> nn.Module:
+            if parametrization == "spectral_norm":
+                return wrap(nn.Linear(i, o))
+            return nn.Linear(i, o) if dim is None else wrap(nn.Linear(i, o), dim=None if dim == "whole" else dim)
+
+        self.up, self.down = layer(16, 40, dims[0]), layer(40, 16, dims[1])
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("parametrization,train", [("weight_norm", False), ("spectral_norm", False),
-                                                   ("spectral_norm", True)])  # (train: power iteration in place)
-def test_parametrized_linears_are_left_whole_with_a_reason(parametrization, train, caplog):
+@pytest.mark.parametrize("dims", [(0, None), (None, 1), (0, 1)])
+@pytest.mark.parametrize("world", [2, 3, 4])  # 40 features: 20/20, 14/13/13, 10 x 4
+def test_weight_norm_is_cut_on_its_norm_dim(dims, world):
+    """v and g cut alike on the dim the norms are per slice of: up (dim 0) colwise, down (dim 1) rowwise.
+    (dim 1 rowwise also needs the shards contiguous: torch's CPU kernel reads a strided v as contiguous.)"""
     torch.manual_seed(0)
-    model = NormedMLP(parametrization).train(train)
+    assert _layers(NormedMLP("weight_norm", dims), torch.randn(2, 3, 16), world, dynamic=world == 3) == PAIRED
+    assert _collectives(NormedMLP("weight_norm", dims), torch.randn(2, 3, 16)) == (1, 0)  # was: whole, (0, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dims,whole", [((0, 0), "down"), ((1, None), "up")])
+def test_weight_norm_is_never_cut_across_its_norms(dims, whole):
+    """weight_norm(dim=0) on down (the auto plan would cut it rowwise) and dim=1 on up (colwise): kept
+    whole with the reason, and every rank equal to the model; a user plan asking for that cut is refused."""
+    torch.manual_seed(0)
+    model, x = NormedMLP("weight_norm", dims), torch.randn(2, 3, 16)
+    report = dynashard.explain(model, x, world_size=2, options={"min_shard_numel": 0}, verify=True)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == {"up": "replicate", "down": "replicate"}
+    assert [r.reason for r in report.rows if r.fqn == whole][0].startswith("kept whole: weight_norm"), str(report)
+    style = "rowwise" if whole == "down" else "colwise"
+    with pytest.raises(UsageError, match=f"plan asks for {style} on weight_norm '{whole}'"):
+        dynashard.explain(model, x, world_size=2, options={"min_shard_numel": 0, "plan": {whole: style}})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("parametrization,dims,train", [
+    ("weight_norm", ("whole", "whole"), False),  # one norm over all of v
+    ("spectral_norm", (0, 0), False), ("spectral_norm", (0, 0), True)])  # (train: power iteration in place)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_parametrized_linears_are_left_whole_with_a_reason(parametrization, dims, train, world, caplog):
+    torch.manual_seed(0)
+    model = NormedMLP(parametrization, dims).train(train)
     with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
-        assert _layers(model, torch.randn(2, 3, 16), 2) == {}  # whole, and every rank equal to the model
+        assert _layers(model, torch.randn(2, 3, 16), world) == {}  # whole, and every rank equal to the model
     reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
     assert len(set(reasons)) == 2 and all("parametrizations.weight.original" in r for r in reasons), reasons  # up, down
