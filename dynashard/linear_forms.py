@@ -6,21 +6,24 @@ graph's symbolic sizes stay its own)::
     einsum("bsd,hd->bsh", x, W)          bmm(view(x', [1, M, K]), view(permute(unsqueeze(W)), [1, K, N]))
     bmm(x, W.t().expand(B, -1, -1))      bmm(x, expand(t(W), [B, -1, -1]))
         -> view(mm(view(x, [-1, K]), t(W)), [.., M, N])     (W stored [out, in]; [in, out]: mm(.., W))
+    einsum("hd,bds->bhs", W, x)          bmm(view(W', [1, M, K]), view(x', [1, K, N]))   (W on the left)
+        -> transpose(view(mm(view(clone(transpose(x')), [-1, K]), t(W)), [1, N, M]), -1, -2)
     Conv1d(k=1) on [B, C, L]             convolution(x, W[out, in, 1], b, [1], [0], [1], False, [0], 1)
         -> transpose(view(addmm(b, view(clone(transpose(x))), t(squeeze(W, -1)))), 1, 2)
     F.linear(h, W.t()) (a tied decoder)  mm(h, t(t(W)))  ->  mm(h, W)
 
 The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
 from the 2-D parameter is replayed on a meta tensor, and the per-batch matrix is W.t() or W
-exactly when it is a [K, N] view with W.t()'s (or W's) strides at offset 0 (einsum's
-unsqueeze/permute/view chains differ by equation; the strides do not). A broadcast over the batch
-(an ``expand`` of one matrix) is the same matrix in every batch, so the bmm is one linear.
+exactly when it is a [K, N] view with W.t()'s (or W's) strides at offset 0, on the left a [M, K]
+view with W's (or W.t()'s) (einsum's unsqueeze/permute/view chains differ by equation; the strides
+do not). A broadcast over the batch (an ``expand`` of one matrix) is the same matrix in every
+batch, so the bmm is one linear.
 
 ``weight_norm``'s ``_weight_norm_interface(v, g)`` is matched on v (match_normed.py; its unread norms
 output is dropped here). Any other linear whose weight the graph computes from parameters
-(``spectral_norm``'s ``W / sigma``, ``weight_norm(dim=None)``'s ``v * (g / norm(v))``) is left whole, with the reason
-logged at debug level: dynashard cuts parameters a linear reads as stored. (spectral_norm's sigma
-sums over every row, and its power iteration over every column.)
+(``spectral_norm``'s ``W / sigma``, ``weight_norm(dim=None)``'s ``v * (g / norm(v))``) is left
+whole, with the reason logged at debug level: dynashard cuts parameters a linear reads as stored.
+(spectral_norm's sigma sums over every row, and its power iteration over every column.)
 
 Invariants: the only step of analysis that changes what the graph computes as written, and it
 never changes a value: each replacement computes the same products and sums (a matmul kernel's
@@ -51,6 +54,9 @@ _DEAD = _VIEWS | {aten.expand.default}  # what a rewritten form leaves unread (e
 _LINEAR = {
     "out_in": lambda x, w: F.linear(x.contiguous(), w),
     "in_out": lambda x, w: torch.matmul(x.contiguous(), w),
+    # the weight on the left, ``W @ x`` on x ``[B, K, N]`` (einsum("hd,bds->bhs")): ``(x^T W^T)^T``
+    "out_in_left": lambda x, w: F.linear(x.transpose(-1, -2).contiguous(), w).transpose(-1, -2),
+    "in_out_left": lambda x, w: torch.matmul(x.transpose(-1, -2).contiguous(), w).transpose(-1, -2),
     "conv1x1": lambda x, w, b: F.linear(x.transpose(1, 2).contiguous(), w.squeeze(-1), b).transpose(1, 2),
     "conv1x1_no_bias": lambda x, w: F.linear(x.transpose(1, 2).contiguous(), w.squeeze(-1)).transpose(1, 2),
 }
@@ -68,6 +74,8 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node], module_tenso
             found = _broadcast_weight(node.args[1], params)
             if found is not None:
                 _replace(gm, node, found[1], [node.args[0], found[0]])
+            elif (found := _broadcast_weight(node.args[0], params, left=True)) is not None:
+                _replace(gm, node, found[1], [node.args[1], found[0]])
         elif node.target is aten.convolution.default and _pointwise_conv1d(node, params):
             x, w, b = node.args[:3]
             _replace(gm, node, "conv1x1_no_bias" if b is None else "conv1x1", [x, w] + ([b] if b is not None else []))
@@ -103,9 +111,11 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
                   node.name, sources, sorted(ops))
 
 
-def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tuple[torch.fx.Node, str] | None:
+def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node], left: bool = False
+                      ) -> tuple[torch.fx.Node, str] | None:
     """``(W, form)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
-    ("in_out") of a 2-D parameter W, in every batch: views of W, then at most one expand over the batch."""
+    ("in_out") of a 2-D parameter W, in every batch: views of W, then at most one expand over the batch.
+    ``left``: the first operand ``[B, M, K]``, W ("out_in_left") or W.t() ("in_out_left")."""
     node, chain = operand, []
     if node.op == "call_function" and node.target is aten.expand.default:
         node = node.args[0]  # (a broadcast: the rest must be one matrix, checked by its shape below)
@@ -129,10 +139,10 @@ def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node]) -> tup
     if tuple(d if isinstance(d, int) else None for d in val(operand).shape[-2:]) != (k, n):
         return None  # an expand over more than the batch (a column repeated): not one linear
     strides = _steps(replayed.shape, replayed.stride())
-    if (k, n) == (in_f, out_f) and strides == _steps((k, n), (1, in_f)):
-        return node, "out_in"
-    if (k, n) == (out_f, in_f) and strides == _steps((k, n), (in_f, 1)):
-        return node, "in_out"
+    if (k, n) == (in_f, out_f) and strides == _steps((k, n), (1, in_f)):  # W.t()
+        return node, "in_out_left" if left else "out_in"
+    if (k, n) == (out_f, in_f) and strides == _steps((k, n), (in_f, 1)):  # W
+        return node, "out_in_left" if left else "in_out"
     return None
 
 

@@ -5,6 +5,8 @@ like one: colwise then rowwise by the auto plan, one all_reduce per pair.
 einsum: ``torch.einsum("bsd,hd->bsh", x, W)`` (W stored ``[out, in]``), ``"bsd,dh->bsh"`` (W stored
 ``[in, out]``) and ``"...d,hd->...h"``. Traced, each is a batch-1 ``bmm`` behind unsqueeze / permute /
 view chains that differ by equation; the weight's chain is recognised by its strides (W.t() or W).
+With the features before the tokens in the output (``"hd,bds->bhs"``, channels first), W is the bmm's
+first operand: ``W @ x``, rewritten as ``(x^T W^T)^T``.
 
 bmm with an expanded weight: ``torch.bmm(x, W.t().expand(B, -1, -1))`` and
 ``torch.bmm(x, W.unsqueeze(0).expand(B, -1, -1))``: one matrix broadcast over the batch is one linear.
@@ -74,29 +76,45 @@ class ConvMLP(nn.Module):
 
 
 class EinsumMLP(nn.Module):
+    """up and down each an einsum on the weight, named ``hd`` or ``dh`` in the equation (stored so), and
+    the activation, the weight's operand first or second as the equation writes it."""
+
     def __init__(self, up: str, down: str, d: int = 16, h: int = 40) -> None:
         super().__init__()
         self.equations = up, down
-        self.up = nn.Parameter(torch.randn(*((d, h) if up.endswith("dh->bsh") else (h, d))) / d ** 0.5)
-        self.down = nn.Parameter(torch.randn(*((h, d) if down.endswith("hd->bsd") else (d, h))) / h ** 0.5)
+        self.up = nn.Parameter(torch.randn(*self._shape(up, d, h)) / d ** 0.5)
+        self.down = nn.Parameter(torch.randn(*self._shape(down, d, h)) / h ** 0.5)
+
+    @staticmethod
+    def _shape(equation: str, d: int, h: int) -> tuple[int, int]:
+        weight = next(op for op in equation.split("->")[0].split(",") if set(op) == {"h", "d"})
+        return {"h": h, "d": d}[weight[0]], {"h": h, "d": d}[weight[1]]
+
+    @staticmethod
+    def _apply(equation: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        first = set(equation.split(",")[0]) == {"h", "d"}
+        return torch.einsum(equation, w, x) if first else torch.einsum(equation, x, w)
 
     def forward(self, x):
-        return torch.einsum(self.equations[1], F.gelu(torch.einsum(self.equations[0], x, self.up)), self.down)
+        return self._apply(self.equations[1], self.down, F.gelu(self._apply(self.equations[0], self.up, x)))
 
 
 class NoLinearBmm(nn.Module):
     """A bmm on a weight that is not one linear's: "reshaped", ``W.reshape(1, in, out)`` with W stored
-    ``[out, in]`` (its columns are not W's rows); "broadcast", ``W.t().expand(B, in, 5)`` with W one
-    row ``[1, in]`` (the expand repeats that output 5 times, not over the batch alone)."""
+    ``[out, in]`` (its columns are not W's rows), and "reshaped_left" the same on the left of the bmm;
+    "broadcast", ``W.t().expand(B, in, 5)`` with W one row ``[1, in]`` (the expand repeats that output 5
+    times, not over the batch alone)."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
         self.form = form
-        self.w = nn.Parameter(torch.randn(40 if form == "reshaped" else 1, 16) / 4)
+        self.w = nn.Parameter(torch.randn(1 if form == "broadcast" else 40, 16) / 4)
 
     def forward(self, x):
         if self.form == "reshaped":
             return torch.bmm(x, self.w.reshape(1, 16, 40).expand(x.shape[0], -1, -1))
+        if self.form == "reshaped_left":  # on x [B, 40, N]
+            return torch.bmm(self.w.reshape(1, 16, 40).expand(x.shape[0], -1, -1), x)
         return torch.bmm(x, self.w.t().expand(x.shape[0], 16, 5))
 
 
@@ -107,6 +125,19 @@ class NoLinearBmm(nn.Module):
 def test_einsum_linears_are_paired_like_nn_linear(up, down, world):
     torch.manual_seed(0)
     assert _layers(EinsumMLP(up, down), torch.randn(2, 3, 16), world) == PAIRED  # was: {} (whole)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("up,down,shape", [
+    ("hd,bds->bhs", "dh,bhs->bds", (2, 16, 3)), ("dh,bds->bhs", "hd,bhs->bds", (2, 16, 3)),  # channels first
+    ("hd,bsd->hbs", "dh,hbs->bsd", (2, 3, 16)), ("hd,d->h", "dh,h->d", (16,)),
+    ("hd,bsd->bsh", "dh,bsh->bsd", (2, 3, 16))])  # (torch's einsum puts W second in its bmm: matched before)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_einsum_with_the_weight_first_is_paired_like_nn_linear(up, down, shape, world):
+    """Features before the tokens in the output: traced as ``bmm(W, x)``, W on the left (was: whole)."""
+    torch.manual_seed(0)
+    assert _layers(EinsumMLP(up, down), torch.randn(*shape), world, dynamic=world == 3) == PAIRED
+    assert _collectives(EinsumMLP(up, down), torch.randn(*shape)) == (1, 0)
 
 
 @pytest.mark.unit
@@ -151,10 +182,11 @@ def test_bmm_with_an_expanded_weight_is_paired_like_nn_linear(forms, world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("form", ["reshaped", "broadcast"])
+@pytest.mark.parametrize("form", ["reshaped", "reshaped_left", "broadcast"])
 def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
     torch.manual_seed(0)
-    assert _layers(NoLinearBmm(form), torch.randn(2, 3, 16), 2) == {}
+    x = torch.randn(2, 40, 3) if form == "reshaped_left" else torch.randn(2, 3, 16)
+    assert _layers(NoLinearBmm(form), x, 2) == {}
 
 
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
@@ -163,6 +195,7 @@ def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
     for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5)),
+                         (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (3, 16, 5)),
                          (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (3, 5, 16))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
