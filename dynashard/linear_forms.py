@@ -10,6 +10,8 @@ graph's symbolic sizes stay its own)::
         -> transpose(view(mm(view(clone(transpose(x')), [-1, K]), t(W)), [1, N, M]), -1, -2)
     Conv1d(k=1) on [B, C, L]             convolution(x, W[out, in, 1], b, [1], [0], [1], False, [0], 1)
         -> transpose(view(addmm(b, view(clone(transpose(x))), t(squeeze(W, -1)))), 1, 2)
+    Conv2d(k=1) on [B, C, H, W]          convolution(x, W[out, in, 1, 1], b, [1, 1], [0, 0], ...)
+        -> permute(view(addmm(b, view(clone(permute(x))), t(squeeze(W, [2, 3])))), [0, 3, 1, 2])
     F.linear(h, W.t()) (a tied decoder)  mm(h, t(t(W)))  ->  mm(h, W)
 
 The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
@@ -59,7 +61,15 @@ _LINEAR = {
     "in_out_left": lambda x, w: torch.matmul(x.transpose(-1, -2).contiguous(), w).transpose(-1, -2),
     "conv1x1": lambda x, w, b: F.linear(x.transpose(1, 2).contiguous(), w.squeeze(-1), b).transpose(1, 2),
     "conv1x1_no_bias": lambda x, w: F.linear(x.transpose(1, 2).contiguous(), w.squeeze(-1)).transpose(1, 2),
+    "conv2d1x1": lambda x, w, b: _channels_last(F.linear, x, w.squeeze((2, 3)), b),
+    "conv2d1x1_no_bias": lambda x, w: _channels_last(F.linear, x, w.squeeze((2, 3))),
 }
+
+
+
+def _channels_last(f, x: torch.Tensor, *args) -> torch.Tensor:
+    """``f`` on ``x [B, C, H, W]``'s channels, as the last dim, the result's put back in front."""
+    return f(x.permute(0, 2, 3, 1).contiguous(), *args).permute(0, 3, 1, 2)
 
 
 def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node], module_tensors: dict[torch.fx.Node, str]) -> None:
@@ -76,9 +86,10 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node], module_tenso
                 _replace(gm, node, found[1], [node.args[0], found[0]])
             elif (found := _broadcast_weight(node.args[0], params, left=True)) is not None:
                 _replace(gm, node, found[1], [node.args[1], found[0]])
-        elif node.target is aten.convolution.default and _pointwise_conv1d(node, params):
+        elif node.target is aten.convolution.default and _pointwise_conv(node, params):
             x, w, b = node.args[:3]
-            _replace(gm, node, "conv1x1_no_bias" if b is None else "conv1x1", [x, w] + ([b] if b is not None else []))
+            form = "conv1x1" if val(w).dim() == 3 else "conv2d1x1"
+            _replace(gm, node, form if b is not None else f"{form}_no_bias", [x, w] + ([b] if b is not None else []))
         elif node.target in (aten.mm.default, aten.addmm.default):
             _cancel_double_transpose(graph, node, params)
             _log_computed_weight(node, params, module_tensors)
@@ -151,13 +162,16 @@ def _steps(shape, strides) -> tuple:
     return tuple(s if d > 1 else None for d, s in zip(shape, strides))
 
 
-def _pointwise_conv1d(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
-    """``convolution(x[B, in, L], W[out, in, 1], b)`` with stride 1, no padding, no dilation, one group."""
+def _pointwise_conv(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
+    """``convolution(x[B, in, L], W[out, in, 1], b)`` or ``(x[B, in, H, W], W[out, in, 1, 1], b)`` with
+    stride 1, no padding, no dilation, one group."""
     x, w, _, stride, padding, dilation, transposed, _, groups = node.args
     vx, vw = val(x), val(w)
-    return (w in params and vx is not None and vw is not None and vx.dim() == 3 and vw.dim() == 3
-            and vw.shape[2] == 1 and list(stride) == [1] and list(padding) == [0] and list(dilation) == [1]
-            and not transposed and groups == 1)
+    if w not in params or vx is None or vw is None or vx.dim() not in (3, 4) or vw.dim() != vx.dim():
+        return False
+    spatial = vx.dim() - 2
+    return (list(vw.shape[2:]) == [1] * spatial and list(stride) == [1] * spatial and list(padding) == [0] * spatial
+            and list(dilation) == [1] * spatial and not transposed and groups == 1)
 
 
 def _cancel_double_transpose(graph: torch.fx.Graph, node: torch.fx.Node, params: set[torch.fx.Node]) -> None:
@@ -220,8 +234,12 @@ def _erase_dead(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 
 def squeezed_source(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The ``[out, in, 1]`` weight that ``node`` squeezes to ``[out, in]`` (a pointwise Conv1d's, above)."""
-    if node.op != "call_function" or node.target is not aten.squeeze.dim or val(node.args[0]) is None:
+    """The ``[out, in, 1]`` (``[out, in, 1, 1]``) weight that ``node`` squeezes to ``[out, in]`` (a
+    pointwise Conv1d's (Conv2d's), above)."""
+    if node.op != "call_function" or node.target not in (aten.squeeze.dim, aten.squeeze.dims):
         return None
     source = val(node.args[0])
-    return node.args[0] if source.dim() == 3 and source.shape[2] == 1 and int(node.args[1]) % 3 == 2 else None
+    if source is None or source.dim() not in (3, 4) or list(source.shape[2:]) != [1] * (source.dim() - 2):
+        return None
+    dims = [node.args[1]] if node.target is aten.squeeze.dim else list(node.args[1])
+    return node.args[0] if sorted(int(d) % source.dim() for d in dims) == list(range(2, source.dim())) else None

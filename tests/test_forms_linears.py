@@ -11,8 +11,9 @@ first operand: ``W @ x``, rewritten as ``(x^T W^T)^T``.
 bmm with an expanded weight: ``torch.bmm(x, W.t().expand(B, -1, -1))`` and
 ``torch.bmm(x, W.unsqueeze(0).expand(B, -1, -1))``: one matrix broadcast over the batch is one linear.
 
-Conv1d(kernel_size=1) on ``[B, C, L]``: the weight ``[out, in, 1]`` is cut on out-channels (colwise)
-or in-channels (rowwise); a Conv1d with a wider kernel, padding, stride or groups is left as written.
+Conv1d(kernel_size=1) on ``[B, C, L]`` and Conv2d(kernel_size=1) on ``[B, C, H, W]``: the weight
+``[out, in, 1(, 1)]`` is cut on out-channels (colwise) or in-channels (rowwise); a conv with a wider
+kernel, padding, stride or groups is left as written.
 
 A tied autoencoder: the encoder ``F.linear(x, W)`` and the decoder ``F.linear(h, W.t())`` read one W,
 the decoder as stored. The encoder colwise cuts W on dim 0, which is the decoder's input dim: it is
@@ -64,12 +65,13 @@ def _collectives(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
 
 
 class ConvMLP(nn.Module):
-    """A 1x1 conv MLP on ``[B, C, L]``: Conv1d(d, 4d, 1) -> GELU -> Conv1d(4d, d, 1)."""
+    """A 1x1 conv MLP on ``[B, C, L]``: Conv1d(d, 4d, 1) -> GELU -> Conv1d(4d, d, 1); with ``conv=nn.Conv2d``
+    on ``[B, C, H, W]`` (``stride``: up's)."""
 
-    def __init__(self, d: int = 16, kernel: int = 1, bias: bool = True) -> None:
+    def __init__(self, d: int = 16, kernel: int = 1, bias: bool = True, conv=nn.Conv1d, stride: int = 1) -> None:
         super().__init__()
-        self.up = nn.Conv1d(d, 4 * d, kernel, padding=kernel // 2, bias=bias)
-        self.down = nn.Conv1d(4 * d, d, 1, bias=bias)
+        self.up = conv(d, 4 * d, kernel, padding=kernel // 2, bias=bias, stride=stride)
+        self.down = conv(4 * d, d, 1, bias=bias)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
@@ -162,6 +164,25 @@ def test_a_conv1d_with_a_wider_kernel_stays_as_written():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])  # 64 channels: 32/32, 22/21/21, 16 x 4
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointwise_conv2d_mlp_is_paired_like_nn_linear(world, bias):
+    """Conv2d(k=1) on NCHW: out-channels colwise, in-channels rowwise (was: whole, no collective)."""
+    torch.manual_seed(0)
+    model, x = ConvMLP(bias=bias, conv=nn.Conv2d), torch.randn(2, 16, 3, 5)
+    assert _layers(model, x, world, dynamic=world == 3) == PAIRED
+    assert _collectives(model, x) == (1, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kernel,stride", [(3, 1), (1, 2)])
+def test_a_conv2d_that_is_not_pointwise_stays_as_written(kernel, stride):
+    torch.manual_seed(0)
+    assert _layers(ConvMLP(kernel=kernel, conv=nn.Conv2d, stride=stride), torch.randn(2, 16, 4, 6), 2) == {
+        "down": "replicate"}
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_tied_autoencoder_is_colwise_then_rowwise_on_one_cut(world):
     torch.manual_seed(0)
@@ -208,6 +229,7 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     normed = {f"{layer}.parametrizations.weight.original{i}" for layer in ("up", "down") for i in (0, 1)}  # g, v
     for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
                                   (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"}),
+                                  (ConvMLP(conv=nn.Conv2d), (3, 16, 2, 5), {"up.weight", "down.weight"}),
                                   (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed)]:
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
