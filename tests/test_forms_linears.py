@@ -298,6 +298,15 @@ def test_weight_norm_is_cut_on_its_norm_dim(dims, world):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("world", [3, 4])
+def test_weight_norm_on_a_rank_holding_no_slice(world):
+    """2 features at worlds 3 and 4: a rank holds no slice of v and g (torch's kernel would kill the
+    process on the empty v, a floating-point exception: that rank's weight is the empty v * g)."""
+    torch.manual_seed(0)
+    assert _layers(models.ClothedMLP(4, 2, "weight_norm", "weight_norm_in"), torch.randn(2, 3, 4), world) == PAIRED
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("dims,whole", [((0, 0), "down"), ((1, None), "up")])
 def test_weight_norm_is_never_cut_across_its_norms(dims, whole):
     """weight_norm(dim=0) on down (the auto plan would cut it rowwise) and dim=1 on up (colwise): kept
