@@ -41,6 +41,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from dynashard import _torch_private as private
+from dynashard import _torch_private_aten as private_aten
 from dynashard.match_normed import drop_unread_norms, normed_source
 from dynashard.nodes import val
 
@@ -125,24 +126,38 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
 def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node], left: bool = False
                       ) -> tuple[torch.fx.Node, str] | None:
     """``(W, form)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
-    ("in_out") of a 2-D parameter W, in every batch: views of W, then at most one expand over the batch.
-    ``left``: the first operand ``[B, M, K]``, W ("out_in_left") or W.t() ("in_out_left")."""
+    ("in_out") of a 2-D parameter W (or weight_norm's of one), in every batch: views of W and at most
+    one expand over the batch (``torch.matmul`` of a non-contiguous 3-D x and a W that needs no gradient
+    traces ``view(expand(t(W)))``). ``left``: the first operand ``[B, M, K]``, W ("out_in_left") or W.t()
+    ("in_out_left")."""
     node, chain = operand, []
     if node.op == "call_function" and node.target is aten.expand.default:
         node = node.args[0]  # (a broadcast: the rest must be one matrix, checked by its shape below)
-    while node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], torch.fx.Node):
+    expanded = node is not operand
+    while node.op == "call_function" and isinstance(node.args[0], torch.fx.Node) and (
+            node.target in _VIEWS or node.target is aten.expand.default and not expanded):
+        expanded |= node.target is aten.expand.default
         chain.append(node)
         node = node.args[0]
-    weight = val(node)
-    if node not in params or weight is None or weight.dim() != 2 or not all(isinstance(s, int) for s in weight.shape):
+    weight = val(node)  # (a parameter, or weight_norm's weight of one: match.py reads it through the norm)
+    if node not in params and normed_source(node) is None:
         return None
-    replayed = torch.empty(weight.shape, device="meta")
+    if weight is None or weight.dim() != 2 or not all(isinstance(s, int) for s in weight.shape):
+        return None
+    replayed, hinted = torch.empty(weight.shape, device="meta"), []
+
+    def hint(n: torch.fx.Node) -> int:  # a symbolic batch size at its example value (see the broadcast check)
+        hinted.append(n)
+        return private_aten.size_hint(n.meta.get("val"))
+
     try:
         for step in reversed(chain):
-            replayed = step.target(replayed, *step.args[1:], **step.kwargs)
-    except (TypeError, RuntimeError):  # a symbolic size (a node) among the view's arguments, or none fits
+            replayed = step.target(replayed, *torch.fx.node.map_arg(step.args[1:], hint), **step.kwargs)
+    except (TypeError, RuntimeError):  # no view fits
         return None
-    while replayed.dim() > 2 and replayed.shape[0] == 1:
+    # one matrix for every batch: each batch dim expanded (stride 0), or of size 1 (not merely at the
+    # example value of a symbolic size)
+    while replayed.dim() > 2 and (replayed.stride(0) == 0 or replayed.shape[0] == 1 and not hinted):
         replayed = replayed[0]
     if replayed.dim() != 2 or replayed.storage_offset() != 0:
         return None
