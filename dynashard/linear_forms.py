@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # Ops that only re-view their first argument (the chain from a weight to a bmm)
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.squeeze.dims, aten.permute.default, aten.transpose.int, aten.t.default, aten.alias.default}
-_DEAD = _VIEWS | {aten.expand.default}  # what a rewritten form leaves unread (erased)
+_DEAD = _VIEWS | {aten.expand.default, aten._to_copy.default}  # what a rewritten form leaves unread (erased)
 # What each form becomes, as the model could have written it ("out_in": W stored [out, in])
 # (contiguous: a matmul reads a non-contiguous 3-D input as an expand and a bmm, not a view and an mm)
 _LINEAR = {
@@ -84,9 +84,9 @@ def normalise(gm: torch.fx.GraphModule, params: set[torch.fx.Node], module_tenso
         if node.target is aten.bmm.default:
             found = _broadcast_weight(node.args[1], params)
             if found is not None:
-                _replace(gm, node, found[1], [node.args[0], found[0]])
+                _replace(gm, node, found[1], [node.args[0], found[0]], found[2])
             elif (found := _broadcast_weight(node.args[0], params, left=True)) is not None:
-                _replace(gm, node, found[1], [node.args[1], found[0]])
+                _replace(gm, node, found[1], [node.args[1], found[0]], found[2])
         elif node.target is aten.convolution.default and _pointwise_conv(node, params):
             x, w, b = node.args[:3]
             form = "conv1x1" if val(w).dim() == 3 else "conv2d1x1"
@@ -124,23 +124,26 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
 
 
 def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node], left: bool = False
-                      ) -> tuple[torch.fx.Node, str] | None:
+                      ) -> tuple[torch.fx.Node, str, torch.dtype | None] | None:
     """``(W, form)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
-    ("in_out") of a 2-D parameter W (or weight_norm's of one), in every batch: views of W and at most
+    ("in_out") of a 2-D parameter W (or of what ``_weight_like`` accepts), in every batch: views of W and at most
     one expand over the batch (``torch.matmul`` of a non-contiguous 3-D x and a W that needs no gradient
-    traces ``view(expand(t(W)))``). ``left``: the first operand ``[B, M, K]``, W ("out_in_left") or W.t()
+    traces ``view(expand(t(W)))``), and at most one dtype conversion among them (autocast's, returned: the
+    rewritten linear converts W). ``left``: the first operand ``[B, M, K]``, W ("out_in_left") or W.t()
     ("in_out_left")."""
-    node, chain = operand, []
+    node, chain, cast = operand, [], None
     if node.op == "call_function" and node.target is aten.expand.default:
         node = node.args[0]  # (a broadcast: the rest must be one matrix, checked by its shape below)
     expanded = node is not operand
     while node.op == "call_function" and isinstance(node.args[0], torch.fx.Node) and (
-            node.target in _VIEWS or node.target is aten.expand.default and not expanded):
+            node.target in _VIEWS or node.target is aten.expand.default and not expanded
+            or cast is None and _conversion(node) is not None):
         expanded |= node.target is aten.expand.default
+        cast = _conversion(node) if cast is None else cast
         chain.append(node)
         node = node.args[0]
-    weight = val(node)  # (a parameter, or weight_norm's weight of one: match.py reads it through the norm)
-    if node not in params and normed_source(node) is None:
+    weight = val(node)
+    if not _weight_like(node, params):
         return None
     if weight is None or weight.dim() != 2 or not all(isinstance(s, int) for s in weight.shape):
         return None
@@ -151,8 +154,9 @@ def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node], left: 
         return private_aten.size_hint(n.meta.get("val"))
 
     try:
-        for step in reversed(chain):
-            replayed = step.target(replayed, *torch.fx.node.map_arg(step.args[1:], hint), **step.kwargs)
+        for step in reversed(chain):  # (a conversion copies: which element of W each index reads stays)
+            if step.target is not aten._to_copy.default:
+                replayed = step.target(replayed, *torch.fx.node.map_arg(step.args[1:], hint), **step.kwargs)
     except (TypeError, RuntimeError):  # no view fits
         return None
     # one matrix for every batch: each batch dim expanded (stride 0), or of size 1 (not merely at the
@@ -166,10 +170,25 @@ def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node], left: 
         return None  # an expand over more than the batch (a column repeated): not one linear
     strides = _steps(replayed.shape, replayed.stride())
     if (k, n) == (in_f, out_f) and strides == _steps((k, n), (1, in_f)):  # W.t()
-        return node, "in_out_left" if left else "out_in"
+        return node, "in_out_left" if left else "out_in", cast
     if (k, n) == (out_f, in_f) and strides == _steps((k, n), (in_f, 1)):  # W
-        return node, "out_in_left" if left else "in_out"
+        return node, "out_in_left" if left else "in_out", cast
     return None
+
+
+def _conversion(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` converts its input to, if it is exactly that (autocast's ``_to_copy``)."""
+    if (node.op == "call_function" and node.target is aten._to_copy.default and len(node.args) == 1
+            and set(node.kwargs) == {"dtype"}):
+        return node.kwargs["dtype"]
+    return None
+
+
+def _weight_like(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
+    """A parameter, weight_norm's weight of one, or autocast's dtype conversion of either: what match.py
+    reads a linear's weight through (a conversion, the norm)."""
+    node = node.args[0] if _conversion(node) is not None else node
+    return node in params or normed_source(node) is not None
 
 
 def _steps(shape, strides) -> tuple:
@@ -182,7 +201,7 @@ def _pointwise_conv(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
     stride 1, no padding, no dilation, one group."""
     x, w, _, stride, padding, dilation, transposed, _, groups = node.args
     vx, vw = val(x), val(w)
-    if w not in params or vx is None or vw is None or vx.dim() not in (3, 4) or vw.dim() != vx.dim():
+    if not _weight_like(w, params) or vx is None or vw is None or vx.dim() not in (3, 4) or vw.dim() != vx.dim():
         return False
     spatial = vx.dim() - 2
     return (list(vw.shape[2:]) == [1] * spatial and list(stride) == [1] * spatial and list(padding) == [0] * spatial
@@ -200,9 +219,13 @@ def _cancel_double_transpose(graph: torch.fx.Graph, node: torch.fx.Node, params:
         _erase_dead(graph, mat2)
 
 
-def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, form: str, inputs: list[torch.fx.Node]) -> None:
-    """``node`` replaced by the aten trace of ``_LINEAR[form]`` on ``inputs``, copied in before it."""
-    sub = private.trace_aten(_LINEAR[form], [val(i) for i in inputs])
+def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, form: str, inputs: list[torch.fx.Node],
+             cast: torch.dtype | None = None) -> None:
+    """``node`` replaced by the aten trace of ``_LINEAR[form]`` on ``inputs`` (the weight, second, converted
+    to ``cast`` first if given), copied in before it."""
+    linear = _LINEAR[form]
+    fn = linear if cast is None else lambda x, w, *rest: linear(x, w.to(cast), *rest)
+    sub = private.trace_aten(fn, [val(i) for i in inputs])
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     sizes = _sizes_before(gm.graph, node)
     copied = dict(zip(placeholders, inputs, strict=True))

@@ -253,7 +253,7 @@ def find_linears(
         if weight not in params or not (params[weight].is_parameter or _quantized(weight, path)):
             continue
         shape = weight.meta["val"].shape
-        if len(shape) != 2 and not any(squeezed_source(n) is weight for n in path):  # (a 1x1 conv's: checked there)
+        if len(shape) != 2 and not any(squeezed_source(n) is not None for n in path):  # (a 1x1 conv's: checked there)
             continue
         out_f, in_f = (shape[0], shape[1]) if form == "out_in" else (shape[1], shape[0])
         normed = next((found for n in path if (found := normed_source(n)) is not None), None)

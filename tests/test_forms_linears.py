@@ -222,6 +222,32 @@ def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
     assert _layers(NoLinearBmm(form), x, 2) == {}
 
 
+# bfloat16 autocast: verify's own bf16 tolerance serves bf16 models of any scale; these keep activations
+# O(1), where sharded and unsharded bf16 results measured within 8e-3 of each other: 3e-2 leaves room,
+# and a wrong term is O(1) (test_fuzz's bound).
+BF16_ABS = 3e-2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["conv1d", "conv2d", "einsum", "einsum_first", "weight_norm", "bmm_expand"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_forms_under_autocast_are_cut_as_without_it(case, world):
+    """Under bf16 autocast a weight reaches its op through a conversion: the conv's W, the bmm's operand
+    ``_to_copy(view(W))`` (einsum) or ``_to_copy(expand(t(W)))``; each form is cut as without autocast
+    (was: whole, each)."""
+    torch.manual_seed(0)
+    model, shape = {"conv1d": (ConvMLP(), (2, 16, 5)), "conv2d": (ConvMLP(conv=nn.Conv2d), (2, 16, 3, 5)),
+                    "einsum": (EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (2, 3, 16)),
+                    "einsum_first": (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (2, 16, 3)),
+                    "weight_norm": (models.ClothedMLP(16, 40, "conv1x1", "weight_norm_in"), (2, 3, 16)),
+                    "bmm_expand": (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (2, 3, 16))}[case]
+    x, options = torch.randn(*shape), {"min_shard_numel": 0}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=world == 3)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == PAIRED, str(report)
+    assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
+
+
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
 # twice), a 1x1 conv MLP and weight_norm's v and g, SGD steps whose gradients equal the twin's own cut.
 @on_ranks
