@@ -254,8 +254,9 @@ def clothed_cases(draw):
 
 
 @fuzz(6, 20, case=clothed_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), dynamic=st.booleans(),
-      data=st.data())
-def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, data):
+      autocast=st.booleans(), data=st.data())
+def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, autocast, data):
+    """``autocast``: under bf16 autocast, verified, and the plan the one without it."""
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     tied = isinstance(model, models.TiedAutoencoder)
@@ -266,9 +267,13 @@ def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, data):
     refused = {n: models.ClothedLinear.REFUSED.get(getattr(model, n).form) for n in names} if not tied else {}
     plan = {n: data.draw(st.sampled_from([s for s in styles if s != refused.get(n)]), label=n) for n in names}
     options = {"min_shard_numel": 0, "plan": plan if plan_draw else "auto"}
-    report = dynashard.explain(model, torch.randn(2, 3, hidden), world_size=world, options=options, verify=True,
-                               dynamic=dynamic)
+    x = torch.randn(2, 3, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=dynamic)
     assert set(report.layers) == set(names), str(report)  # every form matched (the tied W: two uses)
+    if autocast:
+        assert report.layers == dynashard.explain(model, x, world_size=world, options=options).layers, str(report)
+        assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
 
 
 def _zeros_written(y, x):
