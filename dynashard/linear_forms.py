@@ -67,7 +67,6 @@ _LINEAR = {
 }
 
 
-
 def _channels_last(f, x: torch.Tensor, *args) -> torch.Tensor:
     """``f`` on ``x [B, C, H, W]``'s channels, as the last dim, the result's put back in front."""
     return f(x.permute(0, 2, 3, 1).contiguous(), *args).permute(0, 3, 1, 2)
@@ -125,9 +124,9 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
 
 def _broadcast_weight(operand: torch.fx.Node, params: set[torch.fx.Node], left: bool = False
                       ) -> tuple[torch.fx.Node, str, torch.dtype | None] | None:
-    """``(W, form)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
-    ("in_out") of a 2-D parameter W (or of what ``_weight_like`` accepts), in every batch: views of W and at most
-    one expand over the batch (``torch.matmul`` of a non-contiguous 3-D x and a W that needs no gradient
+    """``(W, form, cast)`` when a bmm's second operand ``[B, K, N]`` is one matrix, W.t() ("out_in") or W
+    ("in_out") of a 2-D parameter W (or what ``_weight_like`` accepts), in every batch: views of W and at
+    most one expand over the batch (``torch.matmul`` of a non-contiguous 3-D x and a W that needs no gradient
     traces ``view(expand(t(W)))``), and at most one dtype conversion among them (autocast's, returned: the
     rewritten linear converts W). ``left``: the first operand ``[B, M, K]``, W ("out_in_left") or W.t()
     ("in_out_left")."""
