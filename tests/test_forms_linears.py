@@ -255,6 +255,7 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
     for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5)),
                          (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (3, 16, 5)),
+                         (NormedMLP("weight_norm", (0, 1)), (3, 5, 16)),
                          (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (3, 5, 16))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
