@@ -15,6 +15,7 @@ import torch.fx
 from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
 from dynashard.decision import split_dim
+from dynashard.errors import InternalError
 from dynashard.linear_forms import normalise
 from dynashard.match import ParamInfo, find_linears
 from dynashard.nodes import PARAMETER, val
@@ -53,8 +54,11 @@ class Analysis:
         for m in self.plan.sharded():
             style = self.plan.decisions[m.node].style
             dim = split_dim(m, style)
+            if (refused := m.kind.refused_dim(dim)) is not None:  # (the plans never ask: a wrong value else)
+                raise InternalError(f"dynashard: internal error: {m.fqn} planned {style}, but {refused}")
             split = self.plan.layouts.weight_split(m.node)
-            out[index[m.weight]] = (self.params[index[m.weight]][0], dim, split)
+            for p in (m.weight, *m.companions):  # (weight_norm's g [out, 1] or [1, in]: cut on the same dim)
+                out[index[p]] = (self.params[index[p]][0], dim, split)
             if self.stacked and style == Style.COLWISE and m.bias in index:
                 out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)
         return out

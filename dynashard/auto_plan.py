@@ -66,11 +66,14 @@ def auto_decisions(
             decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")
         elif (own := m.kind.auto_style("reduce_scatter" if modes["per_rank"] else "all_reduce")) is not None:
             decisions[m.node] = Decision(Style(own[0]), own[1])
-        elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m):
+        elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m) \
+                and m.kind.refused_dim(m.out_dim) is None:
             for o in src.origins:
                 expanded.setdefault(o, []).append(m)
             bottlenecks[m.node] = src.origins
             decisions[m.node] = Decision(Style.COLWISE, "")
+        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim)) is not None:
+            decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")  # (weight_norm's other dim)
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
@@ -158,7 +161,8 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
         return ", ".join(sorted({f"{o.fqn} ({decisions[o.node].style} {o.kind})" for o in ms if o.node is not m.node}))
 
     dims = {split_dim(m, decisions[m.node].style) for m in ms} - {None}
-    stuck = any(blocked[m.node] or m.kind.refused(stacked, False) is not None for m in ms)
+    stuck = any(blocked[m.node] or m.kind.refused(stacked, False) is not None
+                or any(m.kind.refused_dim(d) is not None for d in dims) for m in ms)
     if len(dims) == 1 and not stuck:
         (dim,) = dims
         for m in ms:
@@ -180,6 +184,7 @@ def follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dic
                                          "kept whole: a graph compiled earlier reads this weight whole")
             continue
         dim = presplit.get(m.weight)
-        if dim is None or split_dim(m, decisions[m.node].style) == dim or blocked[m.node]:
+        if dim is None or split_dim(m, decisions[m.node].style) == dim or blocked[m.node] \
+                or m.kind.refused_dim(dim) is not None:
             continue
         decisions[m.node] = Decision(style_along(m, dim), f"weight already split on dim {dim} by an earlier graph")

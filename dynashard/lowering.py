@@ -41,6 +41,9 @@ REEXPRESSED: dict[Any, dict[str, str]] = {
         "scale_grad_by_freq": "with gradients, each row's gradient divided by its id's count here "
                               "(the local lookup's own counts would include other ranks' ids)",
     },
+    # (a rank that holds slices of v emits the op itself, every argument carried)
+    aten._weight_norm_interface.default: dict.fromkeys(("v", "g", "dim"), "a rank holding none of the slices: "
+                                                      "the empty v * g (lowerings.NormOfSlices)"),
     aten.embedding_renorm_.default: {
         "max_norm": "the looked-up rows this rank holds renormalised here",
         "norm_type": "the looked-up rows this rank holds renormalised here",

@@ -146,6 +146,17 @@ class StackedTranspose(Lowering):
         return sharder.env[node.args[0]]
 
 
+class NormOfSlices(Lowering):
+    """weight_norm on this rank's slices of v and g (match_normed.py): the op itself, but on a rank that
+    holds none of them the empty ``v * g``: torch's kernel (2.13, CPU) kills the process with a
+    floating-point exception on an empty v."""
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        args, kwargs = sharder.args(node)
+        v, g = args[:2]
+        return (v * g, g) if v.numel() == 0 else node.target(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Renorm(Lowering):
     """``embedding_renorm_`` (``F.embedding`` with ``max_norm``) on this rank's cut (vocab.py):

@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from dynashard.linear_forms import squeezed_source
+from dynashard.match_normed import normed_source, plan_name
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -62,6 +63,10 @@ class LinearKind:
         """Its backward makes sparse gradients (``embedding(..., sparse=True)``)."""
         return False
 
+    def refused_dim(self, dim: int) -> str | None:
+        """Why this kind's weight may not be cut on its ``dim`` (None: it may)."""
+        return None
+
 
 class Embedding(LinearKind):
     """A lookup is ``one_hot(ids) @ W``, W stored ``[in=vocab, out]``: rowwise is vocab-parallel."""
@@ -91,6 +96,24 @@ class Experts(LinearKind):
         if stacked or per_rank:
             return f"experts do not support {'weights' if stacked else 'inputs'}='per_rank' yet"
         return None
+
+
+class WeightNormed(LinearKind):
+    """``weight_norm``'s v and g (match_normed.py): cut alike on the dim its norms are per slice of."""
+
+    name = "weight_norm"
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        return "weight_norm's v and g stay whole under weights='per_rank'" if stacked else None
+
+    def refused_dim(self, dim: int) -> str | None:
+        if dim == self.dim:
+            return None
+        return (f"weight_norm(dim={self.dim}) divides each slice by a norm summed over weight dim {dim}, "
+                f"which a cut there would split across ranks (a cut on dim {self.dim} is exact)")
 
 
 DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()
@@ -129,6 +152,8 @@ class LinearMatch:
     renorm: torch.fx.Node | None = None
     # linear: the nodes from the weight to the matmul, in order (a dtype conversion, the transpose)
     operand_path: tuple[torch.fx.Node, ...] = ()
+    # parameters the path reads besides the weight, cut with it on the same dim (weight_norm's g)
+    companions: tuple[torch.fx.Node, ...] = ()
 
     @property
     def operand(self) -> torch.fx.Node:
@@ -173,8 +198,9 @@ def _converted_source(node: torch.fx.Node) -> torch.fx.Node | None:
 def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Node, ...], torch.fx.Node | None]:
     """From a matmul's second operand back to what it computes from: (source, the nodes between it and
     the matmul in order, the transpose among them): through one dtype conversion on either side of
-    one transpose, each optional, and a pointwise Conv1d's squeeze of its [out, in, 1] weight."""
-    path, node, transpose, converted, squeezed = [], mat2, None, False, False
+    one transpose, each optional, a pointwise Conv1d's squeeze of its [out, in, 1] weight, and
+    weight_norm's ``getitem(_weight_norm_interface(v, g), 0)`` of v."""
+    path, node, transpose, converted, squeezed, normed = [], mat2, None, False, False, False
     while True:
         source = _converted_source(node) if not converted else None
         if source is not None:
@@ -183,6 +209,10 @@ def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Nod
             transpose = node
         elif not squeezed and (source := squeezed_source(node)) is not None:
             squeezed = True
+        elif not normed and (found := normed_source(node)) is not None:
+            normed = True
+            path.append(node)  # (the getitem; the norm op itself is appended below)
+            node, source = found[2], found[0]
         else:
             return node, tuple(reversed(path)), transpose
         path.append(node)
@@ -223,13 +253,14 @@ def find_linears(
         if weight not in params or not (params[weight].is_parameter or _quantized(weight, path)):
             continue
         shape = weight.meta["val"].shape
-        if len(shape) != 2 + any(squeezed_source(n) is not None for n in path):
+        if len(shape) != 2 and not any(squeezed_source(n) is not None for n in path):  # (a 1x1 conv's: checked there)
             continue
         out_f, in_f = (shape[0], shape[1]) if form == "out_in" else (shape[1], shape[0])
+        normed = next((found for n in path if (found := normed_source(n)) is not None), None)
         matches.append(
             LinearMatch(
                 node=node,
-                fqn=_plan_name(params[weight]),
+                fqn=plan_name(params[weight].module_fqn, params[weight].fqn) if normed else _plan_name(params[weight]),
                 weight=weight,
                 weight_form=form,
                 transpose=transpose,
@@ -238,6 +269,8 @@ def find_linears(
                 in_features=int(in_f),
                 out_features=int(out_f),
                 operand_path=path,
+                kind=WeightNormed(normed[3]) if normed else DENSE,
+                companions=(normed[1],) if normed else (),
             )
         )
     from dynashard.match_experts import find_experts  # (it builds this module's records)

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from dynashard import rules
-from dynashard.lowerings import AllocateLocal, Renorm, StackedTranspose
+from dynashard.lowerings import AllocateLocal, NormOfSlices, Renorm, StackedTranspose
 from dynashard.match import LinearMatch
 from dynashard.nodes import all_args
 from dynashard.options import Style
@@ -118,9 +118,13 @@ def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: 
 
 def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> None:
     """The nodes before a sharded linear that read its weight as the linear's own cut: an
-    embedding's ``max_norm`` renorm, a stacked weight's transpose (the bmm reads the weight)."""
+    embedding's ``max_norm`` renorm, a stacked weight's transpose (the bmm reads the weight), the
+    weight norm of weight_norm's v."""
     if style == Style.REPLICATE:
         return
+    for n in match.operand_path:
+        if n.target is torch.ops.aten._weight_norm_interface.default:
+            lm.records[n].lowering = NormOfSlices()
     if match.renorm is not None:
         rows = lm.shard(record.weight_split, frozenset(), -1) if style == Style.ROWWISE else None
         lm.records[match.renorm].lowering = Renorm(match, rows)

@@ -110,7 +110,9 @@ class _Reference(_RecordsLinears, torch.fx.Interpreter):
 
 
 def _cut(full: torch.Tensor, dim: int, split, world: int, rank: int, stacked: bool) -> torch.Tensor:
-    block = cut(full.detach(), dim, split, world, rank)
+    # Contiguous, as the store holds a shard (weights.py) and the program passes one: some CPU kernels
+    # read a strided view as if it were contiguous (_weight_norm_interface on v cut on dim 1, torch 2.13)
+    block = cut(full.detach(), dim, split, world, rank).contiguous()
     return torch.stack([block] * world) if stacked else block  # replicated model: every rank's block alike
 
 

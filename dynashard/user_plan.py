@@ -25,7 +25,7 @@ import warnings
 
 import torch.fx
 
-from dynashard.decision import Decision, shared_conflicts
+from dynashard.decision import Decision, shared_conflicts, split_dim
 from dynashard.errors import UsageError
 from dynashard.options import ParamDim, Style
 
@@ -77,6 +77,11 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_ra
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected 'replicate' "
                 "for it, or the default inputs='replicated', weights='replicated'."
+            )
+        if style != Style.REPLICATE and (refused := m.kind.refused_dim(split_dim(m, style))) is not None:
+            raise UsageError(
+                f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected "
+                "'replicate' for it, or the style that cuts the exact dim."
             )
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
     for ms in shared_conflicts(linears, decisions).values():

@@ -940,25 +940,36 @@ class HFLogits(nn.Module):
 class ClothedLinear(nn.Module):
     """A linear on ``x [B, S, in]`` written in one of ``FORMS`` (issue 28, linears in other clothes);
     the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``) or a
-    Conv1d's ``[out, in, 1]``; the bias, if any, added after."""
+    Conv1d's ``[out, in, 1]`` (Conv2d's ``[out, in, 1, 1]``); the bias, if any, added after.
+    ``weight_norm``: F.linear on ``weight_norm(dim=0)``'s weight (``_in``: dim=1), whose one exact
+    cut is colwise (rowwise): ``REFUSED`` the other."""
 
-    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1", "bmm_expand", "bmm_in_out")
+    FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1", "bmm_expand", "bmm_in_out",
+             "einsum_first", "einsum_first_in_out", "conv2d_1x1", "weight_norm", "weight_norm_in")
+    REFUSED = {"weight_norm": "rowwise", "weight_norm_in": "colwise"}
 
     def __init__(self, in_features: int, out_features: int, form: str, bias: bool = True) -> None:
         super().__init__()
         self.form = form
         shape = {"conv1x1": (out_features, in_features, 1), "einsum_in_out": (in_features, out_features),
-                 "bmm_in_out": (in_features, out_features)}
+                 "bmm_in_out": (in_features, out_features), "einsum_first_in_out": (in_features, out_features),
+                 "conv2d_1x1": (out_features, in_features, 1, 1)}
         shape = shape.get(form, (out_features, in_features))
         self.weight = nn.Parameter(torch.randn(*shape) / max(in_features, 1) ** 0.5)
         self.bias = nn.Parameter(torch.randn(out_features) / 4) if bias else None
+        if form.startswith("weight_norm"):
+            nn.utils.parametrizations.weight_norm(self, "weight", dim=1 if form.endswith("_in") else 0)
 
     def forward(self, x):
         w, form = self.weight, self.form
         if form == "conv1x1":  # on [B, C, L], as a 1x1 conv MLP holds its activations
             return F.conv1d(x.transpose(1, 2), w, self.bias).transpose(1, 2)
-        if form == "linear":
+        if form == "conv2d_1x1":  # on [B, C, S, 1]
+            return F.conv2d(x.transpose(1, 2).unsqueeze(-1), w, self.bias).squeeze(-1).transpose(1, 2)
+        if form in ("linear", "weight_norm", "weight_norm_in"):
             y = F.linear(x, w)
+        elif form in ("einsum_first", "einsum_first_in_out"):  # W first, features before the tokens
+            y = torch.einsum("hd,bsd->bhs" if form == "einsum_first" else "dh,bsd->bhs", w, x).transpose(1, 2)
         elif form == "einsum":
             y = torch.einsum("bsd,hd->bsh", x, w)
         elif form == "einsum_in_out":

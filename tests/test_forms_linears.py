@@ -5,21 +5,25 @@ like one: colwise then rowwise by the auto plan, one all_reduce per pair.
 einsum: ``torch.einsum("bsd,hd->bsh", x, W)`` (W stored ``[out, in]``), ``"bsd,dh->bsh"`` (W stored
 ``[in, out]``) and ``"...d,hd->...h"``. Traced, each is a batch-1 ``bmm`` behind unsqueeze / permute /
 view chains that differ by equation; the weight's chain is recognised by its strides (W.t() or W).
+With the features before the tokens in the output (``"hd,bds->bhs"``, channels first), W is the bmm's
+first operand: ``W @ x``, rewritten as ``(x^T W^T)^T``.
 
 bmm with an expanded weight: ``torch.bmm(x, W.t().expand(B, -1, -1))`` and
 ``torch.bmm(x, W.unsqueeze(0).expand(B, -1, -1))``: one matrix broadcast over the batch is one linear.
 
-Conv1d(kernel_size=1) on ``[B, C, L]``: the weight ``[out, in, 1]`` is cut on out-channels (colwise)
-or in-channels (rowwise); a Conv1d with a wider kernel, padding, stride or groups is left as written.
+Conv1d(kernel_size=1) on ``[B, C, L]`` and Conv2d(kernel_size=1) on ``[B, C, H, W]``: the weight
+``[out, in, 1(, 1)]`` is cut on out-channels (colwise) or in-channels (rowwise); a conv with a wider
+kernel, padding, stride or groups is left as written.
 
 A tied autoencoder: the encoder ``F.linear(x, W)`` and the decoder ``F.linear(h, W.t())`` read one W,
 the decoder as stored. The encoder colwise cuts W on dim 0, which is the decoder's input dim: it is
 then rowwise on the same cut, one all_reduce, and W's gradient is the sum of both uses' (gloo).
 
-``weight_norm`` / ``spectral_norm`` (``torch.nn.utils.parametrizations``): the weight is computed
-from the parametrization's tensors, so these linears are left whole, the reason logged at debug level
-(never cut wrongly). Cutting weight_norm's v and g alike by rows would be exact (its norms are per
-row); spectral_norm's sigma (``vdot(u, W v)``) sums over every row, so a cut would need it reduced.
+``weight_norm(dim=d)`` (``torch.nn.utils.parametrizations``): the weight ``v * g / ||v||`` has one norm
+per slice along d, so v and g cut alike on d give this rank's slices exactly: d=0 colwise, d=1 rowwise.
+A cut on the other dim would divide by part of each norm: refused, the layer kept whole. ``dim=None``
+(one norm) and ``spectral_norm`` (sigma ``vdot(u, W v)`` sums over every row; its power iteration
+over every column) are left whole, the reason logged at debug level (never cut wrongly).
 
 Simulated at worlds 2, 3 and 4 (dims that do not divide) against the model, goldens counting the
 collectives, and on 2 real gloo ranks: forward and SGD gradients against the unsharded twin.
@@ -35,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dynashard
+from dynashard.errors import UsageError
 from dynashard.parameters import FACADES
 from dynashard.weights import STORE, cut
 from tests import models
@@ -60,41 +65,58 @@ def _collectives(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
 
 
 class ConvMLP(nn.Module):
-    """A 1x1 conv MLP on ``[B, C, L]``: Conv1d(d, 4d, 1) -> GELU -> Conv1d(4d, d, 1)."""
+    """A 1x1 conv MLP on ``[B, C, L]``: Conv1d(d, 4d, 1) -> GELU -> Conv1d(4d, d, 1); with ``conv=nn.Conv2d``
+    on ``[B, C, H, W]`` (``stride``: up's)."""
 
-    def __init__(self, d: int = 16, kernel: int = 1, bias: bool = True) -> None:
+    def __init__(self, d: int = 16, kernel: int = 1, bias: bool = True, conv=nn.Conv1d, stride: int = 1) -> None:
         super().__init__()
-        self.up = nn.Conv1d(d, 4 * d, kernel, padding=kernel // 2, bias=bias)
-        self.down = nn.Conv1d(4 * d, d, 1, bias=bias)
+        self.up = conv(d, 4 * d, kernel, padding=kernel // 2, bias=bias, stride=stride)
+        self.down = conv(4 * d, d, 1, bias=bias)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
 
 
 class EinsumMLP(nn.Module):
+    """up and down each an einsum on the weight, named ``hd`` or ``dh`` in the equation (stored so), and
+    the activation, the weight's operand first or second as the equation writes it."""
+
     def __init__(self, up: str, down: str, d: int = 16, h: int = 40) -> None:
         super().__init__()
         self.equations = up, down
-        self.up = nn.Parameter(torch.randn(*((d, h) if up.endswith("dh->bsh") else (h, d))) / d ** 0.5)
-        self.down = nn.Parameter(torch.randn(*((h, d) if down.endswith("hd->bsd") else (d, h))) / h ** 0.5)
+        self.up = nn.Parameter(torch.randn(*self._shape(up, d, h)) / d ** 0.5)
+        self.down = nn.Parameter(torch.randn(*self._shape(down, d, h)) / h ** 0.5)
+
+    @staticmethod
+    def _shape(equation: str, d: int, h: int) -> tuple[int, int]:
+        weight = next(op for op in equation.split("->")[0].split(",") if set(op) == {"h", "d"})
+        return {"h": h, "d": d}[weight[0]], {"h": h, "d": d}[weight[1]]
+
+    @staticmethod
+    def _apply(equation: str, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        first = set(equation.split(",")[0]) == {"h", "d"}
+        return torch.einsum(equation, w, x) if first else torch.einsum(equation, x, w)
 
     def forward(self, x):
-        return torch.einsum(self.equations[1], F.gelu(torch.einsum(self.equations[0], x, self.up)), self.down)
+        return self._apply(self.equations[1], self.down, F.gelu(self._apply(self.equations[0], self.up, x)))
 
 
 class NoLinearBmm(nn.Module):
     """A bmm on a weight that is not one linear's: "reshaped", ``W.reshape(1, in, out)`` with W stored
-    ``[out, in]`` (its columns are not W's rows); "broadcast", ``W.t().expand(B, in, 5)`` with W one
-    row ``[1, in]`` (the expand repeats that output 5 times, not over the batch alone)."""
+    ``[out, in]`` (its columns are not W's rows), and "reshaped_left" the same on the left of the bmm;
+    "broadcast", ``W.t().expand(B, in, 5)`` with W one row ``[1, in]`` (the expand repeats that output 5
+    times, not over the batch alone)."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
         self.form = form
-        self.w = nn.Parameter(torch.randn(40 if form == "reshaped" else 1, 16) / 4)
+        self.w = nn.Parameter(torch.randn(1 if form == "broadcast" else 40, 16) / 4)
 
     def forward(self, x):
         if self.form == "reshaped":
             return torch.bmm(x, self.w.reshape(1, 16, 40).expand(x.shape[0], -1, -1))
+        if self.form == "reshaped_left":  # on x [B, 40, N]
+            return torch.bmm(self.w.reshape(1, 16, 40).expand(x.shape[0], -1, -1), x)
         return torch.bmm(x, self.w.t().expand(x.shape[0], 16, 5))
 
 
@@ -105,6 +127,19 @@ class NoLinearBmm(nn.Module):
 def test_einsum_linears_are_paired_like_nn_linear(up, down, world):
     torch.manual_seed(0)
     assert _layers(EinsumMLP(up, down), torch.randn(2, 3, 16), world) == PAIRED  # was: {} (whole)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("up,down,shape", [
+    ("hd,bds->bhs", "dh,bhs->bds", (2, 16, 3)), ("dh,bds->bhs", "hd,bhs->bds", (2, 16, 3)),  # channels first
+    ("hd,bsd->hbs", "dh,hbs->bsd", (2, 3, 16)), ("hd,d->h", "dh,h->d", (16,)),
+    ("hd,bsd->bsh", "dh,bsh->bsd", (2, 3, 16))])  # (torch's einsum puts W second in its bmm: matched before)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_einsum_with_the_weight_first_is_paired_like_nn_linear(up, down, shape, world):
+    """Features before the tokens in the output: traced as ``bmm(W, x)``, W on the left (was: whole)."""
+    torch.manual_seed(0)
+    assert _layers(EinsumMLP(up, down), torch.randn(*shape), world, dynamic=world == 3) == PAIRED
+    assert _collectives(EinsumMLP(up, down), torch.randn(*shape)) == (1, 0)
 
 
 @pytest.mark.unit
@@ -129,6 +164,25 @@ def test_a_conv1d_with_a_wider_kernel_stays_as_written():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])  # 64 channels: 32/32, 22/21/21, 16 x 4
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointwise_conv2d_mlp_is_paired_like_nn_linear(world, bias):
+    """Conv2d(k=1) on NCHW: out-channels colwise, in-channels rowwise (was: whole, no collective)."""
+    torch.manual_seed(0)
+    model, x = ConvMLP(bias=bias, conv=nn.Conv2d), torch.randn(2, 16, 3, 5)
+    assert _layers(model, x, world, dynamic=world == 3) == PAIRED
+    assert _collectives(model, x) == (1, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kernel,stride", [(3, 1), (1, 2)])
+def test_a_conv2d_that_is_not_pointwise_stays_as_written(kernel, stride):
+    torch.manual_seed(0)
+    assert _layers(ConvMLP(kernel=kernel, conv=nn.Conv2d, stride=stride), torch.randn(2, 16, 4, 6), 2) == {
+        "down": "replicate"}
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_tied_autoencoder_is_colwise_then_rowwise_on_one_cut(world):
     torch.manual_seed(0)
@@ -149,18 +203,59 @@ def test_bmm_with_an_expanded_weight_is_paired_like_nn_linear(forms, world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("form", ["reshaped", "broadcast"])
+@pytest.mark.parametrize("down", ["linear", "weight_norm_in"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_weight_without_gradient_on_a_transposed_input_is_paired(down, world):
+    """``torch.matmul`` of a non-contiguous 3-D x (a 1x1 conv's output, transposed back) and a weight that
+    needs no gradient (frozen, or weight_norm's under no_grad) traces ``bmm(view(expand(x)),
+    view(expand(t(W))))``: one matrix in every batch, paired like nn.Linear (was: down whole)."""
+    torch.manual_seed(0)
+    model = models.ClothedMLP(4, 8, "conv1x1", down).requires_grad_(down != "linear")
+    assert _layers(model, torch.randn(2, 3, 4), world, dynamic=world == 3) == PAIRED
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("form", ["reshaped", "reshaped_left", "broadcast"])
 def test_a_bmm_on_a_weight_that_is_not_a_linear_is_left_as_written(form):
     torch.manual_seed(0)
-    assert _layers(NoLinearBmm(form), torch.randn(2, 3, 16), 2) == {}
+    x = torch.randn(2, 40, 3) if form == "reshaped_left" else torch.randn(2, 3, 16)
+    assert _layers(NoLinearBmm(form), x, 2) == {}
+
+
+# bfloat16 autocast: verify's own bf16 tolerance serves bf16 models of any scale; these keep activations
+# O(1), where sharded and unsharded bf16 results measured within 8e-3 of each other: 3e-2 leaves room,
+# and a wrong term is O(1) (test_fuzz's bound).
+BF16_ABS = 3e-2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["conv1d", "conv2d", "einsum", "einsum_first", "weight_norm", "bmm_expand"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_forms_under_autocast_are_cut_as_without_it(case, world):
+    """Under bf16 autocast a weight reaches its op through a conversion: the conv's W, the bmm's operand
+    ``_to_copy(view(W))`` (einsum) or ``_to_copy(expand(t(W)))``; each form is cut as without autocast
+    (was: whole, each)."""
+    torch.manual_seed(0)
+    model, shape = {"conv1d": (ConvMLP(), (2, 16, 5)), "conv2d": (ConvMLP(conv=nn.Conv2d), (2, 16, 3, 5)),
+                    "einsum": (EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (2, 3, 16)),
+                    "einsum_first": (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (2, 16, 3)),
+                    "weight_norm": (models.ClothedMLP(16, 40, "conv1x1", "weight_norm_in"), (2, 3, 16)),
+                    "bmm_expand": (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (2, 3, 16))}[case]
+    x, options = torch.randn(*shape), {"min_shard_numel": 0}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=world == 3)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == PAIRED, str(report)
+    assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
 
 
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
-# twice) and a 1x1 conv MLP, SGD steps whose gradients equal the twin's own cut.
+# twice), a 1x1 conv MLP and weight_norm's v and g, SGD steps whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
     for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5)),
+                         (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (3, 16, 5)),
+                         (NormedMLP("weight_norm", (0, 1)), (3, 5, 16)),
                          (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (3, 5, 16))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
@@ -170,8 +265,11 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             # float32 O(1) activations, sums of 16-64 products in another order: a few ulps
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
+    normed = {f"{layer}.parametrizations.weight.original{i}" for layer in ("up", "down") for i in (0, 1)}  # g, v
     for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
-                                  (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"})]:
+                                  (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"}),
+                                  (ConvMLP(conv=nn.Conv2d), (3, 16, 2, 5), {"up.weight", "down.weight"}),
+                                  (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed)]:
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
 
@@ -209,24 +307,68 @@ def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[s
 
 
 class NormedMLP(nn.Module):
-    """up and down under ``torch.nn.utils.parametrizations.weight_norm`` or ``spectral_norm``."""
+    """up and down under ``torch.nn.utils.parametrizations.weight_norm`` (``dims``: each layer's dim, None
+    a plain nn.Linear, "whole" weight_norm(dim=None)) or ``spectral_norm`` (``dims`` unused)."""
 
-    def __init__(self, parametrization: str) -> None:
+    def __init__(self, parametrization: str, dims: tuple = (0, 0)) -> None:
         super().__init__()
         wrap = getattr(nn.utils.parametrizations, parametrization)
-        self.up, self.down = wrap(nn.Linear(16, 40)), wrap(nn.Linear(40, 16))
+
+        def layer(i: int, o: int, dim) -> nn.Module:
+            if parametrization == "spectral_norm":
+                return wrap(nn.Linear(i, o))
+            return nn.Linear(i, o) if dim is None else wrap(nn.Linear(i, o), dim=None if dim == "whole" else dim)
+
+        self.up, self.down = layer(16, 40, dims[0]), layer(40, 16, dims[1])
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("parametrization,train", [("weight_norm", False), ("spectral_norm", False),
-                                                   ("spectral_norm", True)])  # (train: power iteration in place)
-def test_parametrized_linears_are_left_whole_with_a_reason(parametrization, train, caplog):
+@pytest.mark.parametrize("dims", [(0, None), (None, 1), (0, 1)])
+@pytest.mark.parametrize("world", [2, 3, 4])  # 40 features: 20/20, 14/13/13, 10 x 4
+def test_weight_norm_is_cut_on_its_norm_dim(dims, world):
+    """v and g cut alike on the dim the norms are per slice of: up (dim 0) colwise, down (dim 1) rowwise.
+    (dim 1 rowwise also needs the shards contiguous: torch's CPU kernel reads a strided v as contiguous.)"""
     torch.manual_seed(0)
-    model = NormedMLP(parametrization).train(train)
+    assert _layers(NormedMLP("weight_norm", dims), torch.randn(2, 3, 16), world, dynamic=world == 3) == PAIRED
+    assert _collectives(NormedMLP("weight_norm", dims), torch.randn(2, 3, 16)) == (1, 0)  # was: whole, (0, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [3, 4])
+def test_weight_norm_on_a_rank_holding_no_slice(world):
+    """2 features at worlds 3 and 4: a rank holds no slice of v and g (torch's kernel would kill the
+    process on the empty v, a floating-point exception: that rank's weight is the empty v * g)."""
+    torch.manual_seed(0)
+    assert _layers(models.ClothedMLP(4, 2, "weight_norm", "weight_norm_in"), torch.randn(2, 3, 4), world) == PAIRED
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dims,whole", [((0, 0), "down"), ((1, None), "up")])
+def test_weight_norm_is_never_cut_across_its_norms(dims, whole):
+    """weight_norm(dim=0) on down (the auto plan would cut it rowwise) and dim=1 on up (colwise): kept
+    whole with the reason, and every rank equal to the model; a user plan asking for that cut is refused."""
+    torch.manual_seed(0)
+    model, x = NormedMLP("weight_norm", dims), torch.randn(2, 3, 16)
+    report = dynashard.explain(model, x, world_size=2, options={"min_shard_numel": 0}, verify=True)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == {"up": "replicate", "down": "replicate"}
+    assert [r.reason for r in report.rows if r.fqn == whole][0].startswith("kept whole: weight_norm"), str(report)
+    style = "rowwise" if whole == "down" else "colwise"
+    with pytest.raises(UsageError, match=f"plan asks for {style} on weight_norm '{whole}'"):
+        dynashard.explain(model, x, world_size=2, options={"min_shard_numel": 0, "plan": {whole: style}})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("parametrization,dims,train", [
+    ("weight_norm", ("whole", "whole"), False),  # one norm over all of v
+    ("spectral_norm", (0, 0), False), ("spectral_norm", (0, 0), True)])  # (train: power iteration in place)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_parametrized_linears_are_left_whole_with_a_reason(parametrization, dims, train, world, caplog):
+    torch.manual_seed(0)
+    model = NormedMLP(parametrization, dims).train(train)
     with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
-        assert _layers(model, torch.randn(2, 3, 16), 2) == {}  # whole, and every rank equal to the model
+        assert _layers(model, torch.randn(2, 3, 16), world) == {}  # whole, and every rank equal to the model
     reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
     assert len(set(reasons)) == 2 and all("parametrizations.weight.original" in r for r in reasons), reasons  # up, down

@@ -243,8 +243,9 @@ def test_random_attention_under_autocast(case, world, plan_draw, data):
 
 @st.composite
 def clothed_cases(draw):
-    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum, Conv1d k=1,
-    bmm of an expanded weight, nn.Linear's), or a tied autoencoder (the decoder reads W.t())."""
+    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum with W second or
+    first, Conv1d and Conv2d k=1, bmm of an expanded weight, weight_norm, nn.Linear's), or a tied
+    autoencoder (the decoder reads W.t())."""
     hidden, ffn = draw(st.integers(2, 24)), draw(st.integers(2, 40))  # (einsum over 1 feature: a mul, no linear)
     if draw(st.integers(0, 7)) == 0:
         return models.TiedAutoencoder(hidden, ffn), hidden
@@ -253,19 +254,26 @@ def clothed_cases(draw):
 
 
 @fuzz(6, 20, case=clothed_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), dynamic=st.booleans(),
-      data=st.data())
-def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, data):
+      autocast=st.booleans(), data=st.data())
+def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, autocast, data):
+    """``autocast``: under bf16 autocast, verified, and the plan the one without it."""
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     tied = isinstance(model, models.TiedAutoencoder)
     names = ["tied"] if tied else ["up", "down"]
-    # (the tied W's two uses share one name: one style for both would cut W two ways, a UsageError)
+    # (the tied W's two uses share one name: one style for both would cut W two ways, a UsageError;
+    # weight_norm's other cut, across its norms, is refused: a UsageError too)
     styles = ["replicate"] if tied else ["colwise", "rowwise", "replicate"]
-    plan = {n: data.draw(st.sampled_from(styles), label=n) for n in names}
+    refused = {n: models.ClothedLinear.REFUSED.get(getattr(model, n).form) for n in names} if not tied else {}
+    plan = {n: data.draw(st.sampled_from([s for s in styles if s != refused.get(n)]), label=n) for n in names}
     options = {"min_shard_numel": 0, "plan": plan if plan_draw else "auto"}
-    report = dynashard.explain(model, torch.randn(2, 3, hidden), world_size=world, options=options, verify=True,
-                               dynamic=dynamic)
+    x = torch.randn(2, 3, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=dynamic)
     assert set(report.layers) == set(names), str(report)  # every form matched (the tied W: two uses)
+    if autocast:
+        assert report.layers == dynashard.explain(model, x, world_size=world, options=options).layers, str(report)
+        assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
 
 
 def _zeros_written(y, x):
