@@ -74,6 +74,21 @@ def rank_blocks(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.stack([_pad_last(x.narrow(-1, s, ln), chunk) for s, ln in zip(starts, lengths)])
 
 
+def reduce_scatter_last_dim(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
+                            via_all_to_all: bool) -> torch.Tensor:
+    """Every rank's partial sums ``x`` added up, this rank keeping its ``lengths[rank]`` elements of
+    the last dim (rank r's come after those of ranks < r; sequence_parallel's rowwise output).
+    Uneven lengths: each rank's block is padded to the longest, and the padding cut away after.
+    ``via_all_to_all``: an all-to-all and a local sum (cheaper on gloo: reduce_scatter_rows)."""
+    blocks = rank_blocks(x, lengths).contiguous()  # [world, ..., chunk]
+    if via_all_to_all:
+        y = funcol.all_to_all_single(blocks, None, None, group_name).sum(0)  # block j: rank j's partial
+    else:
+        y = funcol.reduce_scatter_single(blocks, "sum", 0, group_name)[0]
+    # (contiguous: a training graph is traced on the conversion's fake output, which is contiguous)
+    return y if lengths[rank] == blocks.shape[-1] else y.narrow(-1, 0, lengths[rank]).contiguous()
+
+
 def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Every rank's rows, rank-major (inputs="per_rank": a colwise input)."""
     return funcol.all_gather_single(x.contiguous(), 0, group_name)
@@ -127,6 +142,7 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 #   is the same replicated gradient).
 # - gather_from_shards: all_gather forward; backward keeps this rank's pieces of the (replicated)
 #   gradient, no communication.
+# - reduce_scatter_to_shards (sequence_parallel): reduce_scatter forward; all_gather backward.
 #
 # They are autograd.Functions, and make_fx (the rewrite's trace) would inline a Function and drop its
 # backward. So the rewrite traces an opaque marker op, ``dynashard::tp_conversion(x, key)``, and
@@ -215,6 +231,23 @@ class _GatherFromShards(torch.autograd.Function):
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)), None, None, None, None
 
 
+class _ReduceScatterToShards(torch.autograd.Function):
+    """sequence_parallel's rowwise output: reduce_scatter forward; all_gather backward (each rank's
+    gradient of its part of the sum is the gradient of every rank's partial sums there)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lengths: list[int], rank: int, group_name: str, via_all_to_all: bool):
+        ctx.lengths, ctx.rank, ctx.group_name = lengths, rank, group_name
+        with torch.no_grad():
+            return funcol.wait_tensor(reduce_scatter_last_dim(x, lengths, rank, group_name, via_all_to_all))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with peer_guard(_group_named(ctx.group_name), BACKWARD):
+            full = all_gather_last_dim(grad.contiguous(), [ctx.lengths], ctx.rank, ctx.group_name)
+            return funcol.wait_tensor(full.contiguous()), None, None, None, None
+
+
 BACKWARD = "the backward of the sharded program"
 
 
@@ -236,6 +269,11 @@ def gather_from_shards(
     x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str, whole: frozenset[int] = frozenset()
 ) -> torch.Tensor:
     return conversion(x, _GatherFromShards, [list(ls) for ls in lengths], rank, group_name, tuple(sorted(whole)))
+
+
+def reduce_scatter_to_shards(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
+                             via_all_to_all: bool) -> torch.Tensor:
+    return conversion(x, _ReduceScatterToShards, list(lengths), rank, group_name, via_all_to_all)
 
 
 def group_name(group: dist.ProcessGroup) -> str:

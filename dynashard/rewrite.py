@@ -189,6 +189,23 @@ class _Sharder(torch.fx.Interpreter):
             return self.comm.reduce_from_shards(value, self.group_name)  # g: identity backward
         return self.comm.all_reduce_sum(value, self.group_name)
 
+    def scatter_sequence(self, value: Any, seq: Shard) -> Any:
+        """sequence_parallel: every rank's partial sums added up, this rank keeping its part of the
+        sequence dim (``seq.dim``; a batch merged in front of it, ``[B*S]``, is taken apart first).
+        With gradients, Megatron's backward: every rank's parts all-gathered."""
+        lm = self.lm
+        full = value.shape[seq.dim]
+        merged = not is_size(full, seq.size)
+        moved = value.movedim(seq.dim, -1)
+        if merged:
+            moved = moved.unflatten(-1, (full // seq.size, seq.size))
+        lengths = seq.split.lengths(lm.world)[0]
+        scatter = self.comm.reduce_scatter_to_shards if self.megatron else self.comm.reduce_scatter_last_dim
+        part = scatter(moved, lengths, lm.rank, self.group_name, self.a2a_reduce)
+        if merged:
+            part = part.flatten(-2)
+        return part.movedim(-1, seq.dim).contiguous()
+
     def gather_last_dim(self, value: Any, lengths: list[list[int]], whole: frozenset[int] = frozenset()) -> Any:
         """Every rank's ``value`` side by side on the last dim (with gradients: Megatron's, the
         backward keeping this rank's columns)."""
