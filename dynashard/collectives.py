@@ -143,6 +143,8 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # - gather_from_shards: all_gather forward; backward keeps this rank's pieces of the (replicated)
 #   gradient, no communication.
 # - reduce_scatter_to_shards (sequence_parallel): reduce_scatter forward; all_gather backward.
+# - gather_to_shards (sequence_parallel, a gathered value read by a sharded op): all_gather forward;
+#   reduce_scatter backward (a gather followed by f, in one collective each way).
 #
 # They are autograd.Functions, and make_fx (the rewrite's trace) would inline a Function and drop its
 # backward. So the rewrite traces an opaque marker op, ``dynashard::tp_conversion(x, key)``, and
@@ -248,6 +250,23 @@ class _ReduceScatterToShards(torch.autograd.Function):
             return funcol.wait_tensor(full.contiguous()), None, None, None, None
 
 
+class _GatherToShards(torch.autograd.Function):
+    """sequence_parallel's colwise input: all_gather forward; reduce_scatter backward (each rank's
+    gradient of the gathered value is its own features' contribution: summed, each keeps its part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lengths: list[int], rank: int, group_name: str, via_all_to_all: bool):
+        ctx.lengths, ctx.rank, ctx.group_name, ctx.via_all_to_all = lengths, rank, group_name, via_all_to_all
+        with torch.no_grad():
+            return funcol.wait_tensor(all_gather_last_dim(x, [lengths], rank, group_name).contiguous())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with peer_guard(_group_named(ctx.group_name), BACKWARD):
+            part = reduce_scatter_last_dim(grad.contiguous(), ctx.lengths, ctx.rank, ctx.group_name, ctx.via_all_to_all)
+            return funcol.wait_tensor(part.contiguous()), None, None, None, None
+
+
 BACKWARD = "the backward of the sharded program"
 
 
@@ -274,6 +293,11 @@ def gather_from_shards(
 def reduce_scatter_to_shards(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
                              via_all_to_all: bool) -> torch.Tensor:
     return conversion(x, _ReduceScatterToShards, list(lengths), rank, group_name, via_all_to_all)
+
+
+def gather_to_shards(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
+                     via_all_to_all: bool) -> torch.Tensor:
+    return conversion(x, _GatherToShards, list(lengths), rank, group_name, via_all_to_all)
 
 
 def group_name(group: dist.ProcessGroup) -> str:

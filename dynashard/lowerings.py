@@ -213,6 +213,23 @@ def _combined(sharder: Any, node: torch.fx.Node, m: LinearMatch, y: Any, seq: Sh
 
 
 @dataclasses.dataclass(frozen=True)
+class DropoutOfCut(Lowering):
+    """``native_dropout`` of a cut value: the whole mask drawn (the same random numbers the unsharded
+    model draws, in the same order: ``native_dropout`` of ones of the whole shape and dtype is its
+    mask times the scale), this rank's part of it applied. ``x * (mask * scale)`` is bitwise
+    ``x * mask * scale`` for a mask of 0 and 1."""
+
+    shard: Shard
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        x = sharder.read(node, node.args[0], self.shard)
+        whole = node.args[0].meta["val"]
+        ones = aten.ones(list(whole.shape), dtype=x.dtype, device=x.device)
+        kept, mask = aten.native_dropout(ones, *node.args[1:], **node.kwargs)
+        return aten.mul(x, take(kept, self.shard)), take(mask, self.shard)
+
+
+@dataclasses.dataclass(frozen=True)
 class StackedColwise(Lowering):
     """weights="per_rank": a colwise linear as a bmm over every rank's rows and its weight blocks."""
 

@@ -71,7 +71,8 @@ class _Sharder(torch.fx.Interpreter):
         self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
         self.roots, self.written = alias_roots(gm.graph), mutated_roots(gm.graph)
 
-    def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None) -> Any:
+    def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None, to_shards: bool = False
+                 ) -> Any:
         lm, group = self.lm, self.group_name
         lay = lm.layouts[producer]
         if how == Read.NARROW:
@@ -95,7 +96,10 @@ class _Sharder(torch.fx.Interpreter):
             if lay.length == 0:
                 raise InternalError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
-        full = self.gather_last_dim(moved, lay.split.lengths(lm.world), lay.split.whole)
+        if to_shards:
+            full = self.comm.gather_to_shards(moved, lay.split.lengths(lm.world)[0], lm.rank, group, self.a2a_reduce)
+        else:
+            full = self.gather_last_dim(moved, lay.split.lengths(lm.world), lay.split.whole)
         if merged:
             full = full.flatten(-2)
         # NOTE: kernels called at aten level (e.g. CPU flash attention) assume a unit-stride last
@@ -130,6 +134,15 @@ class _Sharder(torch.fx.Interpreter):
             return take_groups(value, out)
         if how in (Read.NARROW, Read.GLOBAL_NARROW):  # cheap or consumer-specific: not shared
             return self._convert(how, producer, value, out)
+        lay = self.lm.layouts.get(producer)
+        if sharded_reader and how == Read.GATHER and self.lm.sequence and len(lay.split.parts) == 1 \
+                and not lay.split.whole:
+            # (sequence_parallel: a colwise input) one conversion, Megatron's: reduce_scatter backward,
+            # where a gather then f would all_reduce the whole gradient and keep a piece of it
+            key = ("to_shards", producer)
+            if key not in self.converted:
+                self.converted[key] = self._convert(how, producer, value, out, to_shards=True)
+            return self.converted[key]
         key = (how, producer)
         if key not in self.converted:
             self.converted[key] = self._convert(how, producer, value, out)

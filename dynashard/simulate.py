@@ -74,6 +74,9 @@ class SimulatedCollectives:
     def reduce_scatter_to_shards(self, x, lengths, rank, group_name, via_all_to_all):
         return self.reduce_scatter_last_dim(x, lengths, rank, group_name, via_all_to_all)
 
+    def gather_to_shards(self, x, lengths, rank, group_name, via_all_to_all):
+        return self.all_gather_last_dim(x, [lengths], rank, group_name)
+
     def all_gather_rows(self, x, group_name):
         return torch.cat(self._all(x), 0)
 

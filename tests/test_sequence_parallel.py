@@ -143,12 +143,14 @@ def test_a_symbolic_sequence_length_is_refused_at_compile():
 
 
 @pytest.mark.unit
-def test_dropout_of_the_cut_residual_stream_reads_it_whole():
-    """Dropout has no sharded rule: the branch is gathered first and dropped out whole, so every rank
-    draws the unsharded model's mask from the same seed (the gloo scenario trains through it)."""
+def test_dropout_of_the_cut_residual_stream_keeps_the_cut():
+    """Each rank draws the whole mask (the unsharded model's, from the same seed: the gloo scenario
+    trains through it) and keeps its part: no gather before the dropout, the cut reaches the next
+    block's colwise input (its one all_gather) as without dropout."""
     torch.manual_seed(0)
-    report = dynashard.explain(BiasedBlocks().train(), torch.randn(2, 5, 32), world_size=2, options=SP, train=True)
-    assert "all_gather (before native_dropout" in str(report), report
+    report = str(dynashard.explain(BiasedBlocks().train(), torch.randn(2, 5, 32), world_size=2, options=SP, train=True))
+    assert "native_dropout" not in report, report
+    assert "blocks.1.down  32x80   rowwise  all_gather (before output), reduce_scatter" in report, report
 
 
 # float32: the sharded matmuls and the norms' gradient sums (over each rank's tokens, then over the
