@@ -81,10 +81,12 @@ def reduce_scatter_last_dim(x: torch.Tensor, lengths: list[int], rank: int, grou
     Uneven lengths: each rank's block is padded to the longest, and the padding cut away after.
     ``via_all_to_all``: an all-to-all and a local sum (cheaper on gloo: reduce_scatter_rows)."""
     blocks = rank_blocks(x, lengths).contiguous()  # [world, ..., chunk]
+    # (waited before any view of it: traced by AOTAutograd in a backward, a view of the lazy result
+    # emitted the collective twice, measured)
     if via_all_to_all:
-        y = funcol.all_to_all_single(blocks, None, None, group_name).sum(0)  # block j: rank j's partial
+        y = funcol.wait_tensor(funcol.all_to_all_single(blocks, None, None, group_name)).sum(0)  # j: rank j's
     else:
-        y = funcol.reduce_scatter_single(blocks, "sum", 0, group_name)[0]
+        y = funcol.wait_tensor(funcol.reduce_scatter_single(blocks, "sum", 0, group_name))[0]
     # (contiguous: a training graph is traced on the conversion's fake output, which is contiguous)
     return y if lengths[rank] == blocks.shape[-1] else y.narrow(-1, 0, lengths[rank]).contiguous()
 
@@ -241,7 +243,7 @@ class _ReduceScatterToShards(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, lengths: list[int], rank: int, group_name: str, via_all_to_all: bool):
         ctx.lengths, ctx.rank, ctx.group_name = lengths, rank, group_name
         with torch.no_grad():
-            return funcol.wait_tensor(reduce_scatter_last_dim(x, lengths, rank, group_name, via_all_to_all))
+            return reduce_scatter_last_dim(x, lengths, rank, group_name, via_all_to_all)  # (waited inside)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -257,14 +259,14 @@ class _GatherToShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lengths: list[int], rank: int, group_name: str, via_all_to_all: bool):
         ctx.lengths, ctx.rank, ctx.group_name, ctx.via_all_to_all = lengths, rank, group_name, via_all_to_all
-        with torch.no_grad():
-            return funcol.wait_tensor(all_gather_last_dim(x, [lengths], rank, group_name).contiguous())
+        with torch.no_grad():  # (not waited again: a wait of the gathered copy re-emitted the gather, measured)
+            return all_gather_last_dim(x, [lengths], rank, group_name)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with peer_guard(_group_named(ctx.group_name), BACKWARD):
             part = reduce_scatter_last_dim(grad.contiguous(), ctx.lengths, ctx.rank, ctx.group_name, ctx.via_all_to_all)
-            return funcol.wait_tensor(part.contiguous()), None, None, None, None
+            return part.contiguous(), None, None, None, None
 
 
 BACKWARD = "the backward of the sharded program"

@@ -61,8 +61,8 @@ HF_STYLES = {
 HF_NOT_LINEAR = {
     "replicated_with_grad_allreduce": None,  # a norm over sharded heads (Qwen3 q_norm): its parameter stays whole
     "all_reduce": None,  # a module's partial output summed: each rowwise linear's all_reduce already is
-    "sequence_parallel": "dynashard does not shard activations along the sequence (inputs='replicated'); the "
-                         "module runs on every rank's whole sequence",
+    "sequence_parallel": "dynashard cuts the activations between the TP regions along the sequence for every "
+                         "module at once with options={'sequence_parallel': True}, not per plan entry",
     # experts cut inside every expert (gate_up colwise, down rowwise), one all_reduce per MoE block: what
     # dynashard does with the keys under such a container, and what an identity expert's sum needs
     "moe_tp_experts": None,

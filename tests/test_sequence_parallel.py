@@ -127,6 +127,49 @@ def test_collectives_per_layer():
     assert norms and all(tuple(n.meta["val"].shape) == (2, 3, 1) for n in norms), [n.meta["val"].shape for n in norms]
 
 
+def _step_collectives(monkeypatch, model: nn.Module, x: torch.Tensor, world: int) -> dict[str, dict[str, int]]:
+    """Collectives by kind in the forward and backward graphs AOTAutograd makes of one training step
+    (the output's mean square) on rank 0 of a fake group (test_training_graphs.py's capture, with SP)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def compile_graph(compiler, gm, example_inputs, mode="default", **kwargs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=capture("forward"),
+                                     bw_compiler=capture("backward"))
+
+    monkeypatch.setattr(private, "compile_graph", compile_graph)
+    torch._dynamo.reset()
+    private.init_fake_process_group(world, 0)
+    try:
+        fast = torch.compile(model, backend=lambda gm, ex: dynashard_backend(gm, ex, SP), dynamic=False)
+        fast(x).float().pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    kinds = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter"}
+    return {k: {kind: sum(1 for n in gm.graph.nodes if n.op == "call_function" and "_c10d_functional" in str(n.target)
+                          and op in str(n.target)) for kind, op in kinds.items()} for k, gm in graphs.items()}
+
+
+@pytest.mark.unit
+def test_training_step_collectives(monkeypatch):
+    """Llama, 2 layers at world 3, 7 tokens, one training step. Forward as inference: 5 reduce_scatters,
+    5 all_gathers. Backward, Megatron's pairs: an all_gather for each reduce_scatter, a reduce_scatter
+    for each colwise input's all_gather (4; the LM head's input, read whole, keeps its piece of the
+    gradient), and one all_reduce per norm weight (5: each rank's gradient of it is its tokens' part)."""
+    torch.manual_seed(0)
+    counts = _step_collectives(monkeypatch, _llama().train(), _ids(2, 7), 3)
+    assert counts["forward"] == {"all_reduce": 0, "all_gather": 5, "reduce_scatter": 5}, counts
+    assert counts["backward"] == {"all_reduce": 5, "all_gather": 5, "reduce_scatter": 4}, counts
+
+
 @pytest.mark.unit
 def test_options_refused():
     assert "inputs='per_rank'" in str(raised(lambda: dynashard.explain(
@@ -157,7 +200,9 @@ def test_dropout_of_the_cut_residual_stream_keeps_the_cut():
 # ranks) add the same terms in another order; over 3 SGD steps the differences stay at a few ulps of
 # each gradient's scale (measured < 1e-6 relative). 1e-4 leaves room for other thread counts.
 GRAD_RTOL = 1e-4
-TRAIN = {**SP, "compiler": "eager"}
+# Llama under aot_eager (AOTAutograd's forward and backward graphs, which Inductor would compile), the
+# blocks with dropout under eager
+COMPILERS = {"llama": "aot_eager", "biased_blocks": "eager"}
 
 
 @on_ranks(cases=["llama", "biased_blocks"])
@@ -180,8 +225,9 @@ def test_sgd_steps_match_the_unsharded_twin(rank, world, case):
         out = net(x)
         return out.pow(2).mean() if target is None else F.cross_entropy(out.flatten(0, 1), target.flatten())
 
-    dynashard.parallelize(model, batch(0)[0], options=TRAIN)
-    fast = torch.compile(model, backend=dynashard.backend(**TRAIN), dynamic=False)
+    options = {**SP, "compiler": COMPILERS[case]}
+    dynashard.parallelize(model, batch(0)[0], options=options)
+    fast = torch.compile(model, backend=dynashard.backend(**options), dynamic=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_twin = torch.optim.SGD(twin.parameters(), lr=0.05)
     facades = {n: f for n, f in _facades(model).items()}
