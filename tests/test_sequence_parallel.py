@@ -70,6 +70,54 @@ def test_forward_equals_unsharded(name, seq, world):
     assert "reduce_scatter" in str(report) and "all_reduce" not in str(report), report
 
 
+class SequenceOps(nn.Module):
+    """Ops along the sequence on the cut residual stream: a position table added (narrowed to each
+    rank's tokens), a mean over the sequence (partial sums, one all_reduce), shifted slices (carved
+    pieces), a cumsum and a last-token select (gathered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = models.MLP(32, 96), models.MLP(32, 96)
+        self.pos = nn.Parameter(torch.randn(16, 32))
+
+    def forward(self, x):
+        x = x + self.a(x)
+        x = x + self.pos[: x.shape[1]]
+        pooled = x.mean(1, keepdim=True)
+        x = x[:, 1:] + x[:, :-1]
+        x = x + self.b(x) + pooled
+        return x.cumsum(1), x[:, -1], x.flatten(0, 1)[3:9]
+
+
+class _Logits(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(ids, use_cache=False).logits
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", ["sequence_ops", "nanogpt", "hf_llama"])
+def test_more_forms_forward_equal_unsharded(name, world):
+    """9 tokens (5/4, 3/3/3, 3/2/2/2): ops along the cut dim; nanoGPT's learned position embedding
+    (vocab-parallel too: its output cut like the tokens'); HF Llama (its own masks, RoPE, GQA)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model, x = {
+        "sequence_ops": lambda: (SequenceOps(), torch.randn(2, 9, 32)),
+        "nanogpt": lambda: (models.build("nanogpt", 64, 97), torch.randint(0, 97, (2, 9))),
+        "hf_llama": lambda: (_Logits(T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=96))), _ids(2, 9)),
+    }[name]()
+    report = dynashard.explain(model.eval(), x, world_size=world, options=SP, verify=True)
+    assert "reduce_scatter" in str(report), report
+
+
 @pytest.mark.unit
 def test_training_conversions_forward_equals_unsharded():
     """The graph a training compile emits (reduce_scatter_to_shards, gather then copy): its forward."""
