@@ -342,7 +342,7 @@ def test_random_moe(case, world, shape3d, plan_draw, data):
     or not (MOE_TAILS): partial sums reduced exactly once, where needed."""
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
-    x = torch.randn(*((2, seq) if shape3d else (5,)), hidden)
+    x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
     layers = {"moe.router", "moe.gate_up_proj", "moe.down_proj"}  # (biases are parameters, not layers)
     layers |= {f"shared.{n}" for n in ("w1", "w2", "w3")} if model.shared is not None else set()
     plan = "auto"
