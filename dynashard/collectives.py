@@ -158,6 +158,10 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # tracing the same conversion again (a recompile, another shape) reuses its entry: the table holds one per
 # distinct conversion (kind, group, cut), however often the rewrite runs.
 _CONVERSIONS: dict[str, Any] = {}
+_REGATHER_GRAPH_ID = 1 << 20  # (ids apart from the user's checkpointed regions')
+_LAYOUT_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+               torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.clone.default,
+               torch.ops.aten.alias.default}
 
 
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
@@ -182,11 +186,24 @@ def conversion(x: torch.Tensor, function: type[torch.autograd.Function], *args: 
 
 
 def bind_conversions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Each marker node calls its conversion (an autograd.Function) instead."""
-    for node in gm.graph.nodes:
+    """Each marker node calls its conversion (an autograd.Function) instead. A sequence_parallel
+    colwise input's gather is tagged to be recomputed in the backward (Megatron all-gathers it again
+    there): AOTAutograd's partitioner then saves this rank's part, not the gathered whole."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for i, node in enumerate(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.dynashard.tp_conversion.default:
-            node.target = _CONVERSIONS[node.args[1]]
+            key = node.args[1]
+            node.target = _CONVERSIONS[key]
             node.args = (node.args[0],)
+            if key.startswith(f"('{_GatherToShards.__name__}'") and "recompute" not in node.meta:
+                # the gather and the layout ops after it, up to the matmuls that read it
+                todo = [node]
+                while todo:
+                    n = todo.pop()
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    n.meta["ac_graph_id"] = _REGATHER_GRAPH_ID + i
+                    todo += [u for u in n.users if u.target in _LAYOUT_OPS and "recompute" not in u.meta]
     gm.recompile()
     return gm
 

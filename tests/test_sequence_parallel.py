@@ -178,7 +178,7 @@ def test_collectives_per_layer():
 def _step_collectives(monkeypatch, model: nn.Module, x: torch.Tensor, world: int) -> dict[str, dict[str, int]]:
     """Collectives by kind in the forward and backward graphs AOTAutograd makes of one training step
     (the output's mean square) on rank 0 of a fake group (test_training_graphs.py's capture, with SP)."""
-    from functorch.compile import make_boxed_func
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_module_simplified
 
     graphs: dict[str, torch.fx.GraphModule] = {}
@@ -189,9 +189,9 @@ def _step_collectives(monkeypatch, model: nn.Module, x: torch.Tensor, world: int
             return make_boxed_func(gm.forward)
         return compiler
 
-    def compile_graph(compiler, gm, example_inputs, mode="default", **kwargs):
+    def compile_graph(compiler, gm, example_inputs, mode="default", **kwargs):  # (Inductor's partitioner)
         return aot_module_simplified(gm, example_inputs, fw_compiler=capture("forward"),
-                                     bw_compiler=capture("backward"))
+                                     bw_compiler=capture("backward"), partition_fn=min_cut_rematerialization_partition)
 
     monkeypatch.setattr(private, "compile_graph", compile_graph)
     torch._dynamo.reset()
@@ -202,20 +202,27 @@ def _step_collectives(monkeypatch, model: nn.Module, x: torch.Tensor, world: int
     finally:
         dist.destroy_process_group()
     kinds = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter"}
-    return {k: {kind: sum(1 for n in gm.graph.nodes if n.op == "call_function" and "_c10d_functional" in str(n.target)
-                          and op in str(n.target)) for kind, op in kinds.items()} for k, gm in graphs.items()}
+    counts = {k: {kind: sum(1 for n in gm.graph.nodes if n.op == "call_function" and "_c10d_functional" in str(n.target)
+                            and op in str(n.target)) for kind, op in kinds.items()} for k, gm in graphs.items()}
+    out = next(n for n in graphs["forward"].graph.nodes if n.op == "output")
+    saved = [tuple(a.meta["val"].shape) for a in out.args[0] if isinstance(a, torch.fx.Node)
+             and isinstance(a.meta.get("val"), torch.Tensor)]
+    return counts, saved
 
 
 @pytest.mark.unit
 def test_training_step_collectives(monkeypatch):
-    """Llama, 2 layers at world 3, 7 tokens, one training step. Forward as inference: 5 reduce_scatters,
-    5 all_gathers. Backward, Megatron's pairs: an all_gather for each reduce_scatter, a reduce_scatter
-    for each colwise input's all_gather (4; the LM head's input, read whole, keeps its piece of the
-    gradient), and one all_reduce per norm weight (5: each rank's gradient of it is its tokens' part)."""
+    """Llama, 2 layers at world 3, 7 tokens, one training step, AOTAutograd's min-cut partition (as
+    Inductor and aot_eager partition). Forward as inference: 5 reduce_scatters, 5 all_gathers. Backward,
+    Megatron's: an all_gather for each reduce_scatter, each colwise input gathered again (4; the LM
+    head's input, read whole, is saved) and reduce-scattered back (4), one all_reduce per norm weight
+    (5: each rank's gradient of it is its tokens' part). Saved for the backward: the gathered inputs
+    (``[14, 64]``) only for the LM head; this rank's 3 tokens (``[2, 3, 64]``) otherwise."""
     torch.manual_seed(0)
-    counts = _step_collectives(monkeypatch, _llama().train(), _ids(2, 7), 3)
+    counts, saved = _step_collectives(monkeypatch, _llama().train(), _ids(2, 7), 3)
     assert counts["forward"] == {"all_reduce": 0, "all_gather": 5, "reduce_scatter": 5}, counts
-    assert counts["backward"] == {"all_reduce": 5, "all_gather": 5, "reduce_scatter": 4}, counts
+    assert counts["backward"] == {"all_reduce": 5, "all_gather": 9, "reduce_scatter": 4}, counts
+    assert saved.count((14, 64)) == 1 and saved.count((2, 3, 64)) >= 4, saved
 
 
 @pytest.mark.unit
