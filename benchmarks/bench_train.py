@@ -16,6 +16,7 @@ compiled ones with fullgraph=True, dynamic=False):
                                torch.compile; gradients and AdamW state are DTensors
   dynashard eager / inductor   dynashard.parallelize(model, *inputs), AdamW over its shards, then
                                torch.compile(model, backend=dynashard.backend(compiler=...)), plan "auto"
+  dynashard sp eager / inductor  the same with options sequence_parallel=True
   bound                        workloads.shard_by_hand(..., copies=...): this rank's shards with
                                Megatron's f (identity forward, all_reduce backward, once per value
                                the colwise layers read) and g (all_reduce forward, identity
@@ -23,7 +24,7 @@ compiled ones with fullgraph=True, dynamic=False):
                                as autograd Functions over funcol, the LM head's all_gather keeping
                                this rank's columns backward; compiled with Inductor (Dynamo traces
                                an autograd.Function as a higher-order op: its backward is kept)
-Default: unsharded eager, unsharded inductor, dtensor inductor, dynashard inductor, bound.
+Default: unsharded eager, unsharded inductor, dtensor inductor, dynashard inductor, dynashard sp inductor, bound.
 
 The step: ``opt.zero_grad(set_to_none=True)``; ``loss = loss_of(model(*inputs))`` (cross-entropy
 against random next tokens for the decoder, ``out.float().pow(2).mean()`` otherwise, eager);
@@ -42,6 +43,10 @@ group goes through one: funcol in eager code and in Inductor's generated code, D
 redistributions, ``dist.*`` calls. Those not issued by a ``_c10d_functional`` op are shown "via
 dist" (dynashard's per-call input check: one all_reduce of 6 int64 per graph call); the record
 also holds the input shapes of the funcol ones.
+
+Activations: the bytes of the tensors one forward (with the loss) saves for its backward, each storage
+once (``torch.autograd.graph.saved_tensors_hooks``; a compiled graph's saved activations included),
+the largest rank's: what ``sequence_parallel`` cuts between the TP regions.
 
 Memory: after that step (parameters, ``.grad`` and AdamW state all alive: their peak), the bytes
 of this rank's parameters, gradients and optimizer state tensors (a DTensor's local tensor), the
@@ -93,6 +98,7 @@ from benchmarks.train_metrics import (
     Phase,
     count_collectives,
     grad_error,
+    saved_bytes,
     state_bytes,
     table,
     target_bytes,
@@ -107,9 +113,12 @@ SYSTEMS = (
     "dtensor inductor",
     "dynashard eager",
     "dynashard inductor",
+    "dynashard sp eager",
+    "dynashard sp inductor",
     "bound",
 )
-DEFAULT_SYSTEMS = ("unsharded eager", "unsharded inductor", "dtensor inductor", "dynashard inductor", "bound")
+DEFAULT_SYSTEMS = ("unsharded eager", "unsharded inductor", "dtensor inductor", "dynashard inductor",
+                   "dynashard sp inductor", "bound")
 TRAINED = ("mlp", "block", "decoder")
 LR = 1e-4
 # float32: a sharded or compiled step sums the same products in another order, forward and backward,
@@ -137,6 +146,8 @@ def _compile(model: nn.Module, backend: Any) -> Callable[..., Any]:
 
 def build(system: str, workload: str, base: nn.Module, inputs: tuple[Any, ...], ctx: dict[str, Any]) -> Trainer:
     kind, _, variant = system.partition(" ")
+    sp = variant.startswith("sp ")
+    variant = variant.removeprefix("sp ")
     compiled, compiler = variant != "eager", ctx["compiler"]
     if kind == "unsharded":
         model = copy.deepcopy(base)
@@ -153,7 +164,8 @@ def build(system: str, workload: str, base: nn.Module, inputs: tuple[Any, ...], 
 
         # NOTE: a fresh backend object per build (see suite.build: Dynamo would otherwise reuse
         # another copy's program, and this system's compile would go unmeasured).
-        options = {"compiler": compiler if compiled else "eager", "min_shard_numel": ctx["min_shard_numel"]}
+        options = {"compiler": compiler if compiled else "eager", "min_shard_numel": ctx["min_shard_numel"],
+                   "sequence_parallel": sp}
         model = dynashard.parallelize(copy.deepcopy(base), *inputs, options=options)
         fn = _compile(model, dynashard.backend(**options))
     else:
@@ -201,6 +213,7 @@ def first_steps(
     t.opt.step()
     info["collectives"] = count_collectives(functools.partial(train_step, t, inputs, target))
     info["state_bytes"] = state_bytes(t.model, t.opt)
+    info["saved_bytes"] = saved_bytes(lambda: loss_of(t.fn(*inputs), target), t.model)
     return info
 
 
@@ -286,6 +299,7 @@ def run_group(
             collectives=per_rank[0]["collectives"],
             state_bytes=state,
             state_total_bytes=total,
+            saved_bytes=max(p["saved_bytes"] for p in per_rank),
             state_target_bytes=ref["target_bytes"],
             loadavg=load,  # 1-minute load average on rank 0's machine: before building, before and after timing
         )

@@ -94,6 +94,29 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     }
 
 
+def saved_bytes(forward: Callable[[], torch.Tensor], model: nn.Module) -> int:
+    """Bytes of the activations ``forward()`` saves for its backward: each storage counted once,
+    ``model``'s parameters not counted (the graph is dropped unused)."""
+    storages: dict[int, int] = {}
+    weights = {_storage(p) for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.device.type != "meta" and local.untyped_storage().nbytes() and _storage(local) not in weights:
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    del loss
+    return sum(storages.values())
+
+
+def _storage(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.untyped_storage().data_ptr() if t.device.type != "meta" else -1
+
+
 def target_bytes(model: nn.Module, opt: torch.optim.Optimizer, sharded: set[str], world: int) -> float:
     """``model``'s (unsharded) parameter, gradient and optimizer state bytes, every tensor of a
     parameter in ``sharded`` counted 1/world (a 0-d tensor, AdamW's step, whole)."""
@@ -142,8 +165,8 @@ def table(group: list[dict[str, Any]], world: int) -> str:
         f"### {head['workload']}, {head['tokens']} tokens, world {world} (one training step, slowest rank)",
         "",
         "| system | median ms | vs bound | vs DTensor compiled | fwd / bwd / opt ms | collectives fwd; bwd; opt "
-        "| params+grads+AdamW MiB/rank | vs target | grad err | setup + first step s |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        "| params+grads+AdamW MiB/rank | vs target | saved for backward MiB/rank | grad err | setup + first step s |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in group:
         if "error" in r:
@@ -154,7 +177,7 @@ def table(group: list[dict[str, Any]], world: int) -> str:
             f"| {r['system']} | {r['median_ms']:.2f} | {_ratio(r, by_name, 'bound')} "
             f"| {_ratio(r, by_name, 'dtensor inductor')} | {' / '.join(f'{ph[p]:.1f}' for p in PHASES)} "
             f"| {'; '.join(c[p]['text'] for p in PHASES)} | {mib(r['state_total_bytes'])} "
-            f"| {r['state_total_bytes'] / r['state_target_bytes']:.3f} "
+            f"| {r['state_total_bytes'] / r['state_target_bytes']:.3f} | {mib(r['saved_bytes'])} "
             f"| {r['grad_rel_err']:.1e}{'' if r['ok'] else ' (FAIL)'} | {r['first_call_s']:.1f} |"
         )
     target = next((r["state_target_bytes"] for r in group if "state_target_bytes" in r), None)

@@ -64,7 +64,7 @@ def auto_decisions(
             )
         elif (refused := m.kind.refused(modes["stacked"], modes["per_rank"])) is not None:
             decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")
-        elif (own := m.kind.auto_style("reduce_scatter" if modes["per_rank"] else "all_reduce")) is not None:
+        elif (own := m.kind.auto_style(_reduce_name(modes))) is not None:
             decisions[m.node] = Decision(Style(own[0]), own[1])
         elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m) \
                 and m.kind.refused_dim(m.out_dim) is None:
@@ -78,7 +78,7 @@ def auto_decisions(
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
                 partners.setdefault(o, []).append(m.fqn)
-            reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+            reduce = _reduce_name(modes)
             decisions[m.node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {reduce}",
                                          frozenset(names))
         else:
@@ -97,7 +97,7 @@ def auto_decisions(
             if not expanded[o]:
                 del expanded[o]
             partners.setdefault(o, []).append(by_node[node].fqn)
-        reduce = "reduce_scatter" if modes["per_rank"] else "all_reduce"
+        reduce = _reduce_name(modes)
         decisions[node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {reduce} "
                                    "(cut colwise, its shard would reach no rowwise partner)", frozenset(names))
     for m in linears:
@@ -188,3 +188,9 @@ def follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dic
                 or m.kind.refused_dim(dim) is not None:
             continue
         decisions[m.node] = Decision(style_along(m, dim), f"weight already split on dim {dim} by an earlier graph")
+
+
+def _reduce_name(modes: dict) -> str:
+    """A rowwise output's collective, as the reasons name it (sequence_parallel: all_reduce where
+    the sequence is shorter than the world; the collectives column says which)."""
+    return "reduce_scatter" if modes["per_rank"] or modes["sequence"] else "all_reduce"

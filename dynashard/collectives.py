@@ -74,6 +74,23 @@ def rank_blocks(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return torch.stack([_pad_last(x.narrow(-1, s, ln), chunk) for s, ln in zip(starts, lengths)])
 
 
+def reduce_scatter_last_dim(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
+                            via_all_to_all: bool) -> torch.Tensor:
+    """Every rank's partial sums ``x`` added up, this rank keeping its ``lengths[rank]`` elements of
+    the last dim (rank r's come after those of ranks < r; sequence_parallel's rowwise output).
+    Uneven lengths: each rank's block is padded to the longest, and the padding cut away after.
+    ``via_all_to_all``: an all-to-all and a local sum (cheaper on gloo: reduce_scatter_rows)."""
+    blocks = rank_blocks(x, lengths).contiguous()  # [world, ..., chunk]
+    # (waited before any view of it: traced by AOTAutograd in a backward, a view of the lazy result
+    # emitted the collective twice, measured)
+    if via_all_to_all:
+        y = funcol.wait_tensor(funcol.all_to_all_single(blocks, None, None, group_name)).sum(0)  # j: rank j's
+    else:
+        y = funcol.wait_tensor(funcol.reduce_scatter_single(blocks, "sum", 0, group_name))[0]
+    # (contiguous: a training graph is traced on the conversion's fake output, which is contiguous)
+    return y if lengths[rank] == blocks.shape[-1] else y.narrow(-1, 0, lengths[rank]).contiguous()
+
+
 def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Every rank's rows, rank-major (inputs="per_rank": a colwise input)."""
     return funcol.all_gather_single(x.contiguous(), 0, group_name)
@@ -127,6 +144,9 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 #   is the same replicated gradient).
 # - gather_from_shards: all_gather forward; backward keeps this rank's pieces of the (replicated)
 #   gradient, no communication.
+# - reduce_scatter_to_shards (sequence_parallel): reduce_scatter forward; all_gather backward.
+# - gather_to_shards (sequence_parallel, a gathered value read by a sharded op): all_gather forward;
+#   reduce_scatter backward (a gather followed by f, in one collective each way).
 #
 # They are autograd.Functions, and make_fx (the rewrite's trace) would inline a Function and drop its
 # backward. So the rewrite traces an opaque marker op, ``dynashard::tp_conversion(x, key)``, and
@@ -138,6 +158,10 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # tracing the same conversion again (a recompile, another shape) reuses its entry: the table holds one per
 # distinct conversion (kind, group, cut), however often the rewrite runs.
 _CONVERSIONS: dict[str, Any] = {}
+_REGATHER_GRAPH_ID = 1 << 20  # (ids apart from the user's checkpointed regions')
+_LAYOUT_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+               torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.clone.default,
+               torch.ops.aten.alias.default}
 
 
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
@@ -162,11 +186,24 @@ def conversion(x: torch.Tensor, function: type[torch.autograd.Function], *args: 
 
 
 def bind_conversions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Each marker node calls its conversion (an autograd.Function) instead."""
-    for node in gm.graph.nodes:
+    """Each marker node calls its conversion (an autograd.Function) instead. A sequence_parallel
+    colwise input's gather is tagged to be recomputed in the backward (Megatron all-gathers it again
+    there): AOTAutograd's partitioner then saves this rank's part, not the gathered whole."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for i, node in enumerate(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.dynashard.tp_conversion.default:
-            node.target = _CONVERSIONS[node.args[1]]
+            key = node.args[1]
+            node.target = _CONVERSIONS[key]
             node.args = (node.args[0],)
+            if key.startswith(f"('{_GatherToShards.__name__}'") and "recompute" not in node.meta:
+                # the gather and the layout ops after it, up to the matmuls that read it
+                todo = [node]
+                while todo:
+                    n = todo.pop()
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    n.meta["ac_graph_id"] = _REGATHER_GRAPH_ID + i
+                    todo += [u for u in n.users if u.target in _LAYOUT_OPS and "recompute" not in u.meta]
     gm.recompile()
     return gm
 
@@ -215,6 +252,40 @@ class _GatherFromShards(torch.autograd.Function):
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)), None, None, None, None
 
 
+class _ReduceScatterToShards(torch.autograd.Function):
+    """sequence_parallel's rowwise output: reduce_scatter forward; all_gather backward (each rank's
+    gradient of its part of the sum is the gradient of every rank's partial sums there)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lengths: list[int], rank: int, group_name: str, via_all_to_all: bool):
+        ctx.lengths, ctx.rank, ctx.group_name = lengths, rank, group_name
+        with torch.no_grad():
+            return reduce_scatter_last_dim(x, lengths, rank, group_name, via_all_to_all)  # (waited inside)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with peer_guard(_group_named(ctx.group_name), BACKWARD):
+            full = all_gather_last_dim(grad.contiguous(), [ctx.lengths], ctx.rank, ctx.group_name)
+            return funcol.wait_tensor(full.contiguous()), None, None, None, None
+
+
+class _GatherToShards(torch.autograd.Function):
+    """sequence_parallel's colwise input: all_gather forward; reduce_scatter backward (each rank's
+    gradient of the gathered value is its own features' contribution: summed, each keeps its part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, lengths: list[int], rank: int, group_name: str, via_all_to_all: bool):
+        ctx.lengths, ctx.rank, ctx.group_name, ctx.via_all_to_all = lengths, rank, group_name, via_all_to_all
+        with torch.no_grad():  # (not waited again: a wait of the gathered copy re-emitted the gather, measured)
+            return all_gather_last_dim(x, [lengths], rank, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        with peer_guard(_group_named(ctx.group_name), BACKWARD):
+            part = reduce_scatter_last_dim(grad.contiguous(), ctx.lengths, ctx.rank, ctx.group_name, ctx.via_all_to_all)
+            return part.contiguous(), None, None, None, None
+
+
 BACKWARD = "the backward of the sharded program"
 
 
@@ -236,6 +307,16 @@ def gather_from_shards(
     x: torch.Tensor, lengths: list[list[int]], rank: int, group_name: str, whole: frozenset[int] = frozenset()
 ) -> torch.Tensor:
     return conversion(x, _GatherFromShards, [list(ls) for ls in lengths], rank, group_name, tuple(sorted(whole)))
+
+
+def reduce_scatter_to_shards(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
+                             via_all_to_all: bool) -> torch.Tensor:
+    return conversion(x, _ReduceScatterToShards, list(lengths), rank, group_name, via_all_to_all)
+
+
+def gather_to_shards(x: torch.Tensor, lengths: list[int], rank: int, group_name: str,
+                     via_all_to_all: bool) -> torch.Tensor:
+    return conversion(x, _GatherToShards, list(lengths), rank, group_name, via_all_to_all)
 
 
 def group_name(group: dist.ProcessGroup) -> str:

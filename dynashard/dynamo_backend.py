@@ -28,7 +28,7 @@ from dynashard import dtensor_params, gate
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
-from dynashard.lowerings import RowwiseExperts
+from dynashard.lowerings import DropoutOfCut, RowwiseExperts
 from dynashard.nodes import tensor_args, val
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
@@ -260,6 +260,8 @@ def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str
     # would mask differently on each rank -- replicated values that differ across ranks, silently. On
     # replicated values every rank draws the same, as the unsharded model does.
     for node in analysis.aten.graph.nodes:
+        if isinstance(getattr(lm.records.get(node), "lowering", None), DropoutOfCut):
+            continue  # the whole mask drawn on every rank (sequence_parallel): the streams stay in step
         if private.draws_random(node) and (lm.layouts.get(node) is not None
                                     or any(o is not None for o in lm.outputs.get(node) or [])):
             raise NotSupportedError(

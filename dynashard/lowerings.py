@@ -183,11 +183,12 @@ class RowwiseLinear(Lowering):
     match: LinearMatch
     in_shard: Shard  # this rank's input features
     reduce: bool = True  # False: left as this rank's partial sums (no bias), reduced with others later
+    seq: Shard | None = None  # sequence_parallel: the part of the sequence this rank keeps of the sum
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         y = _matmul(sharder, self.match, _rowwise_input(sharder, node, self.match, self.in_shard))
         y = y[1] if sharder.lm.stacked else y
-        return _combined(sharder, node, self.match, y) if self.reduce else y
+        return _combined(sharder, node, self.match, y, self.seq) if self.reduce else y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,24 +198,46 @@ class VocabParallelLookup(Lowering):
 
     match: LinearMatch
     in_shard: Shard  # this rank's rows of the table
+    seq: Shard | None = None  # sequence_parallel: the part of the sequence this rank keeps
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         m, lm = self.match, sharder.lm
         x = _rowwise_input(sharder, node, m, self.in_shard)
         y = vocab.lookup(node, sharder.env[m.weight], x, self.in_shard, sharder.train, lm.world if lm.per_rank else 1)
-        return _combined(sharder, node, m, y)
+        return _combined(sharder, node, m, y, self.seq)
 
 
-def _combined(sharder: Any, node: torch.fx.Node, m: LinearMatch, y: Any) -> Any:
-    """Every rank's partial sums ``y`` added up, then the bias (once)."""
+def _combined(sharder: Any, node: torch.fx.Node, m: LinearMatch, y: Any, seq: Shard | None = None) -> Any:
+    """Every rank's partial sums ``y`` added up, then the bias (once). ``seq``: each rank keeps its
+    part of the sequence, and adds the bias to it (read as a sharded op reads a replicated value:
+    with gradients, its gradient is then summed over the ranks' parts)."""
     lm = sharder.lm
     if lm.per_rank:
         y = sharder.comm.reduce_scatter_rows(y, lm.world, sharder.group_name, sharder.a2a_reduce)
+    elif seq is not None:
+        y = sharder.scatter_sequence(y, seq)
     else:
         y = sharder.all_reduce(y)
     if m.bias is not None:
-        y = aten.add(y, sharder.read(node, m.bias, None))
+        y = aten.add(y, sharder.read(node, m.bias, seq))
     return y
+
+
+@dataclasses.dataclass(frozen=True)
+class DropoutOfCut(Lowering):
+    """``native_dropout`` of a cut value: the whole mask drawn (the same random numbers the unsharded
+    model draws, in the same order: ``native_dropout`` of ones of the whole shape and dtype is its
+    mask times the scale), this rank's part of it applied. ``x * (mask * scale)`` is bitwise
+    ``x * mask * scale`` for a mask of 0 and 1."""
+
+    shard: Shard
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        x = sharder.read(node, node.args[0], self.shard)
+        whole = node.args[0].meta["val"]
+        ones = aten.ones(list(whole.shape), dtype=x.dtype, device=x.device)
+        kept, mask = aten.native_dropout(ones, *node.args[1:], **node.kwargs)
+        return aten.mul(x, take(kept, self.shard)), take(mask, self.shard)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,8 +61,8 @@ HF_STYLES = {
 HF_NOT_LINEAR = {
     "replicated_with_grad_allreduce": None,  # a norm over sharded heads (Qwen3 q_norm): its parameter stays whole
     "all_reduce": None,  # a module's partial output summed: each rowwise linear's all_reduce already is
-    "sequence_parallel": "dynashard does not shard activations along the sequence (inputs='replicated'); the "
-                         "module runs on every rank's whole sequence",
+    "sequence_parallel": "dynashard cuts the activations between the TP regions along the sequence for every "
+                         "module at once with options={'sequence_parallel': True}, not per plan entry",
     # experts cut inside every expert (gate_up colwise, down rowwise), one all_reduce per MoE block: what
     # dynashard does with the keys under such a container, and what an identity expert's sum needs
     "moe_tp_experts": None,
@@ -85,6 +85,9 @@ class Options:
     compiler: str = "inductor"
     weights: str = "replicated"
     inputs: str = "replicated"
+    # Megatron's sequence parallelism under replicated inputs: between the TP regions activations are
+    # cut along the sequence dim (rowwise outputs reduce-scattered, colwise inputs all-gathered)
+    sequence_parallel: bool = False
     # A weight with fewer elements than this stays replicated under plan="auto": below
     # 64K elements the collective it needs (tens of microseconds on gloo) costs about what
     # the halved matmul saves.
@@ -197,6 +200,16 @@ def parse_options(raw: Mapping[str, Any] | Options | None) -> Options:
             "dynashard: weights='per_rank' (every rank its own model) needs inputs='per_rank' (every "
             "rank its own batch); found inputs='replicated'. Pass options={'inputs': 'per_rank', ...}."
         )
+    if "sequence_parallel" in raw:
+        value = raw["sequence_parallel"]
+        if not isinstance(value, bool):
+            raise OptionTypeError(f"dynashard: option 'sequence_parallel' is {value!r}; expected True or False.")
+        if value and kwargs.get("inputs") == "per_rank":
+            raise UsageError(
+                "dynashard: sequence_parallel=True cuts the one replicated batch along its sequence; found "
+                "inputs='per_rank', which already holds each rank's own rows between the TP regions. Expected "
+                "one of them: drop sequence_parallel, or pass inputs='replicated'.")
+        kwargs["sequence_parallel"] = value
     if "min_shard_numel" in raw:
         value = raw["min_shard_numel"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

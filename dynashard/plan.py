@@ -73,6 +73,7 @@ def make_plan(
     by_node = {m.node: m for m in linears}
     modes = {
         "per_rank": options.inputs == "per_rank",
+        "sequence": options.sequence_parallel,
         "uniform_inputs": uniform_inputs,
         "stacked": options.weights == "per_rank",
     }

@@ -48,6 +48,7 @@ def propagate(
     world: int,
     rank: int,
     per_rank: bool = False,
+    sequence: bool = False,
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
     stacked: bool = False,
     splits: dict[torch.fx.Node, Split] | None = None,
@@ -56,11 +57,12 @@ def propagate(
     """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
 
     ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
-    under replicated weights); they matter only with ``per_rank``. ``states``: graph inputs held
-    sharded (placeholder -> split, dim, origins: a KV cache the graph writes head-sharded k/v into).
+    under replicated weights); they matter only with ``per_rank``. ``sequence``: sequence_parallel.
+    ``states``: graph inputs held sharded (placeholder -> split, dim, origins: a KV cache the graph
+    writes head-sharded k/v into).
     """
-    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, stacked=stacked, splits=dict(splits or {}),
-                   written=mutated_roots(graph))
+    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, sequence=sequence, stacked=stacked,
+                   splits=dict(splits or {}), written=mutated_roots(graph))
     for node in graph.nodes:
         if node in (states or {}):  # a cache held sharded (a graph input, or allocated by the graph)
             split, dim, origins = states[node]

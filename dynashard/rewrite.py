@@ -71,7 +71,8 @@ class _Sharder(torch.fx.Interpreter):
         self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
         self.roots, self.written = alias_roots(gm.graph), mutated_roots(gm.graph)
 
-    def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None) -> Any:
+    def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None, to_shards: bool = False
+                 ) -> Any:
         lm, group = self.lm, self.group_name
         lay = lm.layouts[producer]
         if how == Read.NARROW:
@@ -95,7 +96,10 @@ class _Sharder(torch.fx.Interpreter):
             if lay.length == 0:
                 raise InternalError(f"dynashard: internal error: merged shard of {producer} is empty on this rank")
             moved = moved.unflatten(-1, (moved.shape[-1] // lay.length, lay.length))
-        full = self.gather_last_dim(moved, lay.split.lengths(lm.world), lay.split.whole)
+        if to_shards:
+            full = self.comm.gather_to_shards(moved, lay.split.lengths(lm.world)[0], lm.rank, group, self.a2a_reduce)
+        else:
+            full = self.gather_last_dim(moved, lay.split.lengths(lm.world), lay.split.whole)
         if merged:
             full = full.flatten(-2)
         # NOTE: kernels called at aten level (e.g. CPU flash attention) assume a unit-stride last
@@ -130,6 +134,15 @@ class _Sharder(torch.fx.Interpreter):
             return take_groups(value, out)
         if how in (Read.NARROW, Read.GLOBAL_NARROW):  # cheap or consumer-specific: not shared
             return self._convert(how, producer, value, out)
+        lay = self.lm.layouts.get(producer)
+        if sharded_reader and how == Read.GATHER and self.lm.sequence and len(lay.split.parts) == 1 \
+                and not lay.split.whole:
+            # (sequence_parallel: a colwise input) one conversion, Megatron's: reduce_scatter backward,
+            # where a gather then f would all_reduce the whole gradient and keep a piece of it
+            key = ("to_shards", producer)
+            if key not in self.converted:
+                self.converted[key] = self._convert(how, producer, value, out, to_shards=True)
+            return self.converted[key]
         key = (how, producer)
         if key not in self.converted:
             self.converted[key] = self._convert(how, producer, value, out)
@@ -188,6 +201,23 @@ class _Sharder(torch.fx.Interpreter):
         if self.megatron:
             return self.comm.reduce_from_shards(value, self.group_name)  # g: identity backward
         return self.comm.all_reduce_sum(value, self.group_name)
+
+    def scatter_sequence(self, value: Any, seq: Shard) -> Any:
+        """sequence_parallel: every rank's partial sums added up, this rank keeping its part of the
+        sequence dim (``seq.dim``; a batch merged in front of it, ``[B*S]``, is taken apart first).
+        With gradients, Megatron's backward: every rank's parts all-gathered."""
+        lm = self.lm
+        full = value.shape[seq.dim]
+        merged = not is_size(full, seq.size)
+        moved = value.movedim(seq.dim, -1)
+        if merged:
+            moved = moved.unflatten(-1, (full // seq.size, seq.size))
+        lengths = seq.split.lengths(lm.world)[0]
+        scatter = self.comm.reduce_scatter_to_shards if self.megatron else self.comm.reduce_scatter_last_dim
+        part = scatter(moved, lengths, lm.rank, self.group_name, self.a2a_reduce)
+        if merged:
+            part = part.flatten(-2)
+        return part.movedim(-1, seq.dim).contiguous()
 
     def gather_last_dim(self, value: Any, lengths: list[list[int]], whole: frozenset[int] = frozenset()) -> Any:
         """Every rank's ``value`` side by side on the last dim (with gradients: Megatron's, the

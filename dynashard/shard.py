@@ -180,6 +180,8 @@ class LayoutMap:
     rank: int
     styles: dict[torch.fx.Node, Style]  # linear node -> style
     per_rank: bool = False  # inputs="per_rank": replicated values are this rank's rows only
+    # sequence_parallel: rowwise outputs are reduce-scattered along the sequence (a Shard of it)
+    sequence: bool = False
     stacked: bool = False  # weights="per_rank": sharded weights hold one block of every rank's weight
     uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
     records: dict[torch.fx.Node, Record] = dataclasses.field(default_factory=dict)
@@ -228,6 +230,10 @@ class LayoutMap:
         return Shard(split, origins, dim, self.world, self.rank)
 
     def wish(self, origins: frozenset[torch.fx.Node], kind: WishKind, arg: Any, reason: str) -> None:
+        if self.sequence:  # a sequence cut comes from a rowwise linear: nothing there to re-cut
+            origins = frozenset(o for o in origins if self.styles.get(o) != Style.ROWWISE)
+            if not origins:
+                return
         self.wishes.append(Wish(origins, kind, arg, reason))
 
     def _charge(self, consumer: torch.fx.Node, producer: torch.fx.Node, how: Read) -> None:
@@ -247,9 +253,10 @@ class LayoutMap:
             self.collectives.append(
                 Collective(CollectiveKind.ALL_TO_ALL, producer, frozenset([consumer]), op_name(consumer)))
 
-    def reduce(self, linear: torch.fx.Node) -> Collective:
-        """A rowwise linear's (or vocab-parallel embedding's) partial sums, combined."""
-        kind = CollectiveKind.REDUCE_SCATTER if self.per_rank else CollectiveKind.ALL_REDUCE
+    def reduce(self, linear: torch.fx.Node, scattered: bool = False) -> Collective:
+        """A rowwise linear's (or vocab-parallel embedding's) partial sums, combined (``scattered``:
+        each rank keeps its part of the sequence)."""
+        kind = CollectiveKind.REDUCE_SCATTER if self.per_rank or scattered else CollectiveKind.ALL_REDUCE
         return Collective(kind, linear, frozenset([linear]), "")
 
     # Records shared by many rules.

@@ -68,6 +68,15 @@ class SimulatedCollectives:
     def gather_from_shards(self, x, lengths, rank, group_name, whole=frozenset()):
         return self.all_gather_last_dim(x, lengths, rank, group_name, whole)
 
+    def reduce_scatter_last_dim(self, x, lengths, rank, group_name, via_all_to_all):
+        return torch.stack(self._all(x)).sum(0).narrow(-1, sum(lengths[:rank]), lengths[rank])
+
+    def reduce_scatter_to_shards(self, x, lengths, rank, group_name, via_all_to_all):
+        return self.reduce_scatter_last_dim(x, lengths, rank, group_name, via_all_to_all)
+
+    def gather_to_shards(self, x, lengths, rank, group_name, via_all_to_all):
+        return self.all_gather_last_dim(x, [lengths], rank, group_name)
+
     def all_gather_rows(self, x, group_name):
         return torch.cat(self._all(x), 0)
 
@@ -196,6 +205,14 @@ def _join(values: list[torch.Tensor], lengths: list[list[int]], whole) -> torch.
     return torch.cat(pieces, -1)
 
 
+def _rows_joined(values: list[torch.Tensor], seq, full: int) -> torch.Tensor:
+    """Every rank's part of a sequence-cut value, in rank order (a batch merged in front of the cut
+    dim taken apart, joined, merged back)."""
+    outer = full // seq.size
+    moved = [v.movedim(seq.dim, -1).unflatten(-1, (outer, v.shape[seq.dim] // outer)) for v in values]
+    return torch.cat(moved, -1).flatten(-2).movedim(-1, seq.dim)
+
+
 def _layer_errors(analyses, results, reference: dict) -> tuple[dict[str, float], dict[str | None, float]]:
     errors: dict[str, float] = {}
     scales: dict[str | None, float] = {}
@@ -210,6 +227,8 @@ def _layer_errors(analyses, results, reference: dict) -> tuple[dict[str, float],
             got = _assemble([v.movedim(d, -1) for v in values], first.plan.layouts.weight_split(m.node)).movedim(-1, d)
         elif m.node in first.plan.layouts.partial:  # each rank's term of the output
             got, values = torch.stack(values).sum(0), []
+        elif (seq := first.plan.layouts.layouts.get(m.node)) is not None:  # sequence_parallel: parts of it
+            got, values = _rows_joined(values, seq, reference[m.node].shape[seq.dim]), []
         else:
             got = values[0]
         err = max([_err(got, reference[m.node])] + [_err(v, values[0]) for v in values[1:] if style == Style.ROWWISE])

@@ -161,12 +161,13 @@ def transformer_attention_cases(draw):
     return model, heads * dh
 
 
-def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, dynamic=False, autocast=False):
+def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, dynamic=False, autocast=False,
+           seq=3, sequence=False):
     model, hidden = case
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     for p in model.parameters():  # keep activations O(1) whatever the widths
         nn.init.normal_(p, std=1.0 / max(p.shape[-1], 1) ** 0.5)
-    x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
+    x = torch.randn(*((2, seq) if shape3d else (5,)), hidden)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     plan = "auto"
     if plan_draw:
@@ -174,6 +175,8 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, d
     options = {"min_shard_numel": 0, "plan": plan, "inputs": "per_rank" if per_rank else "replicated"}
     if own_weights:
         options.update(inputs="per_rank", weights="per_rank")
+    if sequence:
+        options.update(sequence_parallel=True)
     if autocast:  # under bf16 autocast, verified; the plan is the one without it
         with torch.autocast("cpu", dtype=torch.bfloat16):
             report = dynashard.explain(model, x, world_size=world, options=options, verify=True)
@@ -227,6 +230,16 @@ def test_random_attention(case, world, plan_draw, dynamic, data):
 @fuzz(10, 25, case=transformer_attention_cases(), world=st.integers(2, 4), plan_draw=st.booleans(), data=st.data())
 def test_random_transformer_attention(case, world, plan_draw, data):
     _check(case, world, True, plan_draw, False, data)
+
+
+@fuzz(8, 40, case=st.one_of(mlp_cases(), attention_cases(), transformer_attention_cases()), world=st.integers(2, 4),
+      seq=st.integers(2, 9), shape3d=st.booleans(), plan_draw=st.booleans(), data=st.data())
+def test_random_stacks_sequence_parallel(case, world, seq, shape3d, plan_draw, data):
+    """Issue 30: sequence_parallel=True on every generator's models, lengths the world may not divide
+    (or shorter than it: not cut), automatic and random user plans; an MLP stack also on 2-D [tokens,
+    hidden] inputs (cut on the tokens)."""
+    shape3d = shape3d or not isinstance(case[0], RandomMLP)
+    _check(case, world, shape3d, plan_draw, False, data, seq=seq, sequence=True)
 
 
 @fuzz(4, 8, case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),

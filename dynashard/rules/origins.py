@@ -55,8 +55,10 @@ def _vocab_parallel(lm: LayoutMap, match: LinearMatch, record: Record) -> Record
     """A rowwise embedding: every rank looks up every id in its slice of the vocabulary."""
     record.weight_split = even(match.in_features)
     record.read(match.input, Read.GLOBAL if lm.per_rank else Read.LOCAL)
-    record.collectives.append(lm.reduce(match.node))
-    record.lowering = VocabParallelLookup(match, lm.shard(record.weight_split, frozenset(), match.input_dim))
+    record.layout = sequence_cut(lm, match.node)
+    record.collectives.append(lm.reduce(match.node, record.layout is not None))
+    record.lowering = VocabParallelLookup(match, lm.shard(record.weight_split, frozenset(), match.input_dim),
+                                          record.layout)
     return record
 
 
@@ -175,16 +177,45 @@ def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
         record.partial = frozenset([node])  # reduced once with the others, where first read otherwise
         record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable), reduce=False)
         return record
-    record.collectives.append(lm.reduce(node))
-    record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable))
+    record.layout = sequence_cut(lm, node)
+    record.collectives.append(lm.reduce(node, record.layout is not None))
+    record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable), seq=record.layout)
     return record
+
+
+def sequence_cut(lm: LayoutMap, node: torch.fx.Node) -> Shard | None:
+    """Under sequence_parallel, what each rank keeps of a rowwise output's sum: its part of the
+    sequence dim, the one before the features (``[B, S, H]``'s S; a 2-D ``[B*S, H]`` that the
+    graph views back to ``[B, S, H]`` is cut on S with B merged in front, else on its tokens).
+    Cut balanced (S = 10 on 4 ranks: 3/3/2/2). None (an all_reduce, the output whole) for a
+    sequence shorter than the world: a rank without rows has nothing a merged cut can hold."""
+    if not lm.sequence:
+        return None
+    out = val(node)
+    if out is None or out.dim() < 2:
+        return None
+    size = out.shape[-2]
+    views = [u for u in node.users if u.target in _VIEWS and val(u) is not None and val(u).dim() >= 3]
+    if out.dim() == 2 and views and len(views) == len(node.users):
+        if len({str(val(u).shape[-2]) for u in views}) == 1 and all(
+                private_aten.known_equal(val(u).shape[-1], out.shape[-1]) for u in views):
+            size = val(views[0]).shape[-2]
+    if not isinstance(size, int):
+        raise UsageError(
+            f"dynashard: sequence_parallel cuts {node.name}'s output along its sequence, whose length is "
+            f"symbolic here ({size}: dynamic=True, or a recompile after the length changed); expected a "
+            "static length. Compile with torch.compile(..., dynamic=False) (one compile per length), or "
+            "drop sequence_parallel.")
+    if size < lm.world:
+        return None
+    return lm.shard(Split((size,), 1), frozenset([node]), -2)
 
 
 def _joins_partial_sums(lm: LayoutMap, match: LinearMatch) -> bool:
     """Every reader adds the output to partial sums (DeepSeek's and Qwen2-MoE's shared expert, added
     to the routed experts' output): left partial itself, the two take one all_reduce, not two. Not
     with a bias (it would be added once per rank) or per-rank inputs (a reduce_scatter of rows)."""
-    if match.bias is not None or lm.per_rank or lm.stacked:
+    if match.bias is not None or lm.per_rank or lm.stacked or lm.sequence:
         return False
 
     def added(value: torch.fx.Node, depth: int = 3) -> bool:  # (through the views of a 3-D linear)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
+from dynashard.lowerings import DropoutOfCut
 from dynashard.nodes import all_args, mutates_self, op_name, tensor_args, val
 from dynashard.rules.inplace import wish_state
 from dynashard.rules.registry import rule
@@ -48,3 +50,16 @@ def pointwise(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
         return None
     out = Shard(first.split, frozenset().union(*(s.origins for s in sharded)), first.dim, lm.world, lm.rank)
     return Record(out, {arg: lm.as_shard(arg, out) if arg in args else Read.LOCAL for arg in all_args(node)})
+
+
+@rule(aten.native_dropout.default)
+def dropout(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """sequence_parallel: dropout of a cut value (the residual branch, cut along the sequence) keeps
+    the cut. Every rank draws the whole mask, as the unsharded model draws it from the same seed (the
+    ranks' random streams stay in step), and keeps its part (lowerings.DropoutOfCut). Elsewhere the
+    value is gathered and dropped out whole."""
+    found = lm.input_shard(node)
+    if not lm.sequence or found is None or not private.draws_random(node):
+        return None
+    src = found[0]
+    return lm.keep(node, None, outputs=(src, src), lowering=DropoutOfCut(src))
