@@ -149,9 +149,13 @@ def _build(name: str, hidden: int, ffn: int):
         off = {} if name == "hf_gpt2_dropout" else {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
         return _Logits(T.GPT2LMHeadModel(T.GPT2Config(n_embd=hidden, n_head=4, n_layer=2, vocab_size=ffn, **off)))
     if name in ("hf_llama", "hf_llama_labels"):
-        wrap, kv = (_Logits, 4) if name == "hf_llama" else (_HFLoss, 2)
+        # (hf_llama_labels: one layer. Its case is what 4 ranks do with 2 K/V heads and HF's own loss; a
+        # layer fed a cut residual by another is llama_6_heads' at world 4. On the 2-core machine its case
+        # took 95 s with two layers and 33 s with one, its world-4 spawn minutes apart, llama_6_heads 29 s
+        # and 27 s beside it; compiled in one process on the fake group, one layer or two cost about the same)
+        wrap, kv, layers = (_Logits, 4, 2) if name == "hf_llama" else (_HFLoss, 2, 1)
         return wrap(T.LlamaForCausalLM(T.LlamaConfig(
-            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=8,
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=8,
             num_key_value_heads=kv, vocab_size=ffn)))
     if name.endswith("_loss"):
         return _WithLoss(models.build(name.removesuffix("_loss"), hidden, ffn))
