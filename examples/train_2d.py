@@ -1,6 +1,6 @@
 """Train a small Llama on a 2-D mesh: dynashard over mesh["tp"], FSDP2 or DDP over mesh["dp"], beside a twin.
 
-One node:  torchrun --standalone --nproc-per-node 4 examples/train_2d.py [--tp 2] [--steps 30] [--dp ddp]
+One node:  torchrun --standalone --nproc-per-node 4 examples/train_2d.py [--tp 2] [--steps 30] [--dp ddp] [--sp]
 Two nodes: torchrun --nnodes 2 --nproc-per-node 2 --node-rank R --rdzv-backend c10d \
                --rdzv-endpoint HOST0:29500 --rdzv-id job1 examples/train_2d.py      (on each node, R = 0, 1)
 
@@ -16,7 +16,8 @@ run exits 1 if it passes --rtol.
 ``--dp fsdp2`` (the default): ``parallelize(..., dtensor=True)`` then ``fully_shard`` over mesh["dp"]
 on each decoder layer and on the model, each rank holding 1/(tp x dp) of the cut weights and their
 AdamW state.
-``--dp ddp``: the plain shards, DDP over mesh["dp"] (README, "Several machines").
+``--dp ddp``: the plain shards, DDP over mesh["dp"] (README, "Several machines"). ``--sp``: sequence
+parallelism between the tensor-parallel regions (options={"sequence_parallel": True}).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager", "eager"))
     parser.add_argument("--dp", default="fsdp2", choices=("fsdp2", "ddp"), help="what shards or replicates over dp")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism between the tp regions")
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative loss difference allowed")
     args = parser.parse_args()
     import transformers as T
@@ -79,6 +81,8 @@ def main() -> int:
     twin = copy.deepcopy(model)  # trained unsharded on every replica's batch, for comparison
     options = {"group": mesh["tp"], "compiler": args.compiler, "min_shard_numel": 0}  # a toy: shard every layer
     ids, _ = batches(data, args.batch, args.context, 0, replica)
+    sp = {"sequence_parallel": True} if args.sp else {}
+    dynamic = False if args.sp else None  # (sequence parallelism needs static lengths: one graph per length)
     if args.dp == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -86,11 +90,12 @@ def main() -> int:
         for layer in model.model.layers:  # torchtitan's way: each block, then the root (one block gathered at a time)
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])  # 2-D: this rank's dp part of its tp shard
-        fast = torch.compile(model, backend=dynashard.backend(**options))
+        fast = torch.compile(model, backend=dynashard.backend(**options, **sp), dynamic=dynamic)
     else:
         dynashard.parallelize(model, ids, options=options)
         torch._dynamo.config.optimize_ddp = False  # one graph (DDP's per-bucket split is refused)
-        fast = torch.compile(DDP(model, process_group=mesh["dp"].get_group()), backend=dynashard.backend(**options))
+        fast = torch.compile(DDP(model, process_group=mesh["dp"].get_group()),
+                             backend=dynashard.backend(**options, **sp), dynamic=dynamic)
     held = dynashard.held_bytes(model) / sum(t.nbytes for t in twin.state_dict().values())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     opt_twin = torch.optim.AdamW(twin.parameters(), lr=args.lr)
@@ -116,8 +121,9 @@ def main() -> int:
             sys.stderr.flush()
     if dist.get_rank() == 0:
         sys.stderr.write("\n")
+        how = args.dp + (" + sp" if args.sp else "")
         print(f"final loss: dynashard {mean:.4f}, unsharded {reference:.4f}; largest relative difference "
-              f"{worst:.1e} over {args.steps} steps (mesh dp={replicas} x tp={args.tp}, {args.dp}, this rank holds "
+              f"{worst:.1e} over {args.steps} steps (mesh dp={replicas} x tp={args.tp}, {how}, this rank holds "
               f"{held:.0%} of the model's bytes)")
     dist.destroy_process_group()
     return 0 if worst <= args.rtol else 1

@@ -267,9 +267,9 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     parallelized 1x4 (tp over all 4 ranks): its parameters and AdamW moments are the 2x2 model's bit for
     bit, and its next AdamW steps the twin's. HF Llama has ``fully_shard`` on each decoder layer and the root
     (torchtitan's way: Dynamo breaks the graph at each layer's FSDP hooks, runs the model's loop eagerly
-    and compiles each layer on its own); with FSDP2's MixedPrecisionPolicy (bfloat16 parameters gathered;
-    the root only), the facades follow the gathered dtype and the same checks hold within bfloat16's
-    tolerance."""
+    and compiles each layer on its own) and runs with ``sequence_parallel``. With FSDP2's
+    MixedPrecisionPolicy (bfloat16 parameters gathered; the root only), the facades follow the gathered
+    dtype and the same checks hold within bfloat16's tolerance."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -296,7 +296,11 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
             for layer in model.hf.model.layers:
                 fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    fast = torch.compile(model, backend="dynashard", options=options)
+    if case == "hf_llama":  # with sequence parallelism (7 tokens: 4/3 on the tp pair); static lengths
+        fast = torch.compile(model, backend="dynashard", options={**options, "sequence_parallel": True},
+                             dynamic=False)
+    else:
+        fast = torch.compile(model, backend="dynashard", options=options)
     total = sum(q.numel() for q in twin.parameters())
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     two_d = all(isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in model.parameters())
