@@ -156,19 +156,19 @@ def compile_owners(model: nn.Module, facades_key: str, backend: Any) -> None:
 
 def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
     """A ``dtensor=True`` facade reaching a graph other than as its module's attribute (an argument of a
-    frame Dynamo resumed after a graph break): measured when ``fully_shard`` wraps each block of a model
-    compiled whole (Dynamo breaks the graph at every block's FSDP hooks, which torch 2.13 does not trace).
-    Such a graph cannot tell which module's current parameter to read: refused, naming what works."""
+    frame Dynamo resumed after a graph break; measured with ``fully_shard`` on each block before
+    :func:`compile_owners`, where Dynamo traced the facade's own ``__torch_function__`` alone). Such a
+    graph cannot tell which module's current parameter to read: refused."""
     slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
     stray = [private.placeholder_source_name(slots[i]) or slots[i].name for i in live_slots(inputs)
              if private.placeholder_source_fqn(slots[i]) is None]
     if stray:
         raise UsageError(
             f"dynashard: graph inputs {stray[:3]} are parameters of parallelize(dtensor=True) that reach this graph "
-            "as values, not as a module's attributes (Dynamo broke the graph around them: FSDP2's hooks on each "
-            "block of a model compiled whole do that). Expected fully_shard(model, mesh=mesh['dp']) on the root "
-            "module only: every parameter is then 1/(tp x dp) per rank at rest, and the forward gathers the "
-            "model's tp shards over dp at once.")
+            "as values, not as a module's attributes (Dynamo broke the graph around them), so it cannot read the "
+            "module's current parameter (FSDP2 swaps it every forward). Expected each parameter read by the "
+            "module that holds it (module.weight inside its forward); torch.compile(..., fullgraph=True) names "
+            "the graph break.")
 
 
 def current(facade: torch.Tensor) -> torch.Tensor:
