@@ -159,9 +159,9 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # distinct conversion (kind, group, cut), however often the rewrite runs.
 _CONVERSIONS: dict[str, Any] = {}
 _REGATHER_GRAPH_ID = 1 << 20  # (ids apart from the user's checkpointed regions')
-_LAYOUT_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-               torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.clone.default,
-               torch.ops.aten.alias.default}
+aten = torch.ops.aten
+_LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+               aten.transpose.int, aten.clone.default, aten.alias.default}
 
 
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())

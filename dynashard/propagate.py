@@ -38,6 +38,8 @@ from dynashard.rules.partial import keeps_partial
 from dynashard.shard import LayoutMap, Read, Record, Shard
 from dynashard.split import Split
 
+aten = torch.ops.aten
+
 StyleChooser = Callable[[LinearMatch, Shard | None], Style]
 
 
@@ -125,7 +127,7 @@ def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: 
     if style == Style.REPLICATE:
         return
     for n in match.operand_path:
-        if n.target is torch.ops.aten._weight_norm_interface.default:
+        if n.target is aten._weight_norm_interface.default:
             lm.records[n].lowering = NormOfSlices()
     if match.renorm is not None:
         rows = lm.shard(record.weight_split, frozenset(), -1) if style == Style.ROWWISE else None
