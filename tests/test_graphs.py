@@ -37,8 +37,9 @@ def _count(gm: torch.fx.GraphModule, name: str) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
 
 
-def rewritten(model, x, world=2, rank=0, **options) -> torch.fx.GraphModule:
-    """This rank's rewritten graph for ``model(x)`` with a fake group of ``world`` ranks."""
+def rewritten(model, x, world=2, rank=0, dynamic=True, **options) -> torch.fx.GraphModule:
+    """This rank's rewritten graph for ``model(x)`` with a fake group of ``world`` ranks (``dynamic``:
+    torch.compile's; sequence_parallel needs static sizes)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -50,7 +51,7 @@ def rewritten(model, x, world=2, rank=0, **options) -> torch.fx.GraphModule:
     private.init_fake_process_group(world, rank)
     try:
         with torch.no_grad():
-            torch.compile(model, backend=backend, dynamic=True)(x)
+            torch.compile(model, backend=backend, dynamic=dynamic)(x)
     finally:
         dist.destroy_process_group()
     assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"

@@ -22,6 +22,7 @@ from dynashard.errors import UsageError
 from dynashard.weights import STORE, cut
 from tests import models
 from tests.scenarios import Scenarios, raised
+from tests.test_graphs import _count, rewritten
 
 SP = {"sequence_parallel": True, "min_shard_numel": 0}
 # one spawn at world 2: ~15 s quiet (two models, three steps each); 3x slower machine, 2x margin, plus startup
@@ -136,26 +137,7 @@ def test_a_sequence_shorter_than_the_world_is_not_cut():
 
 def _rewritten(model: nn.Module, x: torch.Tensor, world: int, **options) -> torch.fx.GraphModule:
     """Rank 0's rewritten graph on a fake group, sizes static (as sequence_parallel needs)."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        program = dynashard_backend(gm, example_inputs, {"compiler": "eager", "min_shard_numel": 0, **options})
-        graphs.append(program.graph)
-        return program
-
-    torch._dynamo.reset()
-    private.init_fake_process_group(world, 0)
-    try:
-        with torch.no_grad():
-            torch.compile(model, backend=backend, dynamic=False)(x)
-    finally:
-        dist.destroy_process_group()
-    assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
-    return graphs[0]
-
-
-def _count(gm: torch.fx.GraphModule, name: str) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
+    return rewritten(model, x, world, dynamic=False, **options)
 
 
 @pytest.mark.unit
