@@ -5,8 +5,8 @@ Kept free of imports and side effects: ``TORCH_LOGS=+dynashard`` imports this pa
 """
 
 __version__ = "0.1.0"
-__all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safetensors", "full_tensor", "held_bytes",
-           "parallelize", "__version__"]
+__all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safetensors", "fsdp_shard_placement",
+           "full_tensor", "held_bytes", "parallelize", "__version__"]
 
 
 def backend(mode=None, **options):
@@ -53,6 +53,16 @@ def parallelize(model, *args, options=None, checkpoint=None, device=None, dtenso
 
     return _parallelize(model, *args, options=options, checkpoint=checkpoint, device=device, dtensor=dtensor,
                         **kwargs)
+
+
+def fsdp_shard_placement(param):
+    """``fully_shard(module, mesh=mesh["dp"], shard_placement_fn=dynashard.fsdp_shard_placement)`` after
+    ``parallelize(..., dtensor=True)``: a fused weight (nanoGPT's ``[q | k | v]``, gate/up: each tp rank holds
+    its block of every component) sharded over dp on another dim, every other parameter on dim 0. FSDP2's
+    default shards it on the fused dim, a layout no DTensor placement describes: refused there."""
+    from dynashard.dtensor_params import fsdp_shard_placement as _placement
+
+    return _placement(param)
 
 
 def empty_weights():

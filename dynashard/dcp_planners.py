@@ -66,18 +66,36 @@ def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int,
     tools/proto_dcp_shards.py. Loading goes through :class:`~dynashard.checkpoint.DCPCheckpoint` (DCP's default load
     planner compares a plain tensor's own size with the saved one).
     """
+    runs = [[(0, n)] for n in full_shape]
+    runs[dim] = list(pieces)
+    return make_checkpointable_blocks(local, full_shape, runs)
+
+
+def make_checkpointable_blocks(local: torch.Tensor, full_shape: torch.Size,
+                               runs: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """``local`` saved and loaded by DCP as the blocks it holds: along each dim ``d`` it holds the ranges
+    ``runs[d]`` (``(global start, length)``, side by side in this order), and a chunk is one range of every
+    dim. Set on a DTensor's local tensor, DTensor's protocol answers with it (it asks its local tensor
+    first), so DCP's default planners save and load a fused layout's pieces at their true offsets: a 2-D
+    ``(Shard(1), _StridedShard(0, 3))`` parameter holds 3 chunks, one per component."""
+    from itertools import product
+
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    chunks, views, at = [], [], 0
-    for start, length in pieces:
-        if length:
-            offsets, sizes = [0] * len(full_shape), list(full_shape)
-            offsets[dim], sizes[dim] = start, length
-            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            views.append((at, length))
-        at += length
-    by_offset = {c.offsets: v for c, v in zip(chunks, views)}
+    per_dim = []  # per dim: (global start, length, local start) of each non-empty range
+    for ranges in runs:
+        at, kept = 0, []
+        for start, length in ranges:
+            if length:
+                kept.append((start, length, at))
+            at += length
+        per_dim.append(kept)
+    chunks, by_offset = [], {}
+    for block in product(*per_dim):
+        chunk = ChunkStorageMetadata(torch.Size([b[0] for b in block]), torch.Size([b[1] for b in block]))
+        chunks.append(chunk)
+        by_offset[chunk.offsets] = [(b[2], b[1]) for b in block]
     # The functions below are attributes of ``local`` and hold it weakly (DCP calls them on the live
     # tensor): a strong reference back made a cycle through the tensor's __dict__ that the collector did
     # not break for a registered shard (measured: a parallelized model's shards outlived it).
@@ -90,8 +108,10 @@ def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int,
                 for c in chunks]
 
     def tensor_shard(index: Any) -> torch.Tensor:
-        at, length = by_offset[index.offset]
-        return held().detach().narrow(dim, at, length)
+        view = held().detach()
+        for d, (at, length) in enumerate(by_offset[index.offset]):
+            view = view.narrow(d, at, length)
+        return view
 
     def reduce_ex(protocol: int) -> Any:
         # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures

@@ -14,9 +14,14 @@ parameter, through ``to_local()`` (:func:`current`), and the gradient flows back
 parameter, where FSDP reduce-scatters it. (The facades of the plain ``parallelize`` are read from
 the shard store instead; docs/design.md, "FSDP2 x dynashard".)
 
-Only layouts ``Shard(dim)`` describes are registered so: torch.chunk's contiguous blocks (8 heads
-on 2 or 4 ranks). Heads dealt unevenly (6 heads on 4 ranks as 2/2/1/1), fused components cut one by
-one (:func:`placement` says why) and ``weights="per_rank"`` are refused, naming the plain recipe.
+Layouts registered so (:func:`placement`): torch.chunk's contiguous blocks (8 heads on 2 or 4
+ranks), ``Shard(dim)``; equal fused components each cut in such blocks (nanoGPT's ``[q | k | v]``,
+gate/up), ``_StridedShard(dim, k)``, which ``fully_shard`` must shard over dp on another dim
+(:func:`fsdp_shard_placement`, checked when it swaps the parameter in: :func:`refuse_fused_dim`); a
+1-D fused one (its bias) whole on tp, cut per call (:class:`_PiecesOf`). DCP reads a strided layout
+as one chunk at the wrong offset, so such DTensors carry the protocol of the blocks they hold
+(:func:`checkpointable`). Heads dealt unevenly (6 heads on 4 ranks as 2/2/1/1), parts kept whole and
+``weights="per_rank"`` are refused, naming the plain recipe.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from dynashard.protocol import agreed
 from dynashard.weights import STORE
 
 # full-shape facade -> (weak reference to the module holding the live parameter, its attribute, its FQN, the
-# local shape every call must find: a parameter FSDP has not gathered yet has another)
+# local shape every call must find: a parameter FSDP has not gathered yet has another; for a 1-D fused one held
+# whole, (this rank's pieces, the tp group) to cut it by at every call, else None)
 _LIVE = private.weak_id_dict()
 
 
@@ -72,10 +78,18 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                 continue
             if id(p) not in made:
                 facade = facades.get(attr)
+                cut_per_call = None
                 if facade is not None:  # cut: the shard (parallelize's Parameter) is the local tensor
                     spec = STORE.spec_of(facade)
-                    dt = DTensor.from_local(p.detach(), mesh, [placement(spec, facade.shape)], run_check=False,
-                                            shape=facade.shape, stride=facade.stride())
+                    where = placement(spec, facade.shape)
+                    if isinstance(where, Replicate):  # a 1-D fused cut: whole on tp, cut at every call
+                        strided = private.strided_shard(spec.dim, len(spec.split.parts))
+                        whole = DTensor.from_local(p.detach(), mesh, [strided], run_check=False, shape=facade.shape,
+                                                   stride=facade.stride()).full_tensor()
+                        cut_per_call = (spec.split.pieces(spec.world, spec.rank), mesh.get_group())
+                    dt = (DTensor.from_local(whole, mesh, [where], run_check=False) if cut_per_call else
+                          DTensor.from_local(p.detach(), mesh, [where], run_check=False, shape=facade.shape,
+                                             stride=facade.stride()))
                 else:  # whole: the parameter becomes the facade, its values move to the DTensor
                     facade = p
                     local = p.detach().clone(memory_format=torch.contiguous_format)
@@ -84,7 +98,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                     STORE.free([facade], keep=[])
                 made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
                 fqn = f"{prefix}.{attr}" if prefix else attr
-                _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape))
+                _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape), cut_per_call)
             new = made[id(p)]
             if attr not in facades:
                 install(module, attr, p)  # (the whole parameter is its own facade; tied: one for every owner)
@@ -101,29 +115,119 @@ def _check_layouts(model: nn.Module, facades_key: str) -> None:
     if bad:
         raise UsageError(
             f"dynashard.parallelize(dtensor=True): {bad[:3]} are cut in a layout no DTensor placement describes "
-            "(fused components cut one by one, such as a fused q/k/v or gate/up; heads dealt unevenly; parts kept "
-            "whole; weights='per_rank'). Expected separate projections and head counts divisible by the "
-            "tensor-parallel size, or dtensor=False with DDP over mesh['dp'] (README, 'Several machines').")
+            "(heads dealt unevenly; fused components of unequal sizes, or not divisible by the tensor-parallel size; "
+            "parts kept whole; weights='per_rank'). Expected head counts divisible by the tensor-parallel size, or "
+            "dtensor=False with DDP over mesh['dp'] (README, 'Several machines').")
 
 
 def placement(spec: Any, shape: torch.Size) -> Any:
-    """The DTensor placement of this rank's cut, ``Shard(dim)`` for torch.chunk's block of the dim, or None.
+    """The DTensor placement of this rank's cut on the tp mesh, or None.
 
-    Fused equal components (nanoGPT's ``[q | k | v]``) have one too, ``_StridedShard(dim, split_factor=3)``,
-    and a 1-D DTensor with it gathers right; but under FSDP2 (measured, torch 2.13, 2x2 gloo, nanoGPT) the
-    2-D ``(_StridedShard(0, sf=2), _StridedShard(0, sf=3))`` it makes of it reads back wrong through
-    ``full_tensor()`` (the parameters 0.25 off the twin's while the gradient norms agreed), so a checkpoint
-    of it would be wrong without a word, and DCP refuses strided chunks anyway: refused."""
+    ``Shard(dim)``: torch.chunk's block of the dim. ``_StridedShard(dim, k)``: k equal components side by
+    side (nanoGPT's ``[q | k | v]``, gate/up), each cut in torch.chunk's blocks, a rank holding its block of
+    each. Under FSDP2 such a weight must be sharded over dp on another dim: on the same one, the 2-D
+    ``(_StridedShard(0, sf=2), _StridedShard(0, sf=3))`` FSDP makes reads back wrong through
+    ``full_tensor()`` (measured, torch 2.13, 2x2 gloo: the parameters 0.25 off the twin's); with
+    ``(Shard(1), _StridedShard(0, 3))`` it reads back right (measured, tools/proto_fused_fsdp2.py).
+    ``Replicate()``: a 1-D fused tensor (a bias has no other dim for dp), held whole on tp and cut at
+    every call (:class:`_PiecesOf`)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if spec.stacked or spec.split.whole or spec.split.deals is not None:
+        return None
+    k, n = len(spec.split.parts), shape[spec.dim]
+    if k > 1 and (len(set(spec.split.parts)) != 1 or spec.split.size != n or n % (k * spec.world)):
+        return None
+    part = n // k
+    start, length = _block(part, spec.world, spec.rank)
+    if spec.split.pieces(spec.world, spec.rank) != [(i * part + start, length) for i in range(k)]:
+        return None
+    if k == 1:
+        return Shard(spec.dim)
+    return Replicate() if len(shape) == 1 else private.strided_shard(spec.dim, k)
+
+
+def _block(n: int, world: int, rank: int) -> tuple[int, int]:
+    """``(start, length)`` of torch.chunk's block ``rank`` of ``n`` (DTensor's ``Shard``)."""
+    block = -(-n // world)
+    start = min(n, rank * block)
+    return start, min(block, n - start)
+
+
+def fsdp_shard_placement(param: Any) -> Any:
+    """``fully_shard(..., shard_placement_fn=dynashard.fsdp_shard_placement)``: a fused weight
+    (``_StridedShard`` on tp) sharded over dp on its first other dim, ``Shard(1)`` for a fused
+    ``[3E, E]`` (on its fused dim no DTensor placement describes the 2-D layout: :func:`placement`);
+    every other parameter FSDP's default, ``Shard(0)``."""
     from torch.distributed.tensor import Shard
 
-    if spec.stacked or spec.split.whole or spec.split.deals is not None or len(spec.split.parts) != 1:
-        return None
-    n = shape[spec.dim]
-    block = -(-n // spec.world)
-    start = min(n, spec.rank * block)
-    if spec.split.pieces(spec.world, spec.rank) != [(start, min(block, n - start))]:
-        return None
-    return Shard(spec.dim)
+    fused = {p.dim for p in getattr(param, "placements", ()) if private.is_strided_shard(p)}
+    return Shard(next(d for d in range(param.ndim) if d not in fused)) if fused else None
+
+
+def refuse_fused_dim(module: nn.Module, name: str, param: Any) -> None:
+    """FSDP2 swapping in its 2-D shard of a fused weight sharded over dp on the fused dim: refused."""
+    placements = param.placements
+    fused = {p.dim for p in placements[-1:] if private.is_strided_shard(p)}
+    if len(placements) > 1 and any(_shards(p) and p.dim in fused for p in placements[:-1]):
+        raise UsageError(
+            f"dynashard: {type(module).__name__}.{name} is a fused weight (such as [q | k | v] or gate/up) cut per "
+            f"component over tp, and fully_shard shards it over dp on the same dim ({placements}), a layout no "
+            "DTensor placement describes: full_tensor() and checkpoints would read it wrong. Expected "
+            "fully_shard(module, mesh=mesh['dp'], shard_placement_fn=dynashard.fsdp_shard_placement) at every "
+            "fully_shard call (it shards fused weights over dp on another dim).")
+
+
+def checkpointable(value: Any) -> Any:
+    """A DTensor with a ``_StridedShard`` (a fused layout) saved and loaded by DCP at its true offsets: its
+    local tensor gets the protocol of the blocks it holds (``dcp_planners.make_checkpointable_blocks``). DCP's
+    own reads it as one chunk at the wrong offset (measured, torch 2.13: ``dcp.save`` refuses "overlapping
+    chunks", ``dcp.load`` fills it with other rows, silently)."""
+    from torch.distributed.tensor import DTensor
+
+    from dynashard.dcp_planners import make_checkpointable_blocks
+
+    if not isinstance(value, DTensor) or not is_fused(value):
+        return value
+    local = private.dtensor_local(value)
+    if not hasattr(local, "__create_chunk_list__"):
+        make_checkpointable_blocks(local, value.shape, held_ranges(value))
+    return value
+
+
+def _shards(p: Any) -> bool:
+    return p.is_shard() or private.is_strided_shard(p)  # (a _StridedShard is not a Shard: is_shard() is False)
+
+
+def is_fused(t: Any) -> bool:
+    """A DTensor of a fused layout: a ``_StridedShard`` on a dim no other mesh dim shards (FSDP2's own
+    ``_StridedShard(0, tp)`` over dp, beside the tp ``Shard(0)`` of a colwise weight, is not one: DCP reads
+    that right)."""
+    placements = getattr(t, "placements", ())
+    return any(private.is_strided_shard(p) and sum(_shards(q) and q.dim == p.dim for q in placements) == 1
+               for p in placements)
+
+
+def held_ranges(dt: Any) -> list[list[tuple[int, int]]]:
+    """Per dim, the ``(global start, length)`` ranges a DTensor's local tensor holds, side by side, for
+    placements that shard each dim over one mesh dim at most (``Shard``, ``_StridedShard``, ``Replicate``)."""
+    mesh, coordinate = dt.device_mesh, dt.device_mesh.get_coordinate()
+    runs = [[(0, n)] for n in dt.shape]
+    sharded: set[int] = set()
+    for m, p in enumerate(dt.placements):
+        if not _shards(p):
+            continue
+        if p.dim in sharded:
+            raise UsageError(f"dynashard: a DTensor of placements {dt.placements} shards dim {p.dim} over two mesh "
+                             "dims together with a fused (_StridedShard) one; expected one mesh dim per tensor dim.")
+        sharded.add(p.dim)
+        k = p.split_factor if private.is_strided_shard(p) else 1
+        part = dt.shape[p.dim] // k
+        start, length = _block(part, mesh.size(m), coordinate[m])
+        runs[p.dim] = [(i * part + start, length) for i in range(k)]
+    local = private.dtensor_local(dt)
+    assert [sum(n for _, n in r) for r in runs] == list(local.shape), (dt.placements, runs, local.shape)
+    return runs
 
 
 def is_live(t: Any) -> bool:
@@ -174,7 +278,7 @@ def refuse_strays(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
 def current(facade: torch.Tensor) -> torch.Tensor:
     """The module's current parameter for ``facade``, as this rank's local tensor (differentiable: its
     gradient lands in the parameter, FSDP's gathered copy under FSDP2)."""
-    ref, attr, fqn, local_shape = _LIVE[facade]
+    ref, attr, fqn, local_shape, cut_per_call = _LIVE[facade]
     module = ref()
     param = None if module is None else private.parameter_slots(module).get(attr)
     if param is None:
@@ -192,7 +296,27 @@ def current(facade: torch.Tensor) -> torch.Tensor:
             f"dynashard: {fqn!r} is {local.dtype} at this call, and the graph was compiled for {facade.dtype} (the "
             "parameter was cast outside dynashard's sight, not by model.to() or FSDP2's MixedPrecisionPolicy, which "
             "the facade follows). Expected the model converted with model.to(dtype), or torch.autocast.")
-    return local
+    return local if cut_per_call is None else _PiecesOf.apply(local, *cut_per_call)
+
+
+class _PiecesOf(torch.autograd.Function):
+    """This rank's pieces of a 1-D tensor every tp rank holds whole (a fused bias). Backward: the pieces'
+    gradient in place in a zero tensor, summed over tp, so every rank holds the whole gradient (each element's
+    from the one rank that used it), as a ``Replicate()`` parameter's gradient must be."""
+
+    @staticmethod
+    def forward(ctx: Any, whole: torch.Tensor, pieces: list[tuple[int, int]], group: Any) -> torch.Tensor:
+        ctx.pieces, ctx.group, ctx.size = pieces, group, whole.shape[0]
+        return torch.cat([whole.narrow(0, start, length) for start, length in pieces])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        whole, at = grad.new_zeros(ctx.size), 0
+        for start, length in ctx.pieces:
+            whole.narrow(0, start, length).copy_(grad.narrow(0, at, length))
+            at += length
+        dist.all_reduce(whole, group=ctx.group)
+        return whole, None, None
 
 
 def follow(facade: torch.Tensor, param: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dynashard import _torch_private as private
+from dynashard import dtensor_params
 from dynashard.errors import UsageError
 from dynashard.weights import STORE
 
@@ -70,7 +71,7 @@ class FreedWeights:
                         "optimizer would train nothing. Expected the optimizer built after "
                         "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards)."
                     )
-                holds_shards = holds_shards or STORE.facade_of(p) is not None
+                holds_shards = holds_shards or STORE.facade_of(p) is not None or dtensor_params.is_fused(p)
         if holds_shards and optimizer not in self._described:
             optimizer.register_state_dict_pre_hook(describe_state)
             self._described.add(optimizer)
@@ -79,7 +80,13 @@ class FreedWeights:
 def describe_state(optimizer: torch.optim.Optimizer) -> None:
     """Each shard's optimizer state gets the shard's DCP protocol (a plain local tensor would be saved
     as if it were the whole state)."""
+    from dynashard.dtensor_params import checkpointable, is_fused
+
     for p, state in optimizer.state.items():
+        if is_fused(p):  # (parallelize(dtensor=True): exp_avg is a DTensor of the parameter's layout)
+            for value in state.values():
+                checkpointable(value)
+            continue
         facade = STORE.facade_of(p)
         if facade is None:
             continue

@@ -287,8 +287,10 @@ def _install(module: nn.Module, attr: str, facade: torch.Tensor) -> None:
 
 def _checkpointable_state(module: nn.Module, state: dict, prefix: str, _metadata: Any) -> None:
     for attr, facade in module.__dict__[FACADES].items():
-        if prefix + attr in state and not _is_dtensor(state[prefix + attr]):  # (DTensor: DCP's own protocol)
+        if prefix + attr in state and not _is_dtensor(state[prefix + attr]):
             state[prefix + attr] = STORE.checkpointable(facade, state[prefix + attr])
+        elif prefix + attr in state:  # (DTensor: DCP's own protocol, but for a fused layout)
+            dtensor_params.checkpointable(state[prefix + attr])
 
 
 def _register_parameter(self, name: str, param) -> None:
@@ -297,6 +299,7 @@ def _register_parameter(self, name: str, param) -> None:
     ignored silently."""
     facade = self.__dict__.get(FACADES, {}).get(name)
     if facade is not None and dtensor_params.is_live(facade) and _is_dtensor(param) and param.shape == facade.shape:
+        dtensor_params.refuse_fused_dim(self, name, param)  # (FSDP's 2-D shard of a fused weight)
         dtensor_params.follow(facade, param)  # (FSDP's MixedPrecisionPolicy: the gathered copy's dtype)
         nn.Module.register_parameter(self, name, param)  # FSDP2's swap of a dtensor=True parameter (sharded, gathered)
         return

@@ -224,8 +224,8 @@ def _fsdp_model(case: str, vocab: int):
     from tests import models
 
     torch.manual_seed(0)
-    if case == "mlp":
-        model = models.build("mlp", 32, 96)
+    if case in ("mlp", "nanogpt"):
+        model = models.build(case, 32, 96)
     else:
         import transformers as T
 
@@ -254,7 +254,8 @@ def _Logits(hf):
 # forward and backward run in bfloat16 against the float32 twin: gradients measured within 2.3e-2 of each
 # one's largest element over 5 steps, parameters 3e-4; 6e-2 and 1e-3 leave room, and still catch a
 # gradient missing or off by a factor (2x is 1.0).
-FSDP_CASES = {"mlp": (GRAD_RTOL, 1e-5), "hf_llama": (GRAD_RTOL, 1e-5), "hf_llama_bf16": (6e-2, 1e-3)}
+FSDP_CASES = {"mlp": (GRAD_RTOL, 1e-5), "nanogpt": (GRAD_RTOL, 1e-5), "hf_llama": (GRAD_RTOL, 1e-5),
+              "hf_llama_bf16": (6e-2, 1e-3)}
 
 
 @on_ranks(cases=list(FSDP_CASES))
@@ -280,7 +281,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     import dynashard
 
     vocab, hidden, mesh = 96, 32, _mesh()
-    name = "mlp" if case == "mlp" else "llama"
+    name = case if case in ("mlp", "nanogpt") else "llama"
     rtol, atol = FSDP_CASES[case]
     model, twin = _fsdp_model(case, vocab)
     torch._dynamo.reset()
@@ -292,10 +293,12 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
 
         fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     else:
+        # (nanoGPT's fused [q | k | v] sharded over dp on dim 1; the others' parameters on dim 0, as by default)
+        placement = {"shard_placement_fn": dynashard.fsdp_shard_placement}
         if case == "hf_llama":  # torchtitan's way: each block, then the root (one block gathered at a time)
             for layer in model.hf.model.layers:
-                fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+                fully_shard(layer, mesh=mesh["dp"], **placement)
+        fully_shard(model, mesh=mesh["dp"], **placement)
     if case == "hf_llama":  # with sequence parallelism (7 tokens: 4/3 on the tp pair); static lengths
         fast = torch.compile(model, backend="dynashard", options={**options, "sequence_parallel": True},
                              dynamic=False)
