@@ -96,7 +96,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                     dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
                     STORE.trust([facade])  # (checked when parallelize ran; its bytes are about to go)
                     STORE.free([facade], keep=[])
-                made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+                made[id(p)] = checkpointable(nn.Parameter(dt, requires_grad=p.requires_grad))
                 fqn = f"{prefix}.{attr}" if prefix else attr
                 _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape), cut_per_call)
             new = made[id(p)]
@@ -165,13 +165,13 @@ def fsdp_shard_placement(param: Any) -> Any:
     return Shard(next(d for d in range(param.ndim) if d not in fused)) if fused else None
 
 
-def refuse_fused_dim(module: nn.Module, name: str, param: Any) -> None:
+def refuse_fused_dim(facade: torch.Tensor, param: Any) -> None:
     """FSDP2 swapping in its 2-D shard of a fused weight sharded over dp on the fused dim: refused."""
     placements = param.placements
     fused = {p.dim for p in placements[-1:] if private.is_strided_shard(p)}
     if len(placements) > 1 and any(_shards(p) and p.dim in fused for p in placements[:-1]):
         raise UsageError(
-            f"dynashard: {type(module).__name__}.{name} is a fused weight (such as [q | k | v] or gate/up) cut per "
+            f"dynashard: {_LIVE[facade][2]!r} is a fused weight (such as [q | k | v] or gate/up) cut per "
             f"component over tp, and fully_shard shards it over dp on the same dim ({placements}), a layout no "
             "DTensor placement describes: full_tensor() and checkpoints would read it wrong. Expected "
             "fully_shard(module, mesh=mesh['dp'], shard_placement_fn=dynashard.fsdp_shard_placement) at every "

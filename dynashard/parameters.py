@@ -299,7 +299,8 @@ def _register_parameter(self, name: str, param) -> None:
     ignored silently."""
     facade = self.__dict__.get(FACADES, {}).get(name)
     if facade is not None and dtensor_params.is_live(facade) and _is_dtensor(param) and param.shape == facade.shape:
-        dtensor_params.refuse_fused_dim(self, name, param)  # (FSDP's 2-D shard of a fused weight)
+        dtensor_params.refuse_fused_dim(facade, param)  # (FSDP's 2-D shard of a fused weight)
+        dtensor_params.checkpointable(param)  # (a fused one read by DCP from the module, not its state_dict)
         dtensor_params.follow(facade, param)  # (FSDP's MixedPrecisionPolicy: the gathered copy's dtype)
         nn.Module.register_parameter(self, name, param)  # FSDP2's swap of a dtensor=True parameter (sharded, gathered)
         return

@@ -348,12 +348,18 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
 
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{tmp_path}/fsdp_{case}")
+    # and the parameters read from the modules themselves, not through state_dict (nanoGPT's fused c_attn: DCP's
+    # own protocol reads its _StridedShard at the wrong offset; dynashard's, on the parameter, at the true ones)
+    dcp.save(dict(model.named_parameters()), checkpoint_id=f"{tmp_path}/fsdp_{case}_parameters")
     dist.barrier()
     wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
     other, _ = _fsdp_model(case, vocab)  # (fresh values: the load must replace them)
     torch._dynamo.reset()
     wide_options = {**OPTIONS, "group": wide["tp"]}
     dynashard.parallelize(other, _batch(name, hidden, vocab, 0, 0)[0], options=wide_options, dtensor=True)
+    with torch.no_grad():
+        dcp.load(dict(other.named_parameters()), checkpoint_id=f"{tmp_path}/fsdp_{case}_parameters")
+        from_parameters = {n: p.full_tensor() for n, p in other.named_parameters()}
     opt_other = torch.optim.AdamW(other.parameters(), lr=1e-3)
     model_state, optim_state = get_state_dict(other, opt_other)
     dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=f"{tmp_path}/fsdp_{case}")
@@ -366,6 +372,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
         trained = saved(model, opt)
         loaded = saved(other, opt_other)
         loaded_same = loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+        parameters_same = all(torch.equal(t, trained[n + "."]) for n, t in from_parameters.items())
     # the whole weights as safetensors: DTensors gathered over their mesh, every rank calling (measured before:
     # every tensor written with the right shape and wrong values)
     from safetensors.torch import load_file
@@ -392,6 +399,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     assert loss_err < max(1e-5, rtol / 4) and param_err < atol, (loss_err, param_err)
     assert adamw_loss_err < max(1e-4, rtol), f"10 AdamW steps: the mean loss vs the twin's, {adamw_loss_err}"
     assert loaded_same, "the 1x4 model's parameters or AdamW moments loaded from the 2x2 checkpoint differ"
+    assert parameters_same, "the 1x4 model's parameters loaded from the 2x2 one's (not their state_dict) differ"
     assert export_same, "export_safetensors of the 2x2 model wrote other values than its parameters"
     # the 1x4 model runs the checkpoint in float32, as the twin does (bfloat16 training left it atol apart);
     # its second AdamW step's loss (the first one's update in it) within the AdamW tolerance above
@@ -405,8 +413,9 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     before this refusal: the cut parameters of an MLP fully_shard'ed and then compiled ended every backward
     with no gradient, the loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
     ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
-    the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, a fused layout and a
-    group given as a ProcessGroup are refused at parallelize."""
+    the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, fused components of
+    unequal sizes and a group given as a ProcessGroup are refused at parallelize, and nanoGPT's fused
+    ``[q | k | v]`` at ``fully_shard`` without ``shard_placement_fn=dynashard.fsdp_shard_placement``."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -426,13 +435,19 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     before_compile = str(raised(lambda: torch.compile(model, backend="dynashard", options=options)(x)))
     # (FSDP had gathered its copies for the forward that raised: plain tensors now, none of them freed)
     untouched = all(getattr(p, "_local_tensor", p).untyped_storage().nbytes() > 0 for p in model.parameters())
-    # dtensor=True: a fused [q | k | v] cut per component has no DTensor placement FSDP2 reads back right
-    # (dtensor_params.placement), and the tp mesh must be given as a DeviceMesh
-    fused = str(raised(lambda: dynashard.parallelize(models.build("nanogpt", 64, 96), torch.randint(0, 96, (2, 7)),
-                                                     options=options, dtensor=True)))
+    # dtensor=True: fused components of unequal sizes (8 query heads, 2 KV heads) have no DTensor placement;
+    # nanoGPT's fused [q | k | v] has one, _StridedShard, which FSDP2's default dp shard on the same dim breaks
+    # (dtensor_params.placement): refused at fully_shard without dynashard.fsdp_shard_placement. The tp mesh
+    # must be given as a DeviceMesh.
+    unequal = str(raised(lambda: dynashard.parallelize(models.build("fused_gqa", 64, 2), torch.randn(2, 3, 64),
+                                                       options=options, dtensor=True)))
+    nanogpt = dynashard.parallelize(models.build("nanogpt", 32, 96), torch.randint(0, 96, (2, 7)), options=options,
+                                    dtensor=True)
+    same_dim = str(raised(lambda: fully_shard(nanogpt, mesh=mesh["dp"])))
     no_mesh = str(raised(lambda: dynashard.parallelize(models.build("mlp", 32, 96), x, dtensor=True,
                                                        options={**OPTIONS, "group": mesh["tp"].get_group()})))
-    assert "c_attn.weight" in fused and "dtensor=False" in fused, fused
+    assert "qkv_proj.weight" in unequal and "dtensor=False" in unequal, unequal
+    assert "c_attn.weight" in same_dim and "shard_placement_fn=dynashard.fsdp_shard_placement" in same_dim, same_dim
     assert "DeviceMesh" in no_mesh and "mesh['tp']" in no_mesh, no_mesh
     for msg in (after_parallelize, before_compile):
         assert "FSDP2" in msg and "DDP" in msg and "mesh['dp']" in msg and "dtensor=True" in msg, msg
