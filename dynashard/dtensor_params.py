@@ -57,7 +57,7 @@ def mesh_of(options: Any) -> Any:
             f"and needs that mesh as options={{'group': mesh['tp']}} (a 1-D DeviceMesh); found {found}. Expected "
             "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), then "
             "parallelize(model, x, options={'group': mesh['tp']}, dtensor=True), then fully_shard(model, "
-            "mesh=mesh['dp']).")
+            "mesh=mesh['dp'], shard_placement_fn=dynashard.fsdp_shard_placement).")
     return mesh
 
 
