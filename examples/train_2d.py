@@ -87,9 +87,10 @@ def main() -> int:
         from torch.distributed.fsdp import fully_shard
 
         dynashard.parallelize(model, ids, options=options, dtensor=True)  # DTensors on mesh["tp"]
+        shard = {"shard_placement_fn": dynashard.fsdp_shard_placement}  # (a fused q/k/v over dp on another dim)
         for layer in model.model.layers:  # torchtitan's way: each block, then the root (one block gathered at a time)
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])  # 2-D: this rank's dp part of its tp shard
+            fully_shard(layer, mesh=mesh["dp"], **shard)
+        fully_shard(model, mesh=mesh["dp"], **shard)  # 2-D: this rank's dp part of its tp shard
         fast = torch.compile(model, backend=dynashard.backend(**options, **sp), dynamic=dynamic)
     else:
         dynashard.parallelize(model, ids, options=options)
