@@ -269,8 +269,9 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     bit, and its next AdamW steps the twin's; so are its parameters loaded from a save of the parameters
     themselves. nanoGPT's fused ``c_attn`` is ``_StridedShard`` on tp and sharded over dp on dim 1
     (``dynashard.fsdp_shard_placement``; its bias whole on tp), and saved at its true offsets. HF Llama has
-    ``fully_shard`` on each decoder layer and the root (torchtitan's way: Dynamo breaks the graph at each layer's FSDP hooks, runs the model's loop eagerly
-    and compiles each layer on its own) and runs with ``sequence_parallel``. With FSDP2's
+    ``fully_shard`` on each decoder layer and the root (torchtitan's way: Dynamo breaks the graph at each
+    layer's FSDP hooks, runs the model's loop eagerly and compiles each layer on its own) and runs with
+    ``sequence_parallel``. With FSDP2's
     MixedPrecisionPolicy (bfloat16 parameters gathered; the root only), the facades follow the gathered
     dtype and the same checks hold within bfloat16's tolerance."""
     import torch
