@@ -181,7 +181,7 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, d
         with torch.autocast("cpu", dtype=torch.bfloat16):
             report = dynashard.explain(model, x, world_size=world, options=options, verify=True)
         assert report.layers == dynashard.explain(model, x, world_size=world, options=options).layers, str(report)
-        assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
+        assert _within_bf16(report, model, x), str(report)
         return
     report = dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=dynamic)
     assert set(report.layers) == set(names)
@@ -189,8 +189,18 @@ def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, d
 
 # bfloat16 autocast: verify's own bf16 tolerance is loose (it serves bf16 models of any scale); these
 # cases keep activations O(1), where the sharded and unsharded bf16 results measured within 8e-3 of each
-# other: 3e-2 leaves room, and a wrong term is O(1).
+# other: 3e-2 leaves room (about 4 bf16 spacings at 1), and a wrong term is O(1). Scaled by the output's
+# magnitude where it exceeds 1: a residual stack reaches 4-16, where one spacing of bf16 (8 significant
+# bits) is 2^-5 to 2^-4, and a sum taken in another order differs by one (FUZZ_EXAMPLES=40 found 0.031
+# and 0.062 on outputs of that size).
 BF16_ABS = 3e-2
+
+
+def _within_bf16(report, model, x) -> bool:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    scale = max(1.0, float(y.float().abs().max()))
+    return max(g.output_err for g in report.graphs) < BF16_ABS * scale
 
 
 SETTINGS = settings(
@@ -286,7 +296,7 @@ def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, autoca
     assert set(report.layers) == set(names), str(report)  # every form matched (the tied W: two uses)
     if autocast:
         assert report.layers == dynashard.explain(model, x, world_size=world, options=options).layers, str(report)
-        assert max(g.output_err for g in report.graphs) < BF16_ABS, str(report)
+        assert _within_bf16(report, model, x), str(report)
 
 
 def _zeros_written(y, x):
