@@ -13,6 +13,7 @@ graph's symbolic sizes stay its own)::
     Conv2d(k=1) on [B, C, H, W]          convolution(x, W[out, in, 1, 1], b, [1, 1], [0, 0], ...)
         -> permute(view(addmm(b, view(clone(permute(x))), t(squeeze(W, [2, 3])))), [0, 3, 1, 2])
     F.linear(h, W.t()) (a tied decoder)  mm(h, t(t(W)))  ->  mm(h, W)
+        (under autocast)                 mm(h, t(_to_copy(t(W))))  ->  mm(h, _to_copy(W))
 
 The weight side of a bmm is recognised by its strides, not by the ops' names: the chain of views
 from the 2-D parameter is replayed on a meta tensor, and the per-batch matrix is W.t() or W
@@ -208,14 +209,32 @@ def _pointwise_conv(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
 
 
 def _cancel_double_transpose(graph: torch.fx.Graph, node: torch.fx.Node, params: set[torch.fx.Node]) -> None:
-    """``mm(h, t(t(W)))``: ``F.linear(h, W.t())``, a tied decoder reading its encoder's W as stored."""
+    """``mm(h, t(t(W)))``: ``F.linear(h, W.t())``, a tied decoder reading its encoder's W as stored. Under
+    autocast ``mm(h, t(_to_copy(t(W))))`` (the transposed view converted): ``mm(h, _to_copy(W))``, the
+    conversion moved onto W, elementwise, so the same values in the same [out, in] layout."""
     mat2 = node.args[-1]
     if not (isinstance(mat2, torch.fx.Node) and mat2.target is aten.t.default):
         return
-    inner = mat2.args[0]
-    if isinstance(inner, torch.fx.Node) and inner.target is aten.t.default and inner.args[0] in params:
-        node.replace_input_with(mat2, inner.args[0])
-        _erase_dead(graph, mat2)
+    inner, cast = mat2.args[0], None
+    if isinstance(inner, torch.fx.Node) and len(inner.users) == 1 and converted_source(inner) is not None:
+        inner, cast = converted_source(inner), inner
+    if not (isinstance(inner, torch.fx.Node) and inner.target is aten.t.default and inner.args[0] in params):
+        return
+    weight = inner.args[0]
+    if cast is not None:
+        with graph.inserting_before(node):
+            weight = graph.call_function(aten._to_copy.default, (weight,), dict(cast.kwargs))
+        weight.meta = dict(mat2.meta)  # (W's shape and contiguous strides, the conversion's dtype)
+    node.replace_input_with(mat2, weight)
+    _erase_dead(graph, mat2)
+
+
+def converted_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``node`` converts to another dtype, if it is exactly that (autocast's ``_to_copy``)."""
+    if node.op == "call_function" and node.target is aten._to_copy.default and len(node.args) == 1 \
+            and set(node.kwargs) <= {"dtype"}:
+        return node.args[0]
+    return None
 
 
 def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, form: str, inputs: list[torch.fx.Node],

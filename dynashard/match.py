@@ -31,6 +31,7 @@ import dataclasses
 import torch
 import torch.fx
 
+from dynashard.linear_forms import converted_source as _converted_source
 from dynashard.linear_forms import squeezed_source
 from dynashard.match_normed import normed_source, plan_name
 from dynashard.nodes import val
@@ -183,14 +184,6 @@ def _transposed_source(node: torch.fx.Node) -> torch.fx.Node | None:
     if node.target is aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
         return node.args[0]
     if node.target is aten.transpose.int and sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]:
-        return node.args[0]
-    return None
-
-
-def _converted_source(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The tensor ``node`` converts to another dtype, if it is exactly that (autocast's ``_to_copy``)."""
-    if node.op == "call_function" and node.target is aten._to_copy.default and len(node.args) == 1 \
-            and set(node.kwargs) <= {"dtype"}:
         return node.args[0]
     return None
 
