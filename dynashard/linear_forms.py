@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
-from dynashard.match_normed import drop_unread_norms, normed_source
+from dynashard.match_normed import drop_unread_norms, normed_source, spectral_source
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -102,7 +102,8 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
     operand = node.args[-1]
     while isinstance(operand, torch.fx.Node) and operand.target in (aten.t.default, aten._to_copy.default):
         operand = operand.args[0]
-    if not isinstance(operand, torch.fx.Node) or operand.op != "call_function" or normed_source(operand):
+    if (not isinstance(operand, torch.fx.Node) or operand.op != "call_function" or normed_source(operand)
+            or spectral_source(operand)):
         return
     seen, todo, ops = set(), [operand], set()
     while todo:

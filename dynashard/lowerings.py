@@ -158,6 +158,46 @@ class NormOfSlices(Lowering):
 
 
 @dataclasses.dataclass(frozen=True)
+class CutMatVec(Lowering):
+    """spectral_norm (match_normed.py): ``mv`` of this rank's cut of W (or of its transpose); ``cut``: the
+    rank's part of the cut dim. Contracting the cut dim, the vector is narrowed to that part and the
+    product is a partial sum; else the product is this rank's block. ``whole``: a power step, run
+    under no_grad in the model (W detached here), whose product is made whole (all_reduce or
+    all_gather) for the normalisation and the buffer write; else sigma's, read by SigmaOfCut."""
+
+    cut: Shard
+    contracted: bool
+    whole: bool
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        (matrix, x), _ = sharder.args(node)
+        x = take(x, self.cut) if self.contracted else x
+        if not self.whole:
+            return aten.mv(matrix, x)
+        y, lm, comm = aten.mv(aten.detach(matrix), x), sharder.lm, sharder.comm
+        if self.contracted:
+            return comm.all_reduce_sum(y, sharder.group_name)
+        return comm.all_gather_last_dim(y, self.cut.split.lengths(lm.world), lm.rank, sharder.group_name,
+                                        self.cut.split.whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmaOfCut(Lowering):
+    """spectral_norm's ``sigma = vdot(u, W v)``: this rank's term (``block``: its block of u against its
+    block of ``W v``, W's rows cut; else u against its partial ``W v``), all-reduced. With gradients the
+    backward sums too (``copy_to_shards``): a rank's gradient of sigma holds its own part of ``W / sigma``
+    only, and every part of W needs the whole of it."""
+
+    cut: Shard
+    block: bool
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        (u, wv), _ = sharder.args(node)
+        sigma = sharder.all_reduce(aten.vdot(take(u, self.cut) if self.block else u, wv))
+        return sharder.comm.copy_to_shards(sigma, sharder.group_name) if sharder.megatron else sigma
+
+
+@dataclasses.dataclass(frozen=True)
 class Renorm(Lowering):
     """``embedding_renorm_`` (``F.embedding`` with ``max_norm``) on this rank's cut (vocab.py):
     a vocab-parallel table's rows are whole (``rows``); a colwise one's norms need every rank's
