@@ -1,4 +1,4 @@
-"""Weight-normed linears: a weight the graph computes by ``weight_norm`` from two parameters.
+"""Normed linears: a weight the graph computes by ``weight_norm`` (from two parameters) or ``spectral_norm``.
 
 Before (what ``torch.nn.utils.parametrizations.weight_norm(nn.Linear(...), dim=d)`` traces to, in
 float32; ``v`` stored ``[out, in]``, the gain ``g`` of v's shape with size 1 on every dim but ``d``)::
@@ -17,7 +17,7 @@ sums of squares across ranks.
 
 Left as written (the weight then whole, logged by linear_forms): ``weight_norm(dim=None)`` (one norm
 over all of v, traced as ``v * (g / norm(v))``), a gain or norms read by anything else; a v read by
-anything else stays whole by match.py's other uses.
+anything else stays whole by match.py's other uses. spectral_norm's left-as-written forms follow.
 
 ``spectral_norm`` (``torch.nn.utils.parametrizations``, a 2-D weight, dim=0), before::
 
@@ -36,7 +36,9 @@ contracted), so the normalisation and the buffer writes run on the whole vector 
 Matched only when every read of W is one of those: the divide, sigma's ``mv`` (read by its
 ``vdot`` alone), a power step's ``mv`` (of W or of a transpose of W read by power steps alone)
 whose value a ``div.out`` writes into a buffer (an ``out=`` op never runs on a value with a
-gradient: the step ran under no_grad, so the lowering detaches W there).
+gradient: the step ran under no_grad, which the aten graph does not record, so the lowering detaches
+W there). ``spectral_norm(dim=1)`` (W read through a permute), a conv's (through a view) and a W
+read by anything else are left as written.
 
 Invariants: matching never mutates the graph (``drop_unread_norms`` runs in linear_forms.normalise).
 """
