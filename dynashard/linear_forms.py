@@ -187,10 +187,10 @@ def _conversion(node: torch.fx.Node) -> torch.dtype | None:
 
 
 def _weight_like(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
-    """A parameter, weight_norm's weight of one, or autocast's dtype conversion of either: what match.py
-    reads a linear's weight through (a conversion, the norm)."""
+    """A parameter, weight_norm's or spectral_norm's weight of one, or autocast's dtype conversion of any:
+    what match.py reads a linear's weight through (a conversion, the norm)."""
     node = node.args[0] if _conversion(node) is not None else node
-    return node in params or normed_source(node) is not None
+    return node in params or normed_source(node) is not None or spectral_source(node) is not None
 
 
 def _steps(shape, strides) -> tuple:

@@ -208,11 +208,11 @@ def test_bmm_with_an_expanded_weight_is_paired_like_nn_linear(forms, world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("down", ["linear", "weight_norm_in"])
+@pytest.mark.parametrize("down", ["linear", "weight_norm_in", "spectral_norm"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_weight_without_gradient_on_a_transposed_input_is_paired(down, world):
     """``torch.matmul`` of a non-contiguous 3-D x (a 1x1 conv's output, transposed back) and a weight that
-    needs no gradient (frozen, or weight_norm's under no_grad) traces ``bmm(view(expand(x)),
+    needs no gradient (frozen, or weight_norm's or spectral_norm's under no_grad) traces ``bmm(view(expand(x)),
     view(expand(t(W))))``: one matrix in every batch, paired like nn.Linear (was: down whole)."""
     torch.manual_seed(0)
     model = models.ClothedMLP(4, 8, "conv1x1", down).requires_grad_(down != "linear")
