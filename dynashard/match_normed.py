@@ -22,17 +22,18 @@ anything else stays whole by match.py's other uses. spectral_norm's left-as-writ
 ``spectral_norm`` (``torch.nn.utils.parametrizations``, a 2-D weight, dim=0), before::
 
     # train mode only, n_power_iterations times, under no_grad, written into the buffers u and v:
-    u = div.out(mv(W, v), expand(clamp_min_(linalg_vector_norm(mv(W, v))), eps), out=u)
+    u = div.out(mv(W, v), expand(clamp_min_(linalg_vector_norm(mv(W, v)), eps)), out=u)
     v = div.out(mv(transpose(W), u), ..., out=v)
     sigma = vdot(clone(u), mv(W, clone(v)))
     w = div.Tensor(W, sigma); t = aten.t(w); y = aten.addmm(b, x, t)
 
 After: one LinearMatch on W (its path: div, t) of kind SpectralNormed; W alone is cut, u and v stay
 whole on every rank (vectors of out and in elements). Every read of W is lowered on this rank's
-cut (lowerings_spectral.py): sigma is this rank's term of ``u . W v`` (its rows of W with its block
-of u, or its columns with its block of v) and one scalar all_reduce; a power step's ``W v`` or
-``W^T u`` is this rank's block all-gathered, or its partial sum all-reduced (the cut dim
-contracted), so the normalisation and the buffer writes run on the whole vector as written.
+cut (lowerings.CutMatVec and SigmaOfCut, set by propagate.py): sigma is this rank's term of
+``u . W v`` (its rows of W with its block of u, or its columns with its block of v) and one scalar
+all_reduce; a power step's ``W v`` or ``W^T u`` is this rank's block all-gathered, or its partial
+sum all-reduced (the cut dim contracted), so the normalisation and the buffer writes run on the
+whole vector as written.
 Matched only when every read of W is one of those: the divide, sigma's ``mv`` (read by its
 ``vdot`` alone), a power step's ``mv`` (of W or of a transpose of W read by power steps alone)
 whose value a ``div.out`` writes into a buffer (an ``out=`` op never runs on a value with a
