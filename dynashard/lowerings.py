@@ -171,7 +171,7 @@ class CutMatVec(Lowering):
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         (matrix, x), _ = sharder.args(node)
-        x = take(x, self.cut) if self.contracted else x
+        x = _counted_once(x, self.cut, sharder.lm.rank) if self.contracted else x
         if not self.whole:
             return aten.mv(matrix, x)
         y, lm, comm = aten.mv(aten.detach(matrix), x), sharder.lm, sharder.comm
@@ -193,8 +193,18 @@ class SigmaOfCut(Lowering):
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         (u, wv), _ = sharder.args(node)
-        sigma = sharder.all_reduce(aten.vdot(take(u, self.cut) if self.block else u, wv))
+        sigma = sharder.all_reduce(aten.vdot(_counted_once(u, self.cut, sharder.lm.rank) if self.block else u, wv))
         return sharder.comm.copy_to_shards(sigma, sharder.group_name) if sharder.megatron else sigma
+
+
+def _counted_once(x: Any, cut: Shard, rank: int) -> Any:
+    """This rank's pieces of a whole vector ``x``, to be multiplied by its cut of W and the products summed
+    over the ranks: a component every rank holds whole (a fused q|k|v's k and v, fewer heads than ranks) is
+    zeroed but on rank 0, so the sum counts it once."""
+    if not cut.split.whole or rank == 0:
+        return take(x, cut)
+    pieces = [aten.narrow(x, -1, start, length) for start, length in cut.pieces]
+    return torch.cat([aten.zeros_like(p) if i in cut.split.whole else p for i, p in enumerate(pieces)], -1)
 
 
 @dataclasses.dataclass(frozen=True)

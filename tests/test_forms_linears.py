@@ -437,6 +437,20 @@ def test_spectral_norm_on_a_rank_holding_no_rows(train, world):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_spectral_norm_of_a_fused_qkv_with_whole_parts(train):
+    """A fused q|k|v with 2 K/V heads on 4 ranks: k and v are whole on every rank, and counted once in
+    sigma and in each power step's sum (rank 0's), not once per rank."""
+    torch.manual_seed(0)
+    model = models.FusedGQAAttention(128, 8, 2)
+    nn.utils.parametrizations.spectral_norm(model.qkv_proj)
+    report = _spectral(train, 4, model=model, x=torch.randn(2, 5, 128))
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == {"qkv_proj": "colwise", "o_proj": "rowwise"}
+    assert "held whole by every rank" in report.rows[0].reason, str(report)
+    assert max(g.output_err for g in report.graphs) < SPECTRAL_ABS, str(report)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("train,collectives", [(False, (3, 0)), (True, (5, 2))], ids=["eval", "train"])
 def test_spectral_norm_costs_a_scalar_all_reduce_per_layer(train, collectives):
     """Eval: sigma's scalar all_reduce per layer, plus the pair's own. Train: each power step adds one
