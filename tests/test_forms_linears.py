@@ -208,8 +208,9 @@ def test_bmm_with_an_expanded_weight_is_paired_like_nn_linear(forms, world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("down", ["linear", "weight_norm_in", "spectral_norm"])
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("down,world", [(down, world) for down in ("linear", "weight_norm_in") for world in (2, 3, 4)]
+                         + [pytest.param("spectral_norm", w, marks=pytest.mark.slow) for w in (2, 4)]
+                         + [("spectral_norm", 3)])
 def test_a_weight_without_gradient_on_a_transposed_input_is_paired(down, world):
     """``torch.matmul`` of a non-contiguous 3-D x (a 1x1 conv's output, transposed back) and a weight that
     needs no gradient (frozen, or weight_norm's or spectral_norm's under no_grad) traces ``bmm(view(expand(x)),
@@ -398,12 +399,14 @@ def _spectral(mode: bool, world: int, plan: dict | None = None, model: nn.Module
 
 # float32: sigma and the power steps sum the same products in another order (a few ulps of O(1) values)
 SPECTRAL_ABS = 1e-5
+REVERSED = {"up": "rowwise", "down": "colwise"}
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("world,plan", [(2, None), (3, None), (4, None), (3, {"up": "rowwise", "down": "colwise"})],
-                         ids=["2", "3", "4", "3-reversed"])  # 40 features: 20/20, 14/13/13, 10 x 4; 16: 6/5/5
+@pytest.mark.parametrize("world,plan,train", [  # 40 features: 20/20, 14/13/13, 10 x 4; 16: 6/5/5
+    (2, None, True), (3, None, True), (4, None, True), (3, REVERSED, True), (4, None, False),
+    *(pytest.param(*c, marks=pytest.mark.slow) for c in [(2, None, False), (3, None, False), (3, REVERSED, False)])],
+    ids=["2-train", "3-train", "4-train", "3-reversed-train", "4-eval", "2-eval", "3-eval", "3-reversed-eval"])
 def test_spectral_norm_is_cut_colwise_and_rowwise(plan, train, world):
     """W cut either way, u and v whole on every rank: sigma is every rank's term of ``u . W v`` summed, and
     in train mode each power step's product is made whole, so the buffers take the unsharded values
@@ -425,7 +428,8 @@ def test_spectral_norm_in_a_training_compile():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("train,world", [(False, 3), (True, 4)], ids=["eval-3", "train-4"])
+@pytest.mark.parametrize("train,world", [pytest.param(False, 3, marks=pytest.mark.slow), (True, 4)],
+                         ids=["eval-3", "train-4"])
 def test_spectral_norm_on_a_rank_holding_no_rows(train, world):
     """2 hidden features at worlds 3 and 4: a rank holds no row (up) and no column (down) of W; its term
     of sigma is 0 and its block of each power step's product empty."""
@@ -437,7 +441,7 @@ def test_spectral_norm_on_a_rank_holding_no_rows(train, world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("train", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eval", "train"])
 def test_spectral_norm_of_a_fused_qkv_with_whole_parts(train):
     """A fused q|k|v with 2 K/V heads on 4 ranks: k and v are whole on every rank, and counted once in
     sigma and in each power step's sum (rank 0's), not once per rank."""
@@ -451,7 +455,8 @@ def test_spectral_norm_of_a_fused_qkv_with_whole_parts(train):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("train,collectives", [(False, (3, 0)), (True, (5, 2))], ids=["eval", "train"])
+@pytest.mark.parametrize("train,collectives", [pytest.param(False, (3, 0), marks=pytest.mark.slow), (True, (5, 2))],
+                         ids=["eval", "train"])
 def test_spectral_norm_costs_a_scalar_all_reduce_per_layer(train, collectives):
     """Eval: sigma's scalar all_reduce per layer, plus the pair's own. Train: each power step adds one
     vector collective per product: up (rows cut) all-gathers W v and all-reduces W^T u; down (columns
