@@ -22,11 +22,12 @@ view with W's (or W.t()'s) (einsum's unsqueeze/permute/view chains differ by equ
 do not). A broadcast over the batch (an ``expand`` of one matrix) is the same matrix in every
 batch, so the bmm is one linear.
 
-``weight_norm``'s ``_weight_norm_interface(v, g)`` is matched on v (match_normed.py; its unread norms
-output is dropped here). Any other linear whose weight the graph computes from parameters
-(``spectral_norm``'s ``W / sigma``, ``weight_norm(dim=None)``'s ``v * (g / norm(v))``) is left
-whole, with the reason logged at debug level: dynashard cuts parameters a linear reads as stored.
-(spectral_norm's sigma sums over every row, and its power iteration over every column.)
+``weight_norm``'s ``_weight_norm_interface(v, g)`` is matched on v, and ``spectral_norm``'s
+``div(W, sigma)`` on W, its sigma and power iteration lowered on the cut (match_normed.py; the
+unread norms output of weight_norm is dropped here). Any other linear whose weight the graph
+computes from parameters (``weight_norm(dim=None)``'s ``v * (g / norm(v))``, ``spectral_norm(dim=1)``'s
+permuted W) is left whole, with the reason logged at debug level: dynashard cuts parameters a linear
+reads as stored, or through one of those two.
 
 Invariants: the only step of analysis that changes what the graph computes as written, and it
 never changes a value: each replacement computes the same products and sums (a matmul kernel's
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 
 from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
-from dynashard.match_normed import drop_unread_norms, normed_source
+from dynashard.match_normed import drop_unread_norms, normed_source, spectral_source
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -103,7 +104,8 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
     operand = node.args[-1]
     while isinstance(operand, torch.fx.Node) and operand.target in (aten.t.default, aten._to_copy.default):
         operand = operand.args[0]
-    if not isinstance(operand, torch.fx.Node) or operand.op != "call_function" or normed_source(operand):
+    if (not isinstance(operand, torch.fx.Node) or operand.op != "call_function" or normed_source(operand)
+            or spectral_source(operand)):
         return
     seen, todo, ops = set(), [operand], set()
     while todo:
@@ -119,7 +121,8 @@ def _log_computed_weight(node: torch.fx.Node, params: set[torch.fx.Node], module
     sources = sorted(module_tensors[n] for n in seen & params)
     if sources:
         log.debug("dynashard: %s reads a weight computed from parameters %s by %s: left whole (dynashard cuts "
-                  "parameters a linear reads as stored; of computed weights only weight_norm(dim=0 or 1)'s is cut)",
+                  "parameters a linear reads as stored; of computed weights only weight_norm(dim=0 or 1)'s and "
+                  "spectral_norm(dim=0)'s are cut)",
                   node.name, sources, sorted(ops))
 
 
@@ -185,10 +188,10 @@ def _conversion(node: torch.fx.Node) -> torch.dtype | None:
 
 
 def _weight_like(node: torch.fx.Node, params: set[torch.fx.Node]) -> bool:
-    """A parameter, weight_norm's weight of one, or autocast's dtype conversion of either: what match.py
-    reads a linear's weight through (a conversion, the norm)."""
+    """A parameter, weight_norm's or spectral_norm's weight of one, or autocast's dtype conversion of any:
+    what match.py reads a linear's weight through (a conversion, the norm)."""
     node = node.args[0] if _conversion(node) is not None else node
-    return node in params or normed_source(node) is not None
+    return node in params or normed_source(node) is not None or spectral_source(node) is not None
 
 
 def _steps(shape, strides) -> tuple:

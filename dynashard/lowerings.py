@@ -158,6 +158,56 @@ class NormOfSlices(Lowering):
 
 
 @dataclasses.dataclass(frozen=True)
+class CutMatVec(Lowering):
+    """spectral_norm (match_normed.py): ``mv`` of this rank's cut of W (or of its transpose); ``cut``: the
+    rank's part of the cut dim. Contracting the cut dim, the vector is narrowed to that part and the
+    product is a partial sum; else the product is this rank's block. ``whole``: a power step, run
+    under no_grad in the model (W detached here), whose product is made whole (all_reduce or
+    all_gather) for the normalisation and the buffer write; else sigma's, read by SigmaOfCut."""
+
+    cut: Shard
+    contracted: bool
+    whole: bool
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        (matrix, x), _ = sharder.args(node)
+        x = _counted_once(x, self.cut, sharder.lm.rank) if self.contracted else x
+        if not self.whole:
+            return aten.mv(matrix, x)
+        y, lm, comm = aten.mv(aten.detach(matrix), x), sharder.lm, sharder.comm
+        if self.contracted:
+            return comm.all_reduce_sum(y, sharder.group_name)
+        return comm.all_gather_last_dim(y, self.cut.split.lengths(lm.world), lm.rank, sharder.group_name,
+                                        self.cut.split.whole)
+
+
+@dataclasses.dataclass(frozen=True)
+class SigmaOfCut(Lowering):
+    """spectral_norm's ``sigma = vdot(u, W v)``: this rank's term (``block``: its block of u against its
+    block of ``W v``, W's rows cut; else u against its partial ``W v``), all-reduced. With gradients the
+    backward sums too (``copy_to_shards``): a rank's gradient of sigma holds its own part of ``W / sigma``
+    only, and every part of W needs the whole of it."""
+
+    cut: Shard
+    block: bool
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        (u, wv), _ = sharder.args(node)
+        sigma = sharder.all_reduce(aten.vdot(_counted_once(u, self.cut, sharder.lm.rank) if self.block else u, wv))
+        return sharder.comm.copy_to_shards(sigma, sharder.group_name) if sharder.megatron else sigma
+
+
+def _counted_once(x: Any, cut: Shard, rank: int) -> Any:
+    """This rank's pieces of a whole vector ``x``, to be multiplied by its cut of W and the products summed
+    over the ranks: a component every rank holds whole (a fused q|k|v's k and v, fewer heads than ranks) is
+    zeroed but on rank 0, so the sum counts it once."""
+    if not cut.split.whole or rank == 0:
+        return take(x, cut)
+    pieces = [aten.narrow(x, -1, start, length) for start, length in cut.pieces]
+    return torch.cat([aten.zeros_like(p) if i in cut.split.whole else p for i, p in enumerate(pieces)], -1)
+
+
+@dataclasses.dataclass(frozen=True)
 class Renorm(Lowering):
     """``embedding_renorm_`` (``F.embedding`` with ``max_norm``) on this rank's cut (vocab.py):
     a vocab-parallel table's rows are whole (``rows``); a colwise one's norms need every rank's

@@ -33,7 +33,7 @@ import torch.fx
 
 from dynashard.linear_forms import converted_source as _converted_source
 from dynashard.linear_forms import squeezed_source
-from dynashard.match_normed import normed_source, plan_name
+from dynashard.match_normed import Spectral, normed_source, plan_name, spectral_source
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -117,6 +117,20 @@ class WeightNormed(LinearKind):
                 f"which a cut there would split across ranks (a cut on dim {self.dim} is exact)")
 
 
+class SpectralNormed(LinearKind):
+    """``spectral_norm``'s W (match_normed.py): cut either way, sigma and the power steps on the cut."""
+
+    name = "spectral_norm"
+
+    def __init__(self, reads: Spectral) -> None:
+        self.reads = reads
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        if stacked or per_rank:
+            return f"spectral_norm's W stays whole under {'weights' if stacked else 'inputs'}='per_rank'"
+        return None
+
+
 DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()
 
 
@@ -192,7 +206,7 @@ def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Nod
     """From a matmul's second operand back to what it computes from: (source, the nodes between it and
     the matmul in order, the transpose among them): through one dtype conversion on either side of
     one transpose, each optional, a pointwise Conv1d's squeeze of its [out, in, 1] weight, and
-    weight_norm's ``getitem(_weight_norm_interface(v, g), 0)`` of v."""
+    weight_norm's ``getitem(_weight_norm_interface(v, g), 0)`` of v, spectral_norm's ``div(W, sigma)`` of W."""
     path, node, transpose, converted, squeezed, normed = [], mat2, None, False, False, False
     while True:
         source = _converted_source(node) if not converted else None
@@ -206,6 +220,9 @@ def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Nod
             normed = True
             path.append(node)  # (the getitem; the norm op itself is appended below)
             node, source = found[2], found[0]
+        elif not normed and (found := spectral_source(node)) is not None:
+            normed = True
+            source = found[0]
         else:
             return node, tuple(reversed(path)), transpose
         path.append(node)
@@ -250,10 +267,12 @@ def find_linears(
             continue
         out_f, in_f = (shape[0], shape[1]) if form == "out_in" else (shape[1], shape[0])
         normed = next((found for n in path if (found := normed_source(n)) is not None), None)
+        spectral = next((found[1] for n in path if (found := spectral_source(n)) is not None), None)
         matches.append(
             LinearMatch(
                 node=node,
-                fqn=plan_name(params[weight].module_fqn, params[weight].fqn) if normed else _plan_name(params[weight]),
+                fqn=(plan_name(params[weight].module_fqn, params[weight].fqn) if normed or spectral
+                     else _plan_name(params[weight])),
                 weight=weight,
                 weight_form=form,
                 transpose=transpose,
@@ -262,7 +281,7 @@ def find_linears(
                 in_features=int(in_f),
                 out_features=int(out_f),
                 operand_path=path,
-                kind=WeightNormed(normed[3]) if normed else DENSE,
+                kind=WeightNormed(normed[3]) if normed else SpectralNormed(spectral) if spectral else DENSE,
                 companions=(normed[1],) if normed else (),
             )
         )
@@ -318,6 +337,8 @@ def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:
     for m in matches:
         path = [m.weight, *_between(m), m.node]
         paths = [path] + ([[m.weight, m.renorm.args[0], m.renorm]] if m.renorm is not None else [])
+        if isinstance(m.kind, SpectralNormed):  # W's other reads, each lowered on the cut
+            paths += [[m.weight, n] for n in m.kind.reads.nodes if m.weight in n.args]
         for p in paths:
             for here, nxt in zip(p, p[1:]):
                 allowed.setdefault(here, set()).add(nxt)

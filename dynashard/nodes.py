@@ -63,6 +63,17 @@ def mutates_self(node: torch.fx.Node) -> bool:
     return bool(alias is not None and alias.is_write)
 
 
+def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The arguments ``node`` writes into: an in-place op's ``self``, an ``out=``."""
+    schema = private_aten.schema_of(node.target) if node.op == "call_function" else None
+    found = []
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+            found += [value] if isinstance(value, torch.fx.Node) else []
+    return found
+
+
 def norm_dim(d: int, ndim: int) -> int:
     """A dim argument counted from the left (``ndim`` 0: a scalar, dim 0)."""
     return d % ndim if ndim else 0

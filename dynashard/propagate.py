@@ -28,14 +28,14 @@ import torch
 import torch.fx
 
 from dynashard import rules
-from dynashard.lowerings import AllocateLocal, NormOfSlices, Renorm, StackedTranspose
-from dynashard.match import LinearMatch
+from dynashard.lowerings import AllocateLocal, CutMatVec, NormOfSlices, Renorm, SigmaOfCut, StackedTranspose
+from dynashard.match import LinearMatch, SpectralNormed
 from dynashard.nodes import all_args
 from dynashard.options import Style
 from dynashard.rules.inplace import SIZE_ARG, alias_roots, grows_cache, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial
-from dynashard.shard import LayoutMap, Read, Record, Shard
+from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard
 from dynashard.split import Split
 
 aten = torch.ops.aten
@@ -123,9 +123,11 @@ def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: 
 def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> None:
     """The nodes before a sharded linear that read its weight as the linear's own cut: an
     embedding's ``max_norm`` renorm, a stacked weight's transpose (the bmm reads the weight), the
-    weight norm of weight_norm's v."""
+    weight norm of weight_norm's v, spectral_norm's sigma and power steps."""
     if style == Style.REPLICATE:
         return
+    if isinstance(match.kind, SpectralNormed):
+        _lower_spectral(lm, match, style, record)
     for n in match.operand_path:
         if n.target is aten._weight_norm_interface.default:
             lm.records[n].lowering = NormOfSlices()
@@ -134,3 +136,17 @@ def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: 
         lm.records[match.renorm].lowering = Renorm(match, rows)
     if lm.stacked and match.transpose is not None:
         lm.records[match.transpose].lowering = StackedTranspose()
+
+
+def _lower_spectral(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> None:
+    """spectral_norm's reads of W on this rank's cut (match_normed.py), and the collectives they cost."""
+    reads = match.kind.reads
+    dim, cut = match.out_dim if style == Style.COLWISE else match.in_dim, lm.shard(record.weight_split, frozenset())
+    for mv in (*reads.steps, reads.sigma_mv):
+        contracted = dim == (0 if mv.args[0] in reads.transposes else 1)  # (mv contracts its matrix's dim 1)
+        lm.records[mv].lowering = CutMatVec(cut, contracted, whole=mv is not reads.sigma_mv)
+        if mv is not reads.sigma_mv:
+            kind = CollectiveKind.ALL_REDUCE if contracted else CollectiveKind.ALL_GATHER
+            record.collectives.append(Collective(kind, mv, frozenset([match.node]), "spectral_norm's power step"))
+    lm.records[reads.sigma].lowering = SigmaOfCut(cut, block=dim == 0)
+    record.collectives.append(Collective(CollectiveKind.ALL_REDUCE, reads.sigma, frozenset([match.node]), ""))

@@ -19,8 +19,10 @@ import torch.fx
 
 from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import InternalError
+from dynashard.nodes import written_args
 from dynashard.options import Style
 from dynashard.rewrite import _Sharder
+from dynashard.rules.inplace import alias_roots
 from dynashard.weights import cut
 
 _TIMEOUT_S = 120
@@ -140,14 +142,15 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False
     first = analyses[0]
     linear_nodes = [m.node for m in first.plan.linears]
     reference = _Reference(first.aten, linear_nodes)
+    written = _written_inputs(first.aten.graph)
     with torch.no_grad():
-        expected = reference.run(*inputs)
+        expected = reference.run(*_own_copies(inputs, written))
     exchange = _Exchange(world)
     results: list[Any] = [None] * world
 
     def run_rank(rank: int) -> None:
         a = analyses[rank]
-        args = list(inputs)
+        args = _own_copies(inputs, written)
         for i, (_, dim, split) in a.sharded_inputs().items():
             args[i] = _cut(inputs[i], dim, split, world, rank, a.stacked)
         comm = SimulatedCollectives(rank, world, exchange)
@@ -183,6 +186,25 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False
                     want = _cut(want, held[i][0], held[i][1], world, rank, False)
                 out_err = max(out_err, _err(got, want))
     return per_layer, out_err, scales
+
+
+def _written_inputs(graph: torch.fx.Graph) -> set[int]:
+    """The inputs the graph writes into, in place or as an ``out=`` (spectral_norm's power steps write
+    its buffers): each simulated run starts from the same values in a copy of its own."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    roots = alias_roots(graph)
+    found = set()
+    for node in graph.nodes:
+        for target in written_args(node):
+            while (written := written_args(target)) or target in roots:  # (an out= result is its out)
+                target = written[0] if written else roots[target]
+            if target in placeholders:
+                found.add(placeholders.index(target))
+    return found
+
+
+def _own_copies(inputs: list[Any], written: set[int]) -> list[Any]:
+    return [a.clone() if i in written else a for i, a in enumerate(inputs)]
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:

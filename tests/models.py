@@ -942,10 +942,11 @@ class ClothedLinear(nn.Module):
     the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``) or a
     Conv1d's ``[out, in, 1]`` (Conv2d's ``[out, in, 1, 1]``); the bias, if any, added after.
     ``weight_norm``: F.linear on ``weight_norm(dim=0)``'s weight (``_in``: dim=1), whose one exact
-    cut is colwise (rowwise): ``REFUSED`` the other."""
+    cut is colwise (rowwise): ``REFUSED`` the other. ``spectral_norm``: F.linear on its weight (cut either
+    way; in train mode, its power iteration writes the buffers u and v on every call)."""
 
     FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1", "bmm_expand", "bmm_in_out",
-             "einsum_first", "einsum_first_in_out", "conv2d_1x1", "weight_norm", "weight_norm_in")
+             "einsum_first", "einsum_first_in_out", "conv2d_1x1", "weight_norm", "weight_norm_in", "spectral_norm")
     REFUSED = {"weight_norm": "rowwise", "weight_norm_in": "colwise"}
 
     def __init__(self, in_features: int, out_features: int, form: str, bias: bool = True) -> None:
@@ -959,6 +960,8 @@ class ClothedLinear(nn.Module):
         self.bias = nn.Parameter(torch.randn(out_features) / 4) if bias else None
         if form.startswith("weight_norm"):
             nn.utils.parametrizations.weight_norm(self, "weight", dim=1 if form.endswith("_in") else 0)
+        if form == "spectral_norm":
+            nn.utils.parametrizations.spectral_norm(self, "weight")
 
     def forward(self, x):
         w, form = self.weight, self.form
@@ -966,7 +969,7 @@ class ClothedLinear(nn.Module):
             return F.conv1d(x.transpose(1, 2), w, self.bias).transpose(1, 2)
         if form == "conv2d_1x1":  # on [B, C, S, 1]
             return F.conv2d(x.transpose(1, 2).unsqueeze(-1), w, self.bias).squeeze(-1).transpose(1, 2)
-        if form in ("linear", "weight_norm", "weight_norm_in"):
+        if form in ("linear", "weight_norm", "weight_norm_in", "spectral_norm"):
             y = F.linear(x, w)
         elif form in ("einsum_first", "einsum_first_in_out"):  # W first, features before the tokens
             y = torch.einsum("hd,bsd->bhs" if form == "einsum_first" else "dh,bsd->bhs", w, x).transpose(1, 2)

@@ -22,11 +22,16 @@ then rowwise on the same cut, one all_reduce, and W's gradient is the sum of bot
 ``weight_norm(dim=d)`` (``torch.nn.utils.parametrizations``): the weight ``v * g / ||v||`` has one norm
 per slice along d, so v and g cut alike on d give this rank's slices exactly: d=0 colwise, d=1 rowwise.
 A cut on the other dim would divide by part of each norm: refused, the layer kept whole. ``dim=None``
-(one norm) and ``spectral_norm`` (sigma ``vdot(u, W v)`` sums over every row; its power iteration
-over every column) are left whole, the reason logged at debug level (never cut wrongly).
+(one norm) is left whole, the reason logged at debug level (never cut wrongly).
+
+``spectral_norm`` (dim=0): W cut either way, its buffers u and v whole on every rank. Sigma
+``vdot(u, W v)`` is every rank's term summed (a scalar all_reduce; with gradients its backward sums
+too); in train mode each power step's product is made whole (its block all-gathered, or its partial
+sum all-reduced), so u and v are written with the unsharded values.
 
 Simulated at worlds 2, 3 and 4 (dims that do not divide) against the model, goldens counting the
-collectives, and on 2 real gloo ranks: forward and SGD gradients against the unsharded twin.
+collectives, and on 2 real gloo ranks: forward and SGD gradients (and spectral_norm's buffers)
+against the unsharded twin.
 """
 
 from __future__ import annotations
@@ -216,11 +221,12 @@ def test_bmm_with_an_expanded_weight_is_paired_like_nn_linear(forms, world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("down", ["linear", "weight_norm_in"])
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("down,world", [(down, world) for down in ("linear", "weight_norm_in") for world in (2, 3, 4)]
+                         + [pytest.param("spectral_norm", w, marks=pytest.mark.slow) for w in (2, 4)]
+                         + [("spectral_norm", 3)])
 def test_a_weight_without_gradient_on_a_transposed_input_is_paired(down, world):
     """``torch.matmul`` of a non-contiguous 3-D x (a 1x1 conv's output, transposed back) and a weight that
-    needs no gradient (frozen, or weight_norm's under no_grad) traces ``bmm(view(expand(x)),
+    needs no gradient (frozen, or weight_norm's or spectral_norm's under no_grad) traces ``bmm(view(expand(x)),
     view(expand(t(W))))``: one matrix in every batch, paired like nn.Linear (was: down whole)."""
     torch.manual_seed(0)
     model = models.ClothedMLP(4, 8, "conv1x1", down).requires_grad_(down != "linear")
@@ -262,7 +268,8 @@ def test_the_forms_under_autocast_are_cut_as_without_it(case, world):
 
 
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
-# twice), a 1x1 conv MLP and weight_norm's v and g, SGD steps whose gradients equal the twin's own cut.
+# twice), a 1x1 conv MLP, weight_norm's v and g and spectral_norm's W (its u and v buffers too), SGD steps
+# whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
@@ -279,10 +286,12 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
     normed = {f"{layer}.parametrizations.weight.original{i}" for layer in ("up", "down") for i in (0, 1)}  # g, v
+    spectral = {f"{layer}.parametrizations.weight.original" for layer in ("up", "down")}  # (u, v: buffers, whole)
     for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
                                   (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"}),
                                   (ConvMLP(conv=nn.Conv2d), (3, 16, 2, 5), {"up.weight", "down.weight"}),
-                                  (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed)]:
+                                  (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed),
+                                  (NormedMLP("spectral_norm"), (3, 5, 16), spectral)]:  # (train mode: power steps)
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
 
@@ -293,9 +302,12 @@ GRAD_RTOL = 1e-4
 
 
 def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[str]) -> float:
-    """Worst gradient error over 2 SGD steps against the twin, relative to each gradient's largest element."""
-    twin = copy.deepcopy(model)
-    dynashard.parallelize(model, torch.randn(*shape), options={"min_shard_numel": 0, "compiler": "eager"})
+    """Worst gradient error over 2 SGD steps against the twin, relative to each gradient's largest element,
+    and of the buffers after each step (spectral_norm's u and v, written by every call in train mode)."""
+    twin, example = copy.deepcopy(model), torch.randn(*shape)
+    dynashard.parallelize(model, example, options={"min_shard_numel": 0, "compiler": "eager"})
+    with torch.no_grad():
+        twin(example)  # (parallelize ran the model once on it: its buffers moved on)
     fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "eager"})
     sgd, sgd_twin = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
     facades = {f"{prefix}.{attr}" if prefix else attr: facade for prefix, module in model.named_modules()
@@ -313,6 +325,9 @@ def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[s
                 spec = STORE.spec_of(facades[name])
                 g = cut(g, spec.dim, spec.split, spec.world, spec.rank)
             worst = max(worst, float((shards[name].grad - g).abs().max()) / float(g.abs().max()))
+        buffers = dict(model.named_buffers())
+        for name, b in twin.named_buffers():  # whole on every rank
+            worst = max(worst, float((buffers[name] - b).abs().max()) / float(b.abs().max()))
         for opt in (sgd, sgd_twin):
             opt.step()
             opt.zero_grad()
@@ -321,15 +336,16 @@ def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[s
 
 class NormedMLP(nn.Module):
     """up and down under ``torch.nn.utils.parametrizations.weight_norm`` (``dims``: each layer's dim, None
-    a plain nn.Linear, "whole" weight_norm(dim=None)) or ``spectral_norm`` (``dims`` unused)."""
+    a plain nn.Linear, "whole" weight_norm(dim=None)) or ``spectral_norm`` (``dims`` unused; ``iterations``:
+    its power steps per call in train mode)."""
 
-    def __init__(self, parametrization: str, dims: tuple = (0, 0)) -> None:
+    def __init__(self, parametrization: str, dims: tuple = (0, 0), iterations: int = 1) -> None:
         super().__init__()
         wrap = getattr(nn.utils.parametrizations, parametrization)
 
         def layer(i: int, o: int, dim) -> nn.Module:
             if parametrization == "spectral_norm":
-                return wrap(nn.Linear(i, o))
+                return wrap(nn.Linear(i, o), n_power_iterations=iterations)
             return nn.Linear(i, o) if dim is None else wrap(nn.Linear(i, o), dim=None if dim == "whole" else dim)
 
         self.up, self.down = layer(16, 40, dims[0]), layer(40, 16, dims[1])
@@ -374,14 +390,105 @@ def test_weight_norm_is_never_cut_across_its_norms(dims, whole):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("parametrization,dims,train", [
-    ("weight_norm", ("whole", "whole"), False),  # one norm over all of v
-    ("spectral_norm", (0, 0), False), ("spectral_norm", (0, 0), True)])  # (train: power iteration in place)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_parametrized_linears_are_left_whole_with_a_reason(parametrization, dims, train, world, caplog):
+def test_weight_norm_over_all_of_v_is_left_whole_with_a_reason(world, caplog):
+    """weight_norm(dim=None): one norm over all of v, each rank's term of it not summed: whole."""
     torch.manual_seed(0)
-    model = NormedMLP(parametrization, dims).train(train)
     with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
-        assert _layers(model, torch.randn(2, 3, 16), world) == {}  # whole, and every rank equal to the model
+        assert _layers(NormedMLP("weight_norm", ("whole", "whole")), torch.randn(2, 3, 16), world) == {}
     reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
     assert len(set(reasons)) == 2 and all("parametrizations.weight.original" in r for r in reasons), reasons  # up, down
+
+
+def _spectral(mode: bool, world: int, plan: dict | None = None, model: nn.Module | None = None,
+              x: torch.Tensor | None = None, **kwargs) -> dynashard.Report:
+    """``explain(verify=True)`` of a spectral_norm MLP in train mode (``mode``) or eval mode (``plan``: the
+    styles asked for; ``kwargs``: explain's)."""
+    model = (model or NormedMLP("spectral_norm")).train(mode)
+    options = {"min_shard_numel": 0, **({"plan": plan} if plan else {})}
+    x = torch.randn(2, 3, 16) if x is None else x
+    return dynashard.explain(model, x, world_size=world, options=options, verify=True, dynamic=world == 3, **kwargs)
+
+
+# float32: sigma and the power steps sum the same products in another order (a few ulps of O(1) values)
+SPECTRAL_ABS = 1e-5
+REVERSED = {"up": "rowwise", "down": "colwise"}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world,plan,train", [  # 40 features: 20/20, 14/13/13, 10 x 4; 16: 6/5/5
+    (3, None, True), (3, REVERSED, True), (4, None, False),  # (world 4 in train mode: the two tests below)
+    *(pytest.param(*c, marks=pytest.mark.slow) for c in [(2, None, True), (4, None, True), (2, None, False),
+                                                          (3, None, False), (3, REVERSED, False)])],
+    ids=["3-train", "3-reversed-train", "4-eval", "2-train", "4-train", "2-eval", "3-eval", "3-reversed-eval"])
+def test_spectral_norm_is_cut_colwise_and_rowwise(plan, train, world):
+    """W cut either way, u and v whole on every rank: sigma is every rank's term of ``u . W v`` summed, and
+    in train mode each power step's product is made whole, so the buffers take the unsharded values
+    (graph outputs here: Dynamo returns them; each simulated rank writes a copy of its own). Was: whole."""
+    torch.manual_seed(0)
+    report = _spectral(train, world, plan)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == (plan or PAIRED), str(report)
+    assert max(g.output_err for g in report.graphs) < SPECTRAL_ABS, str(report)
+
+
+@pytest.mark.unit
+def test_spectral_norm_in_a_training_compile():
+    """The graph a training compile emits (sigma's sum with a summed backward), two power steps a call."""
+    torch.manual_seed(0)
+    model = NormedMLP("spectral_norm", iterations=2)
+    report = _spectral(True, 3, model=model, train=True)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == PAIRED, str(report)
+    assert max(g.output_err for g in report.graphs) < SPECTRAL_ABS, str(report)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("train,world", [pytest.param(False, 3, marks=pytest.mark.slow), (True, 4)],
+                         ids=["eval-3", "train-4"])
+def test_spectral_norm_on_a_rank_holding_no_rows(train, world):
+    """2 hidden features at worlds 3 and 4: a rank holds no row (up) and no column (down) of W; its term
+    of sigma is 0 and its block of each power step's product empty."""
+    torch.manual_seed(0)
+    model = models.ClothedMLP(4, 2, "spectral_norm", "spectral_norm")
+    report = _spectral(train, world, model=model, x=torch.randn(2, 3, 4))
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == PAIRED, str(report)
+    assert max(g.output_err for g in report.graphs) < SPECTRAL_ABS, str(report)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("train", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eval", "train"])
+def test_spectral_norm_of_a_fused_qkv_with_whole_parts(train):
+    """A fused q|k|v with 2 K/V heads on 4 ranks: k and v are whole on every rank, and counted once in
+    sigma and in each power step's sum (rank 0's), not once per rank."""
+    torch.manual_seed(0)
+    model = models.FusedGQAAttention(128, 8, 2)
+    nn.utils.parametrizations.spectral_norm(model.qkv_proj)
+    report = _spectral(train, 4, model=model, x=torch.randn(2, 5, 128))
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == {"qkv_proj": "colwise", "o_proj": "rowwise"}
+    assert "held whole by every rank" in report.rows[0].reason, str(report)
+    assert max(g.output_err for g in report.graphs) < SPECTRAL_ABS, str(report)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("train,collectives", [pytest.param(False, (3, 0), marks=pytest.mark.slow), (True, (5, 2))],
+                         ids=["eval", "train"])
+def test_spectral_norm_costs_a_scalar_all_reduce_per_layer(train, collectives):
+    """Eval: sigma's scalar all_reduce per layer, plus the pair's own. Train: each power step adds one
+    vector collective per product: up (rows cut) all-gathers W v and all-reduces W^T u; down (columns
+    cut) all-reduces W v and all-gathers W^T u."""
+    torch.manual_seed(0)
+    assert _collectives(NormedMLP("spectral_norm").train(train), torch.randn(2, 3, 16)) == collectives
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_spectral_norm_over_another_dim_is_left_whole_with_a_reason(caplog):
+    """spectral_norm(dim=1) reads W through a permute: not a form cut here, whole with the reason logged."""
+    torch.manual_seed(0)
+    model = NormedMLP("spectral_norm")
+    for layer in (model.up, model.down):
+        nn.utils.parametrize.remove_parametrizations(layer, "weight")
+        nn.utils.parametrizations.spectral_norm(layer, dim=1)
+    with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
+        assert _layers(model, torch.randn(2, 3, 16), 2) == {}
+    reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
+    assert len(set(reasons)) == 2 and all("permute" in r for r in reasons), reasons

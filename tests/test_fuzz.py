@@ -267,8 +267,8 @@ def test_random_attention_under_autocast(case, world, plan_draw, data):
 @st.composite
 def clothed_cases(draw):
     """Linears in other clothes (issue 28): up and down each in a form of its own (einsum with W second or
-    first, Conv1d and Conv2d k=1, bmm of an expanded weight, weight_norm, nn.Linear's), or a tied
-    autoencoder (the decoder reads W.t())."""
+    first, Conv1d and Conv2d k=1, bmm of an expanded weight, weight_norm, spectral_norm (train mode: its
+    power iteration), nn.Linear's), or a tied autoencoder (the decoder reads W.t())."""
     hidden, ffn = draw(st.integers(2, 24)), draw(st.integers(2, 40))  # (einsum over 1 feature: a mul, no linear)
     if draw(st.integers(0, 7)) == 0:
         return models.TiedAutoencoder(hidden, ffn), hidden

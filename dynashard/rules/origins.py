@@ -25,7 +25,7 @@ import torch
 from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import UsageError
 from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
-from dynashard.match import Embedding, Experts, LinearKind, LinearMatch, WeightNormed
+from dynashard.match import Embedding, Experts, LinearKind, LinearMatch, SpectralNormed, WeightNormed
 from dynashard.nodes import size_at, val
 from dynashard.options import Style
 from dynashard.rules.partial import stays_partial
@@ -247,4 +247,5 @@ _RECORDS = {
     (Embedding, Style.COLWISE): _colwise, (Embedding, Style.ROWWISE): _vocab_parallel,
     (Experts, Style.COLWISE): _experts_colwise, (Experts, Style.ROWWISE): _experts_rowwise,
     (WeightNormed, Style.COLWISE): _colwise, (WeightNormed, Style.ROWWISE): _rowwise,  # (v and g cut alike)
+    (SpectralNormed, Style.COLWISE): _colwise, (SpectralNormed, Style.ROWWISE): _rowwise,  # (sigma: propagate.py)
 }
