@@ -118,7 +118,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
         m = by_node[o]
         current = splits.get(o, even(m.out_features))
         new = current.cut(boundaries.get(o, set()))
-        if _empties_a_rank(current, new, world):
+        if current.empties_a_rank(new, world):
             new = current  # one-unit pieces (a per-head split) would all be dealt to the first ranks
         new = new.coarsen(units.get(o, new.unit) // new.unit) if units.get(o, new.unit) % new.unit == 0 else None
         if new is not None and new != current:
@@ -168,9 +168,3 @@ def _block_pattern(fqn: str) -> str:
     index in a ModuleList) replaced, names such as ``w1`` / ``w3`` kept apart."""
     return ".".join("#" if part.isdigit() else part for part in fqn.split("."))
 
-
-def _empties_a_rank(current: Split, new: Split, world: int) -> bool:
-    """Components are dealt out one by one, the first ranks taking each one's extra units: cutting
-    a dim into components smaller than the world (``q.split(1, dim=heads)``: 4 one-head pieces on
-    2 ranks) would give rank 0 every piece and leave another rank nothing it held before."""
-    return any(new.local(world, r) == 0 < current.local(world, r) for r in range(world))

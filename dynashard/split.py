@@ -128,6 +128,17 @@ class Split:
             offset += p
         return Split(tuple(parts), self.unit, frozenset(whole))
 
+    def boundaries(self) -> set[int]:
+        """Element offsets where one component ends and the next begins."""
+        ends = [sum(self.parts[: i + 1]) * self.unit for i in range(len(self.parts))]
+        return set(ends[:-1])
+
+    def empties_a_rank(self, new: Split, world: int) -> bool:
+        """Components are dealt out one by one, the first ranks taking each one's extra units: cutting
+        a dim into components smaller than the world (``q.split(1, dim=heads)``: 4 one-head pieces on
+        2 ranks) would give rank 0 every piece and leave another rank nothing it held before."""
+        return any(new.local(world, r) == 0 < self.local(world, r) for r in range(world))
+
     def keep_whole(self, world: int) -> Split | None:
         """The components with fewer units than ranks held whole by every rank, the rest still
         cut; None if that leaves nothing cut or nothing whole."""

@@ -168,15 +168,25 @@ def gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.
         return None
     if lk is None:
         return lq
-    if lk.dim != -3 or lv.dim != -3 or not lk.alike(lv):
+    if lk.dim != -3 or lv.dim != -3:
+        return None
+    if not lk.alike(lv):  # (DiffLlama's v taken in two halves, k cut as one)
+        lm.unify([lk, lv], op_name(node))
         return None
     grouped = [[(a * n, b * n) for a, b in ranges] for ranges in lk.split.owned(lm.world)]
     if grouped == lq.split.owned(lm.world):
         return lq
-    if len(lq.split.parts) == 1 and len(lk.split.parts) == 1:
+    where = f"{op_name(node)} ({n} query heads per K/V head)"
+    if len(lq.split.parts) > 1 or len(lk.split.parts) > 1:
+        # Components (DiffLlama's two halves of heads): K/V in units of their query heads meet q.
+        wished = len(lm.wishes)
+        lm.unify([lq, *(s.moved(s.dim, s.split.regrouped(s.split.unit * n)) for s in (lk, lv))], where)
+        if len(lm.wishes) > wished:
+            return None
+    else:
         unit = math.lcm(lq.split.unit, n * lk.split.unit)
         q_to, kv_to = lq.split.coarsen(unit // lq.split.unit), lk.split.coarsen(unit // (n * lk.split.unit))
-        where = f"{op_name(node)} ({n} query heads per K/V head) needs query units of {unit} heads"
+        where = f"{where} needs query units of {unit} heads"
         fits = q_to is not None and kv_to is not None
         if fits and min(q_to.fewest_units(lm.world), kv_to.fewest_units(lm.world)) >= 1:
             for s, to in ((lq, q_to), (lk, kv_to), (lv, kv_to)):

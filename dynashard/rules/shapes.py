@@ -1,4 +1,4 @@
-"""Taking apart and putting together: split, unbind, slice, index, cat, stack, getitem of a tuple.
+"""Taking apart and putting together: split, unbind, slice, index, cat, stack, repeat, getitem of a tuple.
 
 Before (a fused qkv colwise on [B, T, 3*D])::
 
@@ -6,7 +6,9 @@ Before (a fused qkv colwise on [B, T, 3*D])::
 After: each rank splits its own ``[q_r | k_r | v_r]`` at its local sizes; q, k and v are each
 a Shard of D. Along a dim that is not cut, every op here keeps the cut. On the cut dim, a split or
 slice (or a constant index of consecutive positions) must fall on component boundaries (a fused
-``[q | k | v]``; otherwise a wish asks the plan to cut the origin into those components).
+``[q | k | v]``, DiffLlama's two halves of the heads; otherwise a wish asks the plan to cut the origin
+into those components). A repeat along the cut dim tiles its components: each rank's local repeat
+is its part of every tile.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
         return None  # the origin can be re-cut into these pieces (a fused [q | k | v]): wish for it
     pieces = src.split.carve(units, lm.world)
     return None if pieces is None else [src.moved(src.dim, s) for s in pieces]
+
+
+@rule(aten.repeat.default)
+def repeat(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """``x.repeat(...)``: along other dims the cut is kept; ``n`` times along the cut dim, the output
+    holds the components ``n`` times over (DiffLlama's ``v_half.repeat(1, 2, 1, 1)``), and every
+    rank's local repeat is its part of each copy. Carved pieces (dealt unevenly) are not tiled."""
+    found = lm.input_shard(node, whole_ok=True)
+    if found is None:
+        return None
+    src, ndim, p = found
+    times = node.args[1][len(node.args[1]) - ndim + p]
+    if not isinstance(times, int) or times == 1:
+        return lm.keep(node, src) if times == 1 else None
+    split = src.split
+    if split.deals is not None or not private_aten.known_equal(val(node.args[0]).shape[p], src.size):
+        return None  # (a batch dim merged in front of the cut one would interleave the copies)
+    n = len(split.parts)
+    tiled = Split(split.parts * times, split.unit, frozenset(i + k * n for k in range(times) for i in split.whole))
+    return lm.keep(node, src.moved(src.dim, tiled))
 
 
 @rule(aten.slice.Tensor)
@@ -202,6 +224,8 @@ def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> Record | None:
         return _cat_narrowing(lm, node, tensors, lays)
     if any(lay is None or lay.split.whole for lay in lays):
         return None
+    if not stack and returned(node):
+        _follow_recut(lm, node, tensors, lays)
     first = finest(lays)
     if not all(first.alike(lay) for lay in lays) and not _along_cut(node, tensors, lays, stack):
         return None
@@ -237,6 +261,18 @@ def _cat_narrowing(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.No
             if lay is None and a.op == "placeholder" and not is_parameter(a):
                 wish_state(lm, node, a, out)
     return Record(out, {a: lm.as_shard(a, out) for a in all_args(node)})
+
+
+def _follow_recut(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard]) -> None:
+    """A cache held cut (an input in ``lm.states``) grown by cat with new Shards its origin has since been
+    re-cut into (DiffLlama's v in two halves of heads, a round after the cache was first held): wish it
+    held as the new ones are. Until then the two meet cut differently and are gathered."""
+    fresh = [lay for a, lay in zip(tensors, lays) if a not in lm.states]
+    if not fresh or not all(fresh[0].alike(lay) for lay in fresh):
+        return
+    for a, lay in zip(tensors, lays):
+        if a in lm.states and not lay.alike(fresh[0]):
+            wish_state(lm, node, a, fresh[0])
 
 
 def _along_cut(node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard], stack: bool) -> bool:
