@@ -62,6 +62,9 @@ class WishKind(str, enum.Enum):
     COARSEN = "coarsen"  # units ``arg`` times larger
     CUT = "cut"  # components also split at the unit offsets in ``arg``
     REPLICATE = "replicate"  # keep the origins whole; each rank narrows what it needs
+    # units ``arg[0]`` times smaller, then components split at the offsets ``arg[1]`` in those units
+    # (pieces that whole units, as dealt, would leave a rank without)
+    REFINE = "refine"
     # a graph input written in place from a Shard (a KV cache): held sharded like it, ``arg`` =
     # (the input's placeholder, the written Shard); cut and freed like a weight
     STATE = "state"

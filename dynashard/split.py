@@ -99,6 +99,12 @@ class Split:
         deals = None if self.deals is None else tuple(tuple(c // k for c in d) for d in self.deals)
         return Split(tuple(p // k for p in self.parts), self.unit * k, self.whole, deals)
 
+    def refine(self, k: int) -> Split | None:
+        """One balanced component in units ``k`` times smaller (None for any other split)."""
+        if len(self.parts) != 1 or self.whole or self.deals is not None or self.unit % k:
+            return None
+        return Split((self.parts[0] * k,), self.unit // k)
+
     def regrouped(self, unit: int) -> Split:
         """The same components and deal, in units of ``unit`` elements (a view regrouping dims)."""
         return dataclasses.replace(self, unit=unit)

@@ -392,7 +392,7 @@ class DiffAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
-        self.lam = nn.Parameter(torch.tensor(0.4))
+        self.lam = nn.Parameter(torch.full((1,), 0.4))
         self.pair_norm = nn.RMSNorm(2 * self.head_dim, elementwise_affine=False)
 
     def forward(self, x, cos, sin):

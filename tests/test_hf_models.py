@@ -161,6 +161,23 @@ def test_diffllama_costs_two_all_reduces_per_layer():
     assert counts[1][0] - counts[0][0] == 2 and counts[0][1] == counts[1][1] == 0, counts
 
 
+# DiffLlama's halves dealt unevenly (6 heads a half on 4 ranks: 2/2/1/1; 4 on 3: 2/1/1), with fewer K/V
+# heads a half than ranks (k and v whole, narrowed to each rank's query heads): q still cut in halves, o_proj
+# rowwise, no gather, every rank's program verified. (The query heads, grouped in twos for the repeated keys,
+# are cut in single heads again so that both halves deal every rank one.)
+@pytest.mark.parametrize("world,heads,kv", [(4, 12, 6), (3, 8, 4)])
+def test_diffllama_halves_dealt_unevenly_stay_cut(world, heads, kv):
+    torch.manual_seed(0)
+    config = _llama_like(T.DiffLlamaConfig, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=world, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    styles = {r.fqn.rsplit(".", 1)[-1]: r.style for r in report.rows if ".self_attn." in r.fqn}
+    assert styles == {"q_proj": "colwise", "k_proj": "replicate", "v_proj": "replicate", "o_proj": "rowwise"}, \
+        str(report)
+    assert all(r.collectives in ("-", "all_reduce") for r in report.rows), str(report)
+
+
 def _check(arch: str, world: int, dynamic: bool = False) -> None:
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()

@@ -164,18 +164,23 @@ def gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.
     units, or K/V kept whole when there are fewer K/V heads than ranks.
     """
     lq, lk, lv = (lm.layouts.get(a) for a in (q, k, v))
-    if lq is None or lq.dim != -3 or lq.split.fewest_units(lm.world) < 1 or (lk is None) != (lv is None):
+    if lq is None or lq.dim != -3 or lq.split.fewest_units(lm.world) < 1:
         return None
-    if lk is None:
+    if lk is None and lv is None:
         return lq
-    if lk.dim != -3 or lv.dim != -3:
+    if any(s is not None and s.dim != -3 for s in (lk, lv)):
         return None
-    if not lk.alike(lv):  # (DiffLlama's v taken in two halves, k cut as one)
+    if lk is not None and lv is not None and not lk.alike(lv):  # (DiffLlama's v taken in two halves, k as one)
         lm.unify([lk, lv], op_name(node))
         return None
-    grouped = [[(a * n, b * n) for a, b in ranges] for ranges in lk.split.owned(lm.world)]
+    cut = lk or lv  # (one of them whole, as DiffLlama's v with one K/V head a half: narrowed by groups)
+    grouped = [[(a * n, b * n) for a, b in ranges] for ranges in cut.split.owned(lm.world)]
     if grouped == lq.split.owned(lm.world):
         return lq
+    if lk is None or lv is None:
+        lm.wish(cut.origins, WishKind.REPLICATE, None, f"its K/V heads meet whole ones at {op_name(node)}, "
+                "cut otherwise than the query heads; each rank narrows them to those of its query heads")
+        return None
     where = f"{op_name(node)} ({n} query heads per K/V head)"
     if len(lq.split.parts) > 1 or len(lk.split.parts) > 1:
         # Components (DiffLlama's two halves of heads): K/V in units of their query heads meet q.

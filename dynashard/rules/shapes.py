@@ -62,6 +62,8 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
         edges.append(min(edges[-1] + w, src.size))
     ranges = _part_ranges(src.split, edges)
     if ranges is None:
+        if _refine_wish(lm, node, src, edges):
+            return None
         carved = _carve(lm, src, edges)
         if carved is None:
             _cut_wish(lm, node, src, edges)
@@ -76,7 +78,9 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
 def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
     """Pieces each rank computes from what it holds (``q.split(1, dim=heads)``, per-head norms or
     scales, put back by ``cat``), when re-cutting the origin into those pieces instead would leave
-    a rank without any (the balanced deal gives every one-head piece to the first ranks)."""
+    a rank without any (the balanced deal gives every one-head piece to the first ranks). Pieces
+    that are gathered later instead (DiffLlama's V halves of one K/V head, repeated) make the auto
+    plan keep their origin whole (``LayoutMap._charge``)."""
     if any(e % src.split.unit for e in edges):
         return None
     units = [e // src.split.unit for e in edges]
@@ -85,6 +89,28 @@ def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
         return None  # the origin can be re-cut into these pieces (a fused [q | k | v]): wish for it
     pieces = src.split.carve(units, lm.world)
     return None if pieces is None else [src.moved(src.dim, s) for s in pieces]
+
+
+def _refine_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) -> bool:
+    """Pieces the origin's units are too coarse to deal to every rank, though finer units would
+    (DiffLlama's two halves of 4 heads on 3 ranks, the heads first grouped in twos for GQA keys cut
+    2/1/1): wish the origin cut at the pieces in the finest such units (its keys then meet a cut
+    into halves: ``LayoutMap.unify`` re-cuts them or keeps them whole). True when wished."""
+    split = src.split
+    if split.refine(1) is None or any(e % split.unit for e in edges):
+        return False
+    if not split.empties_a_rank(split.cut({e // split.unit for e in edges[1:-1]}), lm.world):
+        return False  # (the usual wish to cut at those offsets)
+    for k in range(2, split.unit + 1):
+        finer = split.refine(k)
+        if finer is None or any(e % finer.unit for e in edges):
+            continue
+        offsets = frozenset(e // finer.unit for e in edges[1:-1])
+        if not split.empties_a_rank(finer.cut(offsets), lm.world):
+            lm.wish(src.origins, WishKind.REFINE, (k, offsets),
+                    f"{op_name(node)} takes pieces whole units of {split.unit} cannot deal to every rank")
+            return True
+    return False
 
 
 @rule(aten.repeat.default)
