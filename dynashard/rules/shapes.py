@@ -98,7 +98,7 @@ def _refine_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int
     into halves: ``LayoutMap.unify`` re-cuts them or keeps them whole). True when wished."""
     split = src.split
     if split.refine(1) is None or any(e % split.unit for e in edges):
-        return False
+        return False  # (one balanced component only: a fused output's parts are not re-dealt)
     if not split.empties_a_rank(split.cut({e // split.unit for e in edges[1:-1]}), lm.world):
         return False  # (the usual wish to cut at those offsets)
     for k in range(2, split.unit + 1):
@@ -108,7 +108,7 @@ def _refine_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int
         offsets = frozenset(e // finer.unit for e in edges[1:-1])
         if not split.empties_a_rank(finer.cut(offsets), lm.world):
             lm.wish(src.origins, WishKind.REFINE, (k, offsets),
-                    f"{op_name(node)} takes pieces whole units of {split.unit} cannot deal to every rank")
+                    f"{op_name(node)} takes pieces that units of {split.unit} cannot deal to every rank")
             return True
     return False
 
