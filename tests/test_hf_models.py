@@ -124,7 +124,7 @@ def test_hf_architecture_under_dynamic_shapes_has_the_same_plan_and_is_verified(
 # positions: the plan above unchanged (no k or v gathered for the cache), each rank's program verified,
 # the past held by heads (k and v of the one layer; whole where one K/V head is shared: falcon_mqa). A
 # few architectures here, every one in the slow tier (3 s each).
-_CACHED = ("llama", "gemma2", "gpt2", "bloom", "falcon_mqa")
+_CACHED = ("llama", "gemma2", "gpt2", "bloom", "falcon_mqa", "diffllama")  # (diffllama: held in two halves)
 
 
 @pytest.mark.parametrize("arch", [a if a in _CACHED else pytest.param(a, marks=pytest.mark.slow)
