@@ -164,8 +164,9 @@ def test_diffllama_costs_two_all_reduces_per_layer():
 # DiffLlama's halves dealt unevenly (6 heads a half on 4 ranks: 2/2/1/1; 4 on 3: 2/1/1), with fewer K/V
 # heads a half than ranks (k and v whole, narrowed to each rank's query heads): q still cut in halves, o_proj
 # rowwise, no gather, every rank's program verified. (The query heads, grouped in twos for the repeated keys,
-# are cut in single heads again so that both halves deal every rank one.)
-@pytest.mark.parametrize("world,heads,kv", [(4, 12, 6), (3, 8, 4)])
+# are cut in single heads again so that both halves deal every rank one.) World 3 in the slow tier: the
+# world-4 case runs the same re-cut, and the fuzz draws DiffLlama's form at worlds 2-4.
+@pytest.mark.parametrize("world,heads,kv", [(4, 12, 6), pytest.param(3, 8, 4, marks=pytest.mark.slow)])
 def test_diffllama_halves_dealt_unevenly_stay_cut(world, heads, kv):
     torch.manual_seed(0)
     config = _llama_like(T.DiffLlamaConfig, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8)
