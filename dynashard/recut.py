@@ -9,6 +9,14 @@ plan only), graph inputs written from shards (KV caches) held sharded like them:
     round 2: c_attn Split((64, 64, 64), 1)   wish COARSEN 16      (each viewed as 4 heads of 16)
     round 3: c_attn Split((4, 4, 4), 16)     no wish: stable      (tests/models.py nanogpt, hidden 64)
 
+The same wish cuts a projection that is not fused but taken apart the same way: DiffLlama chunks its
+heads in two halves (head h paired with h + H/2, V's K/V heads halved), so q becomes
+``Split((H/2, H/2), head_dim)`` and k and v ``Split((KV/2, KV/2), head_dim)``; where shards cut
+into components meet shards cut as one (the attention), ``LayoutMap.unify`` asks the others for
+the same boundaries in their own units, or keeps them whole where such a cut would leave a rank
+nothing (1 K/V head a half on 2 ranks). Halves that units coarsened for GQA (pairs of query
+heads) cannot deal to every rank ask for finer units instead (``WishKind.REFINE``).
+
 Invariants: a round only changes cuts (and, for the auto plan, forces styles), never the graph;
 the same layer of every block is re-cut together; a weight shared by several layers keeps its cut;
 a re-cut never leaves a rank holding nothing it held before. Stopping at the round limit is safe.
@@ -89,6 +97,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     family = {n: ns for ns in uses.values() if all(by_node[n].kind.experts for n in ns) for n in ns}
     boundaries: dict[torch.fx.Node, set[int]] = {}
     units: dict[torch.fx.Node, int] = {}
+    refined: dict[torch.fx.Node, tuple[int, frozenset[int]]] = {}
     whole: dict[torch.fx.Node, Wish] = {}  # auto plan: keep (parts of) these whole
     changed = False
     for w in wishes:
@@ -111,14 +120,22 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
                     whole.setdefault(o, w)
             elif w.kind == WishKind.CUT:
                 boundaries.setdefault(o, set()).update(w.arg)
+            elif w.kind == WishKind.REFINE:
+                refined.setdefault(o, w.arg)
             else:
                 units[o] = math.lcm(units.get(o, current.unit), current.unit * w.arg)
     before = dict(splits)
+    for o, (k, offsets) in refined.items():  # (only where nothing else asks this origin to change this round)
+        finer = splits.get(o, even(by_node[o].out_features)).refine(k)
+        if o not in boundaries and o not in units and finer is not None:
+            for member in family.get(o, [o]):
+                splits[member] = finer.cut(set(offsets))
+            changed = True
     for o in set(boundaries) | set(units):
         m = by_node[o]
         current = splits.get(o, even(m.out_features))
         new = current.cut(boundaries.get(o, set()))
-        if _empties_a_rank(current, new, world):
+        if current.empties_a_rank(new, world):
             new = current  # one-unit pieces (a per-head split) would all be dealt to the first ranks
         new = new.coarsen(units.get(o, new.unit) // new.unit) if units.get(o, new.unit) % new.unit == 0 else None
         if new is not None and new != current:
@@ -168,9 +185,3 @@ def _block_pattern(fqn: str) -> str:
     index in a ModuleList) replaced, names such as ``w1`` / ``w3`` kept apart."""
     return ".".join("#" if part.isdigit() else part for part in fqn.split("."))
 
-
-def _empties_a_rank(current: Split, new: Split, world: int) -> bool:
-    """Components are dealt out one by one, the first ranks taking each one's extra units: cutting
-    a dim into components smaller than the world (``q.split(1, dim=heads)``: 4 one-head pieces on
-    2 ranks) would give rank 0 every piece and leave another rank nothing it held before."""
-    return any(new.local(world, r) == 0 < current.local(world, r) for r in range(world))

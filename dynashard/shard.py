@@ -62,6 +62,9 @@ class WishKind(str, enum.Enum):
     COARSEN = "coarsen"  # units ``arg`` times larger
     CUT = "cut"  # components also split at the unit offsets in ``arg``
     REPLICATE = "replicate"  # keep the origins whole; each rank narrows what it needs
+    # units ``arg[0]`` times smaller, then components split at the offsets ``arg[1]`` in those units
+    # (pieces that whole units, as dealt, would leave a rank without)
+    REFINE = "refine"
     # a graph input written in place from a Shard (a KV cache): held sharded like it, ``arg`` =
     # (the input's placeholder, the written Shard); cut and freed like a weight
     STATE = "state"
@@ -242,6 +245,9 @@ class LayoutMap:
         self._gathered.add((how, producer))
         lay = self.layouts[producer]
         if how == Read.GATHER:
+            if lay.split.deals is not None:  # carved pieces only pay if they come back together
+                self.wish(lay.origins, WishKind.REPLICATE, None,
+                          f"pieces carved out of its heads are gathered before {op_name(consumer)}")
             kind = CollectiveKind.ALL_TO_ALL if self.per_rank else CollectiveKind.ALL_GATHER
             self.collectives.append(Collective(kind, producer, lay.origins, op_name(consumer)))
         elif how == Read.GLOBAL and lay is not None:
@@ -305,13 +311,38 @@ class LayoutMap:
         coarsest common cut, when every rank still holds something of it."""
         if len({s.dim for s in shards}) != 1 or len({s.size for s in shards}) != 1:
             return
-        if any(len(s.split.parts) != 1 for s in shards):
+        if any(len(s.split.parts) != 1 for s in shards) and self._align_components(shards, where):
             return
         unit = math.lcm(*(s.split.unit for s in shards))
         for s in shards:
             target = s.split.coarsen(unit // s.split.unit)
             if target is not None and target.fewest_units(self.world) >= 1 and target != s.split:
                 self.wish(s.origins, WishKind.COARSEN, unit // s.split.unit, f"{where} needs units of {unit}")
+
+    def _align_components(self, shards: list[Shard], where: str) -> bool:
+        """Shards of one dim meet, some cut into components the others lack (DiffLlama's queries in
+        two halves of heads against keys cut as one): wish the others cut at those boundaries too,
+        in their own units (keys in units of a group of query heads). Where that cut would leave a
+        rank without anything it held, keep those origins whole instead (each rank narrows them).
+        True when the components differ (then units are compared once they agree)."""
+        if any(s.split.deals is not None or s.split.whole for s in shards):
+            return True
+        edges = set().union(*(s.split.boundaries() for s in shards))
+        if all(s.split.boundaries() == edges for s in shards):
+            return False
+        for s in shards:
+            extra = edges - s.split.boundaries()
+            if not extra or any(e % s.split.unit for e in extra):
+                continue
+            cut = s.split.cut({e // s.split.unit for e in extra})
+            if s.split.empties_a_rank(cut, self.world):
+                self.wish(s.origins, WishKind.REPLICATE, None,
+                          f"{where} needs components of {'/'.join(map(str, cut.parts))} units, fewer than "
+                          f"{self.world} ranks; each rank narrows them to its part")
+            else:
+                self.wish(s.origins, WishKind.CUT, frozenset(e // s.split.unit for e in extra),
+                          f"{where} meets a value cut into components")
+        return True
 
 
 def finest(shards: list[Shard]) -> Shard:

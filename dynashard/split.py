@@ -99,6 +99,12 @@ class Split:
         deals = None if self.deals is None else tuple(tuple(c // k for c in d) for d in self.deals)
         return Split(tuple(p // k for p in self.parts), self.unit * k, self.whole, deals)
 
+    def refine(self, k: int) -> Split | None:
+        """One balanced component in units ``k`` times smaller (None for any other split)."""
+        if len(self.parts) != 1 or self.whole or self.deals is not None or self.unit % k:
+            return None
+        return Split((self.parts[0] * k,), self.unit // k)
+
     def regrouped(self, unit: int) -> Split:
         """The same components and deal, in units of ``unit`` elements (a view regrouping dims)."""
         return dataclasses.replace(self, unit=unit)
@@ -127,6 +133,17 @@ class Split:
                 parts.append(b - a)
             offset += p
         return Split(tuple(parts), self.unit, frozenset(whole))
+
+    def boundaries(self) -> set[int]:
+        """Element offsets where one component ends and the next begins."""
+        ends = [sum(self.parts[: i + 1]) * self.unit for i in range(len(self.parts))]
+        return set(ends[:-1])
+
+    def empties_a_rank(self, new: Split, world: int) -> bool:
+        """Components are dealt out one by one, the first ranks taking each one's extra units: cutting
+        a dim into components smaller than the world (``q.split(1, dim=heads)``: 4 one-head pieces on
+        2 ranks) would give rank 0 every piece and leave another rank nothing it held before."""
+        return any(new.local(world, r) == 0 < self.local(world, r) for r in range(world))
 
     def keep_whole(self, world: int) -> Split | None:
         """The components with fewer units than ranks held whole by every rank, the rest still

@@ -377,6 +377,44 @@ class LlamaAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class DiffAttention(nn.Module):
+    """HF DiffLlama's differential attention as transformers 5.23 writes it: V's K/V heads taken in two
+    halves (``chunk`` of the head dim), each repeated to every K/V head (``repeat(1, 2, 1, 1)``), the
+    attention run once per half, head ``h`` paired with head ``h + H/2`` (``chunk`` of the heads), and an
+    RMSNorm over each pair's ``2 * head_dim``. ``repeat`` as LlamaAttention's (HF's repeat_kv without a
+    cache, SDPA's ``enable_gqa`` with one). ``forward(x, cos, sin)``."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, repeat: str = "expand") -> None:
+        super().__init__()
+        assert n_kv_heads % 2 == 0 and n_heads % n_kv_heads == 0, (n_heads, n_kv_heads)
+        self.n_heads, self.n_kv_heads, self.head_dim, self.repeat = n_heads, n_kv_heads, hidden // n_heads, repeat
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.lam = nn.Parameter(torch.full((1,), 0.4))
+        self.pair_norm = nn.RMSNorm(2 * self.head_dim, elementwise_affine=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        c, s = cos[:t].unsqueeze(0).unsqueeze(0), sin[:t].unsqueeze(0).unsqueeze(0)
+        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        n_rep, halves = self.n_heads // self.n_kv_heads, []
+        for half in torch.chunk(v, 2, dim=1):
+            half = half.repeat(1, 2, 1, 1)
+            if self.repeat == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, half, is_causal=True, enable_gqa=True)
+            elif self.repeat == "interleave":
+                y = F.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, dim=1),
+                                                   half.repeat_interleave(n_rep, dim=1), is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(half, n_rep), is_causal=True)
+            halves.append(y.transpose(1, 2))
+        first, second = torch.chunk(torch.cat(halves, dim=-1), 2, dim=2)  # [B, T, H/2, 2 * head_dim] each
+        return self.o_proj(self.pair_norm(first - self.lam * second).reshape(b, t, -1))
+
+
 class LlamaBlock(nn.Module):
     """RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual. ``forward(x, cos, sin)``."""
 

@@ -97,11 +97,13 @@ class RandomTransformerAttention(nn.Module):
     flex_attention with a per-head bias and mask read at the head index),
     a Phi-3 style fused qkv ([q | k | v]) or a Falcon style one (grouped per KV head, taken apart by
     list indexing; or Falcon-7B's multi-query [q heads | k | v]), or timm ViT's (its parts a dim of
-    their own), with a residual."""
+    their own), or DiffLlama's (q, k and v each in two halves of heads), with a residual."""
 
     def __init__(self, heads, kv, dh, rope, repeat, attention, fused):
         super().__init__()
-        hidden = heads * dh
+        if fused == "diff":  # (its K/V heads come in two halves; HF's RoPE form)
+            kv, heads, rope = 2 * kv, 2 * heads, "half"
+        self.hidden = hidden = heads * dh
         if fused == "phi3":
             self.attn = models.FusedGQAAttention(hidden, heads, kv)
         elif fused in ("falcon", "falcon_cache"):  # (K/V appended to an empty cache first, as HF's)
@@ -110,6 +112,8 @@ class RandomTransformerAttention(nn.Module):
             self.attn = models.FalconStyleAttention(hidden, heads, 1, multi_query=True)
         elif fused == "vit":  # timm: qkv.reshape(B, N, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0), no GQA
             self.attn = models.ViTAttention(hidden, heads)
+        elif fused == "diff":  # DiffLlama: V in two halves of K/V heads, head h paired with h + H/2
+            self.attn = models.DiffAttention(hidden, heads, kv, repeat=repeat)
         else:
             self.attn = models.LlamaAttention(hidden, heads, kv, rope=rope, repeat=repeat, attention=attention)
         cos, sin = models.rope_tables(dh, 16, rope == "complex")
@@ -118,7 +122,7 @@ class RandomTransformerAttention(nn.Module):
         self.fused = fused
 
     def forward(self, x):
-        return x + (self.attn(x) if self.fused else self.attn(x, self.cos, self.sin))
+        return x + (self.attn(x) if self.fused not in (None, "diff") else self.attn(x, self.cos, self.sin))
 
 
 @st.composite
@@ -156,9 +160,9 @@ def transformer_attention_cases(draw):
         rope=draw(st.sampled_from(["half", "complex"])),
         repeat=draw(st.sampled_from(["expand", "interleave", "sdpa"])),
         attention=draw(st.sampled_from(["sdpa", "manual", "flex", "flex_window"])),
-        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache", "falcon_mqa", "vit"])),
+        fused=draw(st.sampled_from([None, "phi3", "falcon", "falcon_cache", "falcon_mqa", "vit", "diff"])),
     )
-    return model, heads * dh
+    return model, model.hidden
 
 
 def _check(case, world, shape3d, plan_draw, per_rank, data, own_weights=False, dynamic=False, autocast=False,

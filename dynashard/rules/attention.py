@@ -164,27 +164,38 @@ def gqa_heads(lm: LayoutMap, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.
     units, or K/V kept whole when there are fewer K/V heads than ranks.
     """
     lq, lk, lv = (lm.layouts.get(a) for a in (q, k, v))
-    if lq is None or lq.dim != -3 or lq.split.fewest_units(lm.world) < 1 or (lk is None) != (lv is None):
+    if lq is None or lq.dim != -3 or lq.split.fewest_units(lm.world) < 1:
         return None
-    if lk is None:
+    if lk is None and lv is None:
         return lq
-    if lk.dim != -3 or lv.dim != -3 or not lk.alike(lv):
+    if any(s is not None and s.dim != -3 for s in (lk, lv)):
         return None
-    grouped = [[(a * n, b * n) for a, b in ranges] for ranges in lk.split.owned(lm.world)]
+    if lk is not None and lv is not None and not lk.alike(lv):  # (DiffLlama's v taken in two halves, k as one)
+        lm.unify([lk, lv], op_name(node))
+        return None
+    cuts = [s for s in (lk, lv) if s is not None]  # (one may be whole: DiffLlama's v, 1 K/V head a half)
+    grouped = [[(a * n, b * n) for a, b in ranges] for ranges in cuts[0].split.owned(lm.world)]
     if grouped == lq.split.owned(lm.world):
-        return lq
-    if len(lq.split.parts) == 1 and len(lk.split.parts) == 1:
-        unit = math.lcm(lq.split.unit, n * lk.split.unit)
-        q_to, kv_to = lq.split.coarsen(unit // lq.split.unit), lk.split.coarsen(unit // (n * lk.split.unit))
-        where = f"{op_name(node)} ({n} query heads per K/V head) needs query units of {unit} heads"
+        return lq  # (a whole K or V is narrowed by groups)
+    where = f"{op_name(node)} ({n} query heads per K/V head)"
+    if len(lq.split.parts) > 1 or len(cuts[0].split.parts) > 1:
+        # Components (DiffLlama's two halves of heads): K/V in units of their query heads meet q.
+        wished = len(lm.wishes)
+        lm.unify([lq, *(s.moved(s.dim, s.split.regrouped(s.split.unit * n)) for s in cuts)], where)
+        if len(lm.wishes) > wished:
+            return None
+    else:
+        unit = math.lcm(lq.split.unit, n * cuts[0].split.unit)
+        q_to, kv_to = lq.split.coarsen(unit // lq.split.unit), cuts[0].split.coarsen(unit // (n * cuts[0].split.unit))
+        where = f"{where} needs query units of {unit} heads"
         fits = q_to is not None and kv_to is not None
         if fits and min(q_to.fewest_units(lm.world), kv_to.fewest_units(lm.world)) >= 1:
-            for s, to in ((lq, q_to), (lk, kv_to), (lv, kv_to)):
+            for s, to in ((lq, q_to), *((c, kv_to) for c in cuts)):
                 if to != s.split:
                     lm.wish(s.origins, WishKind.COARSEN, to.unit // s.split.unit, where)
             return None
-    lm.wish(lk.origins | lv.origins, WishKind.REPLICATE, None,
-            f"{lk.size} K/V heads cannot be cut over {lm.world} ranks to match the query heads; each rank "
+    lm.wish(frozenset().union(*(c.origins for c in cuts)), WishKind.REPLICATE, None,
+            f"{cuts[0].size} K/V heads cannot be cut over {lm.world} ranks to match the query heads; each rank "
             f"narrows them to those of its query heads at {op_name(node)}")
     return None
 

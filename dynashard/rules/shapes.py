@@ -1,4 +1,4 @@
-"""Taking apart and putting together: split, unbind, slice, index, cat, stack, getitem of a tuple.
+"""Taking apart and putting together: split, unbind, slice, index, cat, stack, repeat, getitem of a tuple.
 
 Before (a fused qkv colwise on [B, T, 3*D])::
 
@@ -6,7 +6,9 @@ Before (a fused qkv colwise on [B, T, 3*D])::
 After: each rank splits its own ``[q_r | k_r | v_r]`` at its local sizes; q, k and v are each
 a Shard of D. Along a dim that is not cut, every op here keeps the cut. On the cut dim, a split or
 slice (or a constant index of consecutive positions) must fall on component boundaries (a fused
-``[q | k | v]``; otherwise a wish asks the plan to cut the origin into those components).
+``[q | k | v]``, DiffLlama's two halves of the heads; otherwise a wish asks the plan to cut the origin
+into those components). A repeat along the cut dim tiles its components: each rank's local repeat
+is its part of every tile.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
         edges.append(min(edges[-1] + w, src.size))
     ranges = _part_ranges(src.split, edges)
     if ranges is None:
+        if _refine_wish(lm, node, src, edges):
+            return None
         carved = _carve(lm, src, edges)
         if carved is None:
             _cut_wish(lm, node, src, edges)
@@ -74,7 +78,9 @@ def split(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
 def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
     """Pieces each rank computes from what it holds (``q.split(1, dim=heads)``, per-head norms or
     scales, put back by ``cat``), when re-cutting the origin into those pieces instead would leave
-    a rank without any (the balanced deal gives every one-head piece to the first ranks)."""
+    a rank without any (the balanced deal gives every one-head piece to the first ranks). Pieces
+    that are gathered later instead (DiffLlama's V halves of one K/V head, repeated) make the auto
+    plan keep their origin whole (``LayoutMap._charge``)."""
     if any(e % src.split.unit for e in edges):
         return None
     units = [e // src.split.unit for e in edges]
@@ -83,6 +89,48 @@ def _carve(lm: LayoutMap, src: Shard, edges: list[int]) -> list[Shard] | None:
         return None  # the origin can be re-cut into these pieces (a fused [q | k | v]): wish for it
     pieces = src.split.carve(units, lm.world)
     return None if pieces is None else [src.moved(src.dim, s) for s in pieces]
+
+
+def _refine_wish(lm: LayoutMap, node: torch.fx.Node, src: Shard, edges: list[int]) -> bool:
+    """Pieces the origin's units are too coarse to deal to every rank, though finer units would
+    (DiffLlama's two halves of 4 heads on 3 ranks, the heads first grouped in twos for GQA keys cut
+    2/1/1): wish the origin cut at the pieces in the finest such units (its keys then meet a cut
+    into halves: ``LayoutMap.unify`` re-cuts them or keeps them whole). True when wished."""
+    split = src.split
+    if split.refine(1) is None or any(e % split.unit for e in edges):
+        return False  # (one balanced component only: a fused output's parts are not re-dealt)
+    if not split.empties_a_rank(split.cut({e // split.unit for e in edges[1:-1]}), lm.world):
+        return False  # (the usual wish to cut at those offsets)
+    for k in range(2, split.unit + 1):
+        finer = split.refine(k)
+        if finer is None or any(e % finer.unit for e in edges):
+            continue
+        offsets = frozenset(e // finer.unit for e in edges[1:-1])
+        if not split.empties_a_rank(finer.cut(offsets), lm.world):
+            lm.wish(src.origins, WishKind.REFINE, (k, offsets),
+                    f"{op_name(node)} takes pieces that units of {split.unit} cannot deal to every rank")
+            return True
+    return False
+
+
+@rule(aten.repeat.default)
+def repeat(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
+    """``x.repeat(...)``: along other dims the cut is kept; ``n`` times along the cut dim, the output
+    holds the components ``n`` times over (DiffLlama's ``v_half.repeat(1, 2, 1, 1)``), and every
+    rank's local repeat is its part of each copy. Carved pieces (dealt unevenly) are not tiled."""
+    found = lm.input_shard(node, whole_ok=True)
+    if found is None:
+        return None
+    src, ndim, p = found
+    times = node.args[1][len(node.args[1]) - ndim + p]
+    if not isinstance(times, int) or times == 1:
+        return lm.keep(node, src) if times == 1 else None
+    split = src.split
+    if split.deals is not None or not private_aten.known_equal(val(node.args[0]).shape[p], src.size):
+        return None  # (a batch dim merged in front of the cut one would interleave the copies)
+    n = len(split.parts)
+    tiled = Split(split.parts * times, split.unit, frozenset(i + k * n for k in range(times) for i in split.whole))
+    return lm.keep(node, src.moved(src.dim, tiled))
 
 
 @rule(aten.slice.Tensor)
@@ -202,6 +250,8 @@ def _cat(lm: LayoutMap, node: torch.fx.Node, stack: bool) -> Record | None:
         return _cat_narrowing(lm, node, tensors, lays)
     if any(lay is None or lay.split.whole for lay in lays):
         return None
+    if not stack and returned(node):
+        _follow_recut(lm, node, tensors, lays)
     first = finest(lays)
     if not all(first.alike(lay) for lay in lays) and not _along_cut(node, tensors, lays, stack):
         return None
@@ -237,6 +287,18 @@ def _cat_narrowing(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.No
             if lay is None and a.op == "placeholder" and not is_parameter(a):
                 wish_state(lm, node, a, out)
     return Record(out, {a: lm.as_shard(a, out) for a in all_args(node)})
+
+
+def _follow_recut(lm: LayoutMap, node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard]) -> None:
+    """A cache held cut (an input in ``lm.states``) grown by cat with new Shards its origin has since been
+    re-cut into (DiffLlama's v in two halves of heads, a round after the cache was first held): wish it
+    held as the new ones are. Until then the two meet cut differently and are gathered."""
+    fresh = [lay for a, lay in zip(tensors, lays) if a not in lm.states]
+    if not fresh or not all(fresh[0].alike(lay) for lay in fresh):
+        return
+    for a, lay in zip(tensors, lays):
+        if a in lm.states and not lay.alike(fresh[0]):
+            wish_state(lm, node, a, fresh[0])
 
 
 def _along_cut(node: torch.fx.Node, tensors: list[torch.fx.Node], lays: list[Shard], stack: bool) -> bool:
