@@ -24,6 +24,10 @@ mapped too) and the wall time from the launch to the model being loaded and to t
 - ``gpt_fast``: gpt-fast's loader as a reference: a meta model, ``torch.load(mmap=True)`` +
   ``load_state_dict(assign=True)``, each planned weight sliced by hand (colwise q/k/v/gate/up,
   rowwise o/down with an all_reduce hook) and copied out of the map, run eagerly.
+- ``dynamo_floor``: no loading and no planning: the model built on meta, given uninitialised memory
+  (``to_empty``), traced by Dynamo with ``backend="eager"`` and run once (its output is not compared).
+  The floor of any path that compiles the model once on this machine: process start, imports,
+  Dynamo's warm-up and its trace of the model.
 - ``tiny``: the ``safetensors`` path on a 2-layer hidden-64 model of the same family: the process's
   own footprint (Python, torch, Dynamo, the compiler, gloo) with almost no weights.
 
@@ -47,7 +51,7 @@ import torch
 
 from benchmarks._common import OUT_HELP, out_path, record, write_json
 
-PATHS = ("whole", "safetensors", "dcp", "dcp_sharded", "hf_tp", "gpt_fast", "tiny")
+PATHS = ("whole", "safetensors", "dcp", "dcp_sharded", "hf_tp", "gpt_fast", "tiny", "dynamo_floor")
 
 
 def config(smoke: bool, tiny: bool = False) -> dict:
@@ -134,13 +138,20 @@ def worker(args: argparse.Namespace) -> None:
             model = gpt_fast_load(cfg, os.path.join(where, "model.pth"))
             t_loaded = time.time() - t0
             run = model
+        elif path == "dynamo_floor":  # (no weights read: its output is not the model's; see the docstring)
+            with torch.device("meta"):
+                model = T.LlamaForCausalLM(cfg).eval()
+            model.to_empty(device="cpu")
+            model.model.rotary_emb = T.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+            t_loaded = time.time() - t0
+            run = torch.compile(model, backend="eager")
         else:
             raise SystemExit(f"unknown path {path!r}; expected one of {PATHS}")
         logits = run(ids, use_cache=False).logits
     t_first = time.time() - t0
     if held is None:
         held = dynashard.held_bytes(model)
-    err = float((logits - ref["logits"]).abs().max())
+    err = 0.0 if path == "dynamo_floor" else float((logits - ref["logits"]).abs().max())
     per_rank = gather({"rank": rank, "peak_rss": peak_rss(), "held": held, "t_loaded_s": t_loaded,
                        "t_first_s": t_first, "max_abs_diff": err})
     if rank == 0:

@@ -358,15 +358,35 @@ def _why_whole(analysis: Analysis, weight: torch.fx.Node) -> str:
 def backend(mode: str | None = None, **options: Any) -> Callable[..., Any]:
     """``torch.compile(model, backend=dynashard.backend(plan=..., mode=...))``: options and torch.compile's
     mode bound up front (torch.compile refuses ``mode=`` and ``options=`` together)."""
-    bound = parse_options({**options, "mode": mode})
+    return BoundBackend(parse_options({**options, "mode": mode}))
 
-    def dynashard_with_options(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
-                               options: Any = None):
+
+class BoundBackend:
+    """The dynashard backend with its options bound. Two are equal when their options are: torch.compile
+    compares backends with ``==``, so ``torch.compile(model, backend=dynashard.backend(**o))`` made twice (a
+    server building its compiled model per request, HF's ``generate`` compiling per call) reuses the first
+    one's trace and program instead of tracing and planning again. (A closure, as before, is equal only to
+    itself: every such compile traced again.)"""
+
+    __name__ = "dynashard_with_options"
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                 options: Any = None):
         if options is not None:
             raise UsageError(
                 f"dynashard: torch.compile(options={options!r}) given to a backend whose options are bound by "
                 "dynashard.backend(...). Expected the options in one place: dynashard.backend(**options), or "
                 "backend='dynashard' with torch.compile(options=...).")
-        return dynashard_backend(gm, example_inputs, bound, mode=mode)
+        return dynashard_backend(gm, example_inputs, self.options, mode=mode)
 
-    return dynashard_with_options
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BoundBackend) and self.options == other.options
+
+    def __hash__(self) -> int:  # (the options may hold unhashable values: equal ones hash alike all the same)
+        return hash((BoundBackend, self.options.compiler, self.options.mode))
+
+    def __repr__(self) -> str:
+        return f"dynashard.backend({self.options})"

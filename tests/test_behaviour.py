@@ -126,6 +126,12 @@ def test_bound_backend(rank, world):
     assert layers == {"up": "colwise", "down": "rowwise"}, layers
     y = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(X)  # options bound
     assert _err(y, _mlp_ref(X)) <= ATOL and model.up.weight.untyped_storage().nbytes() == 0, _err(y, _mlp_ref(X))
+    # A second compile object with equal bound options reuses the first one's trace and program: torch.compile
+    # compares backends with ==, and a bound backend equals another with equal options (a closure would not).
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))(X)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs and torch.equal(again, y), "traced again"
+    assert dynashard.backend(compiler="eager") != dynashard.backend(compiler="aot_eager")
     msg = str(raised(lambda m=model: dynashard.explain(m, X)))  # (a string: the error's frames hold the model)
     assert "call explain before torch.compile" in msg, msg
     # The shards die with the model, although Dynamo keeps compiled functions alive.

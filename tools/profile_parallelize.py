@@ -5,7 +5,7 @@ Launch (after bench_load.py has written its checkpoint to /tmp/dynashard-bench-l
 
 Prints, on rank 0, the seconds of the imports, of ``parallelize`` (meta model + the HF safetensors
 directory) and of the user's compile and first call, then a cProfile of ``parallelize`` by
-cumulative time. Measured on the project's 2-core machine (2.16 GiB Llama, world 2, compiler eager,
+cumulative time (``PROFILE_FILTER=dynashard``: dynashard's own functions only). Measured on the project's 2-core machine (2.16 GiB Llama, world 2, compiler eager,
 checkpoint in the page cache): parallelize 6.3 s, of which Dynamo's trace of the model about 2.7 s and
 the backend (aten trace, planning, rewrite, cutting) 2.8 s; compile + first call 2.4 s (a second
 Dynamo trace and planning). Later runs gave parallelize 6.4 s (9.1 s with the checkpoint out of the page
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import cProfile
 import json
+import os
 import pstats
 import sys
 import time
@@ -50,7 +51,7 @@ def main() -> None:
     t3 = time.time()
     if dist.get_rank() == 0:
         print(f"imports {imports:.1f} s, parallelize {t2 - t1:.1f} s, compile + first call {t3 - t2:.1f} s")
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(os.environ.get("PROFILE_FILTER", ""), 40)
     dist.destroy_process_group()
 
 
