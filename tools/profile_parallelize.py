@@ -5,7 +5,8 @@ Launch (after bench_load.py has written its checkpoint to /tmp/dynashard-bench-l
 
 Prints, on rank 0, the seconds of the imports, of ``parallelize`` (meta model + the HF safetensors
 directory) and of the user's compile and first call, then a cProfile of ``parallelize`` by
-cumulative time (``PROFILE_FILTER=dynashard``: dynashard's own functions only). Measured on the project's 2-core machine (2.16 GiB Llama, world 2, compiler eager,
+cumulative time (``PROFILE_FILTER=dynashard``: dynashard's own functions only). Measured on the
+project's 2-core machine (2.16 GiB Llama, world 2, compiler eager,
 checkpoint in the page cache): parallelize 6.3 s, of which Dynamo's trace of the model about 2.7 s and
 the backend (aten trace, planning, rewrite, cutting) 2.8 s; compile + first call 2.4 s (a second
 Dynamo trace and planning). Later runs gave parallelize 6.4 s (9.1 s with the checkpoint out of the page
