@@ -366,11 +366,14 @@ def _refusal(name: str, args: tuple, kwargs: dict) -> UsageError:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a tensor dynashard sharded (a facade, or a shard ``parallelize`` registered),
-    gathered from every rank of its group: every rank must call it, in the same order. Any other
-    tensor is returned as it is."""
+    """The whole value of a tensor dynashard sharded (a facade, or a shard ``parallelize`` registered, or
+    another handle of that shard's memory: ``.detach()``, ``.data``, a ``state_dict()`` value), gathered
+    from every rank of its group: every rank must call it, in the same order. Any other tensor is returned
+    as it is."""
     store = _store()
     facade = store.facade_of(t) if not is_facade(t) else t
+    if facade is None and not is_facade(t) and isinstance(t, torch.Tensor):
+        facade = store.facade_sharing_memory(t)  # (without it: this rank's piece, returned as if whole)
     entry = store.entry(facade) if facade is not None else None
     if entry is None:
         return t

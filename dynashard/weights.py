@@ -191,6 +191,27 @@ class WeightStore:
         ref = self._facade_of.get(shard)
         return None if ref is None else ref()
 
+    def facade_sharing_memory(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The facade whose shard ``t`` is another handle of (``shard.detach()``, ``.data``, a ``state_dict()``
+        value: the same memory, offset, shape and strides), else None. A tensor reading only part of a
+        shard's memory raises: it is neither the shard nor a whole tensor."""
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            return None
+        for facade, entry in list(self._shards.items()):
+            shard = entry.shard
+            if shard.untyped_storage().nbytes() == 0 or shard.untyped_storage().data_ptr() != storage.data_ptr():
+                continue
+            same = (shard.storage_offset(), shard.shape, shard.stride(), shard.dtype) == \
+                (t.storage_offset(), t.shape, t.stride(), t.dtype)
+            if same:
+                return facade
+            raise UsageError(
+                f"dynashard.full_tensor: this tensor (shape {list(t.shape)}) reads part of the memory of this rank's "
+                f"shard of {entry.fqn!r} (shape {list(shard.shape)}), so it has no whole value to gather. Expected "
+                "the shard itself (named_parameters(), state_dict()), its facade, or a tensor of its own.")
+        return None
+
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces
         as chunks of ``param``'s global shape (see dcp_planners.make_checkpointable)."""

@@ -308,6 +308,15 @@ def test_facades_of_a_parallelized_model_reach_its_shards(rank, world):
     assert err == 0.0, f"full_tensor(up.weight facade) vs the twin's up.weight: max abs diff {err}"
     err = float((dynashard.full_tensor(shards["down.weight"]) - twin.down.weight).abs().max())
     assert err == 0.0, f"full_tensor(down.weight shard) vs the twin's down.weight: max abs diff {err}"
+    # other handles of a shard's memory are whole too (a state_dict value was this rank's piece, returned as is)
+    state = model.state_dict()
+    for name, handle in [("state_dict()['up.weight']", state["up.weight"]),
+                         ("down.weight shard .detach()", shards["down.weight"].detach())]:
+        whole = dynashard.full_tensor(handle)
+        reference = twin.up.weight if name.startswith("state") else twin.down.weight
+        assert whole.shape == reference.shape and torch.equal(whole, reference), f"full_tensor({name}): {whole.shape}"
+    with pytest.raises(UsageError, match="reads part of the memory of this rank's shard of 'up.weight'"):
+        dynashard.full_tensor(shards["up.weight"][:2])
     torch.manual_seed(1)
     new = models.MLP(32, 96)
     model.load_state_dict(new.state_dict())  # full-size tensors into the shards (pre-hook)
