@@ -325,12 +325,19 @@ def test_decode_under_inductor_in_the_index_put_form(rank, world, case):
 
 
 def _hf_model(arch: str, kv_heads: int = 4):
-    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), 2 layers; Mistral's
-    and Gemma2's sliding window is 4 positions (shorter than the prompts: the window is exercised)."""
+    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), one layer (Gemma2: two,
+    a sliding-window layer then a full-attention one, its cache both kinds); Mistral's and Gemma2's sliding
+    window is 4 positions (shorter than the prompts: the window is exercised).
+
+    (One layer: each case is a few Dynamo traces of the HF model per generate call, and a trace costs about
+    what its layers do; what these tests check -- each rank's cache held by heads, tokens and logits equal to
+    the unsharded model's, the recompiles -- is each layer's own, and a layer fed another's cut residual is
+    checked by test_numerics.py and test_training.py. Mistral's default-cache case took 59 s with two layers
+    and 25 s with one on 2 ranks, minutes apart on the 2-core machine under a load of 3-4.)"""
     import transformers as T
 
     if arch == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64))
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=1, n_head=8, vocab_size=128, n_positions=64))
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
                      "mistral": (T.MistralConfig, T.MistralForCausalLM),
                      "diffllama": (T.DiffLlamaConfig, T.DiffLlamaForCausalLM),
@@ -338,7 +345,8 @@ def _hf_model(arch: str, kv_heads: int = 4):
     extra = {"sliding_window": 4} if arch in ("mistral", "gemma2") else {}
     if arch == "gemma2":
         extra["head_dim"] = 8
-    return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+    layers = 2 if arch == "gemma2" else 1
+    return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
                         num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=64,
                         pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra))  # (no early stop)
 
