@@ -256,13 +256,14 @@ W4 = [("index_copy", "eager", 8, 4), ("index_put", "eager", 8, 2)]  # 1 K/V head
 # benchmarks/bench_decode.py's smoke also runs Llama's forward recipe with a DynamicCache, its tokens checked)
 # (Qwen2's forward recipe compiles with dynamic=True, which once failed to plan; the plain recipe, static shapes
 # first, is what the decode smoke's Llama runs. It costs no more: fewer recompiles than the plain recipe's.)
-HF_W2 = [("llama", "static", "compile_config"), ("qwen2", "static", "dynamic"), ("phi3", "static", "compile_config"),
-         ("gpt2", "dynamic", "parallelize")]
-# (a spawn of its own, slow tier) DiffLlama: q/k/v cut in two halves of heads, its DynamicCache held so; 19 s of the
+HF_W2 = [("qwen2", "static", "dynamic"), ("phi3", "static", "compile_config"), ("gpt2", "dynamic", "parallelize")]
+# (a spawn each, slow tier) DiffLlama: q/k/v cut in two halves of heads, its DynamicCache held so; 19 s of the
 # world-2 spawn under a load of 4.4 (GPT-2's case 18 s): its plan is verified per rank by test_hf_models (forward,
 # and a decode step with the cache held in halves) and by the fuzz's DiffLlama form; gpt2's case runs the
-# same recipe and generate calls on a DynamicCache held cut
-HF_W2_SLOW = [("diffllama", "dynamic", "parallelize")]
+# same recipe and generate calls on a DynamicCache held cut. Llama with its StaticCache and HF's compile_config
+# (5.6 CPU s a rank of the world-2 spawn, one layer): Qwen2's case runs Llama's decoder (with biased q/k/v
+# projections) on the same StaticCache through the same generate calls, and Phi-3's the compile_config recipe.
+HF_W2_SLOW = [("llama", "static", "compile_config"), ("diffllama", "dynamic", "parallelize")]
 HF_W4 = [("mistral", "static", "compile_config")]  # 2 K/V heads on 4 ranks
 
 # One spawn per world runs every case below: about 200 s at world 2 on the 2-core machine under a load
@@ -325,12 +326,19 @@ def test_decode_under_inductor_in_the_index_put_form(rank, world, case):
 
 
 def _hf_model(arch: str, kv_heads: int = 4):
-    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), 2 layers; Mistral's
-    and Gemma2's sliding window is 4 positions (shorter than the prompts: the window is exercised)."""
+    """A tiny random HF causal LM: 8 heads of 8 (GPT-2: no K/V heads of its own), one layer (Gemma2: two,
+    a sliding-window layer then a full-attention one, its cache both kinds); Mistral's and Gemma2's sliding
+    window is 4 positions (shorter than the prompts: the window is exercised).
+
+    (One layer: each case is a few Dynamo traces of the HF model per generate call, and a trace costs about
+    what its layers do; what these tests check -- each rank's cache held by heads, tokens and logits equal to
+    the unsharded model's, the recompiles -- is each layer's own, and a layer fed another's cut residual is
+    checked by test_numerics.py and test_training.py. Mistral's default-cache case took 16.1 CPU s on rank 0
+    with two layers and 10.9 s with one, back to back on the 2-core machine.)"""
     import transformers as T
 
     if arch == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64))
+        return T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=1, n_head=8, vocab_size=128, n_positions=64))
     config, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
                      "mistral": (T.MistralConfig, T.MistralForCausalLM),
                      "diffllama": (T.DiffLlamaConfig, T.DiffLlamaForCausalLM),
@@ -338,7 +346,8 @@ def _hf_model(arch: str, kv_heads: int = 4):
     extra = {"sliding_window": 4} if arch in ("mistral", "gemma2") else {}
     if arch == "gemma2":
         extra["head_dim"] = 8
-    return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+    layers = 2 if arch == "gemma2" else 1
+    return model(config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
                         num_key_value_heads=kv_heads, vocab_size=128, max_position_embeddings=64,
                         pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra))  # (no early stop)
 
@@ -346,8 +355,8 @@ def _hf_model(arch: str, kv_heads: int = 4):
 @pytest.mark.slow
 @pytest.mark.gloo
 @on_ranks.alone(2, cases=HF_W2_SLOW)
-def test_hf_generate_of_diffllama_matches_the_unsharded_model(rank, world, case, tmp_path):
-    """_generate's checks for DiffLlama (HF_W2_SLOW) at world 2."""
+def test_hf_generate_of_llama_and_diffllama_matches_the_unsharded_model(rank, world, case, tmp_path):
+    """_generate's checks for Llama's StaticCache under compile_config, and DiffLlama (HF_W2_SLOW), at world 2."""
     _generate(rank, world, case, tmp_path)
 
 

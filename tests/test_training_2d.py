@@ -229,9 +229,12 @@ def _fsdp_model(case: str, vocab: int):
     else:
         import transformers as T
 
+        # (hf_llama: two decoder layers, each its own FSDP unit, gathered one at a time; hf_llama_bf16 shards
+        # the root only, and one layer runs its mixed precision as two do)
+        layers = 2 if case == "hf_llama" else 1
         model = _Logits(T.LlamaForCausalLM(T.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-            vocab_size=vocab, max_position_embeddings=64, use_cache=False)))
+            hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=64, use_cache=False)))
     return model, copy.deepcopy(model)
 
 
