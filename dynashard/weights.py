@@ -198,18 +198,21 @@ class WeightStore:
         storage = t.untyped_storage()
         if storage.nbytes() == 0:
             return None
+        overlapping = None  # (an entry whose shard shares the memory, but not as t reads it)
         for facade, entry in list(self._shards.items()):
             shard = entry.shard
             if shard.untyped_storage().nbytes() == 0 or shard.untyped_storage().data_ptr() != storage.data_ptr():
                 continue
-            same = (shard.storage_offset(), shard.shape, shard.stride(), shard.dtype) == \
-                (t.storage_offset(), t.shape, t.stride(), t.dtype)
-            if same:
+            if (shard.storage_offset(), shard.shape, shard.stride(), shard.dtype) == \
+                    (t.storage_offset(), t.shape, t.stride(), t.dtype):
                 return facade
+            overlapping = overlapping or entry
+        if overlapping is not None:
             raise UsageError(
                 f"dynashard.full_tensor: this tensor (shape {list(t.shape)}) reads part of the memory of this rank's "
-                f"shard of {entry.fqn!r} (shape {list(shard.shape)}), so it has no whole value to gather. Expected "
-                "the shard itself (named_parameters(), state_dict()), its facade, or a tensor of its own.")
+                f"shard of {overlapping.fqn!r} (shape {list(overlapping.shard.shape)}), so it has no whole value to "
+                "gather. Expected the shard itself (named_parameters(), state_dict()), its facade, or a tensor of "
+                "its own.")
         return None
 
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
