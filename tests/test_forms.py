@@ -315,3 +315,43 @@ def _multihead_attention_equals_unsharded(compiler: str) -> None:
         # float32 O(1) activations, sums in another order: a few ulps
         assert float((y - y_ref).abs().max()) <= 1e-5 and float((w - w_ref).abs().max()) <= 1e-6, shape
     assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference)
+
+
+class OutWritesMLP(nn.Module):
+    """up -> an ``out=`` op writing into a buffer -> down, in the forms a model writes it: into an
+    ``empty_like`` / ``zeros_like`` of the cut activation, or into a buffer allocated at its global size, by
+    pointwise ops and by a matmul reading up's weight a second time."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.up, self.down, self.form = nn.Linear(32, 96), nn.Linear(96, 32), form
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.form == "mul_into_empty_like":
+            buf = torch.empty_like(h)
+            torch.mul(h, 2, out=buf)
+            return self.down(buf)
+        if self.form == "add_into_global_zeros":
+            buf = torch.zeros(x.shape[0], 96)
+            torch.add(h, 1, out=buf)
+            return self.down(buf)
+        if self.form == "matmul_into_zeros_like":
+            buf = torch.zeros_like(h)
+            torch.matmul(x, self.up.weight.t(), out=buf)
+            return self.down(buf + h)
+        buf = torch.zeros(x.shape[0], 96)  # "matmul_into_global_zeros"
+        torch.matmul(x, self.up.weight.t(), out=buf)
+        return self.down(buf) + self.down(h)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("form", ["mul_into_empty_like", "add_into_global_zeros", "matmul_into_zeros_like",
+                                  "matmul_into_global_zeros"])
+def test_out_writes_into_a_cut_activation_verify(form):
+    """An ``out=`` write the rules do not model as a write (rules.inplace: an out= result is taken to alias
+    its first argument): Dynamo functionalizes it, so the plan cuts up and down and every simulated rank
+    equals the model (verify raises on a mismatch)."""
+    torch.manual_seed(0)
+    plan = _plan(OutWritesMLP(form), torch.randn(4, 32), 2)
+    assert plan["up"][0] == "colwise" and plan["down"] == ("rowwise", "all_reduce"), plan
