@@ -406,5 +406,6 @@ from dynashard._torch_private_c10d import init_fake_process_group as init_fake_p
 from dynashard._torch_private_c10d import is_fake_group as is_fake_group  # noqa: E402
 from dynashard._torch_private_c10d import moves_cpu_tensors as moves_cpu_tensors  # noqa: E402
 from dynashard._torch_private_dtensor import dtensor_local as dtensor_local  # noqa: E402
+from dynashard._torch_private_dtensor import follow_placements_in_dcp as follow_placements_in_dcp  # noqa: E402
 from dynashard._torch_private_dtensor import is_strided_shard as is_strided_shard  # noqa: E402
 from dynashard._torch_private_dtensor import strided_shard as strided_shard  # noqa: E402

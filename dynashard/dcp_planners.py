@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from dynashard import placement
+
 
 def _slice_planner_base():
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -56,7 +58,7 @@ class SlicePlanner(_slice_planner_base()):
 
 
 def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int,
-                        pieces: list[tuple[int, int]]) -> torch.Tensor:
+                        pieces: list[tuple[int, int]], placed: dict | None = None) -> torch.Tensor:
     """``local`` (this rank's ``pieces`` of ``dim``, side by side) saved by DCP at their global offsets.
 
     DCP asks a state-dict value for DTensor's ``_Checkpointable`` protocol (``__create_write_items__``,
@@ -64,10 +66,13 @@ def make_checkpointable(local: torch.Tensor, full_shape: torch.Size, dim: int,
     set on the tensor itself they describe any layout dynashard cuts, including fused components and
     whole ones (the same chunk on every rank, which the save planner deduplicates). Measured:
     tools/proto_dcp_shards.py. Loading goes through :class:`~dynashard.checkpoint.DCPCheckpoint` (DCP's default load
-    planner compares a plain tensor's own size with the saved one).
+    planner compares a plain tensor's own size with the saved one). ``placed``: the placement
+    (placement.py) ``local`` carries, in memory and through torch.save.
     """
     runs = [[(0, n)] for n in full_shape]
     runs[dim] = list(pieces)
+    if placed is not None:
+        setattr(local, placement.KEY, placed)
     return make_checkpointable_blocks(local, full_shape, runs)
 
 
@@ -114,11 +119,14 @@ def make_checkpointable_blocks(local: torch.Tensor, full_shape: torch.Size,
         return view
 
     def reduce_ex(protocol: int) -> Any:
-        # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures
+        # torch.save / pickle: the shard as the plain tensor (or Parameter) it is, without these closures,
+        # with its placement (plain data: torch.load(weights_only=True) reads it back)
         this = held()
         plain = this.detach()
         if isinstance(this, torch.nn.Parameter):
             plain = torch.nn.Parameter(plain, requires_grad=this.requires_grad)
+        if placement.of(this) is not None:
+            setattr(plain, placement.KEY, placement.of(this))
         return plain.__reduce_ex__(protocol)
 
     local.__create_write_items__ = write_items

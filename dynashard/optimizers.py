@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dynashard import _torch_private as private
-from dynashard import dtensor_params
+from dynashard import dtensor_params, placement
 from dynashard.errors import UsageError
 from dynashard.weights import STORE
 
@@ -71,10 +71,32 @@ class FreedWeights:
                         "optimizer would train nothing. Expected the optimizer built after "
                         "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards)."
                     )
-                holds_shards = holds_shards or STORE.facade_of(p) is not None or dtensor_params.is_fused(p)
+                facade = STORE.facade_of(p)
+                if facade is not None:
+                    _check_state(optimizer, p, facade)
+                holds_shards = holds_shards or facade is not None or dtensor_params.is_fused(p)
         if holds_shards and optimizer not in self._described:
             optimizer.register_state_dict_pre_hook(describe_state)
             self._described.add(optimizer)
+
+
+def _check_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, facade: torch.Tensor) -> None:
+    """The state of shard ``p`` holds this rank's pieces: one loaded from another rank's
+    ``optimizer.state_dict()`` carries that rank's placement, and is refused before it updates anything."""
+    mine = None
+    for key, value in optimizer.state.get(p, {}).items():
+        placed = placement.of(value)
+        if placed is None:
+            continue
+        mine = mine or STORE.placement(facade)
+        if [placed[k] for k in ("shape", "dim", "pieces")] != [mine[k] for k in ("shape", "dim", "pieces")]:
+            raise UsageError(
+                f"dynashard: {type(optimizer).__name__}'s state {key!r} of a shard holds {placement.words(placed)}, "
+                f"and this rank holds {placement.words(mine)}: an optimizer.state_dict() saved on another rank "
+                f"(or at another world size) was loaded. Nothing was updated. Expected get_state_dict(model, "
+                f"optimizer, options=StateDictOptions(full_state_dict=True)) saved on one rank and loaded with "
+                f"set_state_dict(..., options=StateDictOptions(full_state_dict=True)), dcp.save / dcp.load of "
+                f"get_state_dict(model, optimizer), or each rank's own file.")
 
 
 def describe_state(optimizer: torch.optim.Optimizer) -> None:

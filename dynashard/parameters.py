@@ -45,6 +45,8 @@ from dynashard.facades import storage_less
 from dynashard.gradients import average_over_ranks
 from dynashard.loader import Loader
 from dynashard.options import parse_options
+from dynashard.placement import check_loadable, words
+from dynashard.placement import of as placement_of
 from dynashard.protocol import agreed, resolve_group
 from dynashard.weights import STORE, cut
 
@@ -120,6 +122,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
     _register(model)
+    private.follow_placements_in_dcp(_gather_placed, _cut_placed)  # (DCP's full_state_dict: whole tensors)
     if mesh is not None:
         dtensor_params.register(model, mesh, group, FACADES, _install)
     _run_calls_through_dynashard(model, opts)
@@ -265,6 +268,10 @@ def _register(model: nn.Module) -> None:
         for module, attr in entries:
             private.parameter_slots(module)[attr] = shard
             _install(module, attr, facade)
+    for module in model.modules():  # (a load into any of them checks all of its shards' values first)
+        if any(FACADES in m.__dict__ for m in module.modules()) and not getattr(module, "_dynashard_checks", False):
+            module.register_load_state_dict_pre_hook(_check_whole_load)
+            module.__dict__["_dynashard_checks"] = True
 
 
 def _install(module: nn.Module, attr: str, facade: torch.Tensor) -> None:
@@ -371,8 +378,10 @@ def _swapped_class(cls: type) -> type:
 
 
 def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """``load_state_dict`` of full-size tensors (the unsharded model's, an RL trainer's, an EMA's) into a
-    parallelized module: each sharded one becomes this rank's pieces, which the load copies into the shard."""
+    """``load_state_dict`` into a parallelized module: each sharded parameter's value is checked first
+    (whole, or this rank's own pieces: placement.check_loadable), then a full-size one (the unsharded
+    model's, an RL trainer's, an EMA's) becomes this rank's pieces, which the load copies into the shard."""
+    check_loads(module, state_dict, prefix, recurse=False)
     for attr, facade in module.__dict__.get(FACADES, {}).items():
         key = prefix + attr
         value = state_dict.get(key)
@@ -380,3 +389,50 @@ def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *ar
                 value.shape != private.parameter_slots(module)[attr].shape:
             spec = STORE.spec_of(facade)
             state_dict[key] = cut(value, spec.dim, spec.split, spec.world, spec.rank)
+
+
+def check_loads(module: nn.Module, state_dict: dict, prefix: str = "", recurse: bool = True, *_: Any) -> None:
+    """Every value ``state_dict`` holds for a shard of ``module`` (and of its submodules, with ``recurse``)
+    is whole or this rank's own pieces (placement.check_loadable), checked before anything is copied:
+    a load that raises changes nothing."""
+    modules = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
+    for name, sub in modules:
+        for attr, facade in sub.__dict__.get(FACADES, {}).items():
+            key = prefix + (f"{name}." if name else "") + attr
+            value, shard = state_dict.get(key), private.parameter_slots(sub).get(attr)
+            spec = STORE.spec_of(facade)
+            if not isinstance(value, torch.Tensor) or _is_dtensor(value) or _is_dtensor(shard) or spec is None or \
+                    spec.stacked:
+                continue  # (DTensors: DTensor's own checks; weights="per_rank": every rank's own blocks)
+            check_loadable(key, value, facade.shape, shard.shape, STORE.placement(facade))
+
+
+def _gather_placed(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``t``, a tensor carrying the placement of this rank's pieces of a parallelized weight
+    (a state_dict() value, an optimizer state): every rank's pieces gathered (a collective)."""
+    from dynashard.transport import gather_pieces
+
+    facade = STORE.placed_facade(t)
+    facade = STORE.facade_sharing_memory(t) if facade is None else facade
+    entry = STORE.entry(facade) if facade is not None else None
+    if entry is None:
+        raise UsageError(f"dynashard: a full state dict was asked of a tensor holding {words(placement_of(t))}, "
+                         "which belongs to no live parallelized model here (read from a file?): it cannot be "
+                         "gathered. Expected the state dict of the parallelized model itself.")
+    return gather_pieces(t.detach(), list(facade.shape), entry.spec, private.group_by_name(entry.spec.group_name))
+
+
+def _cut_placed(full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """This rank's pieces of ``full``, a whole value for ``local`` (a tensor carrying a placement)."""
+    facade = STORE.placed_facade(local)
+    facade = STORE.facade_sharing_memory(local) if facade is None else facade
+    spec = STORE.spec_of(facade) if facade is not None else None
+    if spec is None:
+        raise UsageError(f"dynashard: a full state dict was loaded into a tensor holding {words(placement_of(local))} "
+                         "that belongs to no live parallelized model here. Expected the parallelized model's own.")
+    return STORE.checkpointable(facade, cut(full, spec.dim, spec.split, spec.world, spec.rank))
+
+
+def _check_whole_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    if not prefix:  # (the module load_state_dict was called on: everything below it, before any copy)
+        check_loads(module, state_dict, prefix)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
+from dynashard import placement
 from dynashard.errors import PeerError, UsageError
 from dynashard.facades import unbecome
 from dynashard.freed import FREED, is_storage_less, mark_storage_less
@@ -80,6 +81,9 @@ class WeightStore:
         self._facade_of = private.weak_id_dict()
         # parameters a compiled program reads whole: a later graph must not cut (and free) them
         self._read_whole = private.weak_id_dict()
+        # a tensor given a shard's placement (a state_dict() value, an optimizer state) -> weak reference to the
+        # facade whose pieces it holds: how DCP's full state dict gathers it (placed_facade)
+        self._placed = private.weak_id_dict()
 
     def shard_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._shards.get(param)
@@ -216,12 +220,27 @@ class WeightStore:
         return None
 
     def checkpointable(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (``param``'s shard, or a view of it) with DCP's checkpoint protocol: its pieces
-        as chunks of ``param``'s global shape (see dcp_planners.make_checkpointable)."""
+        """``local`` (``param``'s shard, a view of it, or a state of it of its shape) with DCP's checkpoint
+        protocol (its pieces as chunks of ``param``'s global shape: dcp_planners.make_checkpointable) and
+        its placement (placement.py), which torch.save keeps and a load checks."""
         from dynashard.dcp_planners import make_checkpointable
 
         spec = self._shards[param].spec
-        return make_checkpointable(local, param.shape, spec.dim, spec.split.pieces(spec.world, spec.rank))
+        pieces = spec.split.pieces(spec.world, spec.rank)
+        where = None if spec.stacked else placement.describe(param.shape, spec.dim, pieces, spec.world, spec.rank)
+        self._placed[local] = weakref.ref(param)
+        return make_checkpointable(local, param.shape, spec.dim, pieces, where)
+
+    def placed_facade(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The facade whose pieces ``t`` holds, if ``t`` was given its placement (checkpointable)."""
+        ref = self._placed.get(t)
+        return None if ref is None else ref()
+
+    def placement(self, facade: torch.Tensor) -> dict:
+        """This rank's placement of ``facade``'s pieces (placement.py)."""
+        spec = self._entry_of(facade).spec
+        return placement.describe(facade.shape, spec.dim, spec.split.pieces(spec.world, spec.rank), spec.world,
+                                  spec.rank)
 
     def is_sharded(self, param: torch.Tensor) -> bool:
         return param in self._shards
