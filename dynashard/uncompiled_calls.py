@@ -5,8 +5,8 @@ reaching the wrapped module another way (nanoGPT's ``model.generate(...)``: the 
 attribute to the module, whose ``self(idx)`` then runs eagerly) runs unsharded, every rank computing
 the whole model, and nothing fails. This notices it: when an ``OptimizedModule`` compiling with dynashard
 wraps a module (a module registration hook sees it registered as ``_orig_mod``), a forward pre-hook on
-that module looks at each call; the first one outside the wrapper's call warns once, naming the fixes,
-and removes the hook. Modules compiled with another backend get no hook.
+that module looks at each call; the first one outside the wrapper's call warns once, naming the fixes.
+Modules compiled with another backend get no hook.
 
 Invariants: never an error (the eager run is correct, only not sharded); one warning per wrapper.
 """
@@ -34,21 +34,23 @@ def watch() -> None:
 def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
     if isinstance(child, torch.nn.Module) and _is_dynashard(private.backend_wrapping(parent, name)):
         hook = _FirstEagerCall(weakref.ref(parent))
-        hook.handle = child.register_forward_pre_hook(hook)
+        child.register_forward_pre_hook(hook)
 
 
 class _FirstEagerCall:
-    """The forward pre-hook: the first call outside the wrapper's call warns and removes the hook. A
+    """The forward pre-hook: the first call outside the wrapper's call warns. A
     copy or a pickle of the module (``copy.deepcopy``, ``torch.save(model)``) gets an inert hook:
     the copy is wrapped by no compiled module."""
 
     def __init__(self, compiled: weakref.ref) -> None:
-        self.compiled, self.handle = compiled, None
+        self.compiled, self.warned = compiled, False
 
-    def _call(self, module: torch.nn.Module, args: Any) -> None:
-        if private.in_compiled_module_call() or torch.compiler.is_compiling():
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # (first: Dynamo, tracing the wrapper's call, folds it and stops here,
+            return                         # so the hook adds no graph break, fullgraph=True included)
+        if self.warned or private.in_compiled_module_call():
             return
-        self.handle.remove()
+        self.warned = True  # (a flag, not the handle's removal: Dynamo guards on the module's hooks)
         if self.compiled() is None:
             return
         warnings.warn(
@@ -58,9 +60,6 @@ class _FirstEagerCall:
             "the forward itself compiled: model.forward = torch.compile(model.forward, backend='dynashard') "
             "before calling model.generate, or dynashard.parallelize(model, example_inputs) first.",
             UserWarning, stacklevel=1)
-
-    # (run as it is when a frame Dynamo traces reaches it: never part of a graph)
-    __call__ = torch.compiler.disable(_call)
 
     def __reduce__(self) -> tuple:
         return _inert, ()

@@ -86,3 +86,24 @@ def test_the_compiled_call_and_the_recommended_fix_run_sharded_without_a_warning
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_the_watch_adds_no_graph_break_under_fullgraph():
+    """The pre-hook is traced with the wrapper's call (it returns at once there): fullgraph=True compiles
+    the watched module whole, in one graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    private.init_fake_process_group(2, 0)
+    try:
+        options = {"min_shard_numel": 0, "compiler": "eager"}
+        mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+        model = torch.compile(mlp, backend=dynashard.backend(**options), fullgraph=True)
+        assert model._orig_mod._forward_pre_hooks  # (watched)
+        model(torch.randn(4, 16))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
