@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -344,6 +345,55 @@ def active_ddp(splits_graphs: bool = False) -> Any:
     if splits_graphs and get_optimize_ddp_mode() != "ddp_optimizer":
         return None
     return ddp
+
+
+def backend_wrapping(parent: Any, name: str) -> Any:
+    """The backend of the ``OptimizedModule`` ``torch.compile(module)`` is building when ``parent`` is one
+    and ``name`` the slot it keeps the wrapped module in; else None. Called from a module registration hook.
+
+    NOTE: ``OptimizedModule.__init__(self, mod, dynamo_ctx)`` (``torch._dynamo.eval_frame``, 2.13) registers
+    ``mod`` as ``_orig_mod`` (through ``Module.__setattr__``, which runs the registration hooks) before it
+    sets ``self.dynamo_ctx``: the context is read from that frame's argument (a few frames up)."""
+    import sys
+
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if name != "_orig_mod" or not isinstance(parent, OptimizedModule):
+        return None
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code is OptimizedModule.__init__.__code__ and frame.f_locals.get("self") is parent:
+            return compiled_backend(types.SimpleNamespace(dynamo_ctx=frame.f_locals.get("dynamo_ctx")))
+        frame = frame.f_back
+    return None
+
+
+def compiled_backend(compiled: Any) -> Any:
+    """The backend an ``OptimizedModule`` compiles with, as the user passed it (a function, or a callable
+    object), or None if not found.
+
+    NOTE: Dynamo 2.13 keeps it behind ``dynamo_ctx.callback``: ``CatchErrorsWrapper`` ->
+    ``ConvertFrame`` -> ``WrapBackendDebug``, each holding the next as ``_torchdynamo_orig_backend``,
+    the last holding it as ``compiler_fn`` (a ``_TorchCompileWrapper`` in between when torch.compile got a
+    mode or options)."""
+    found = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        inner = getattr(found, "_torchdynamo_orig_backend", None) or getattr(found, "compiler_fn", None)
+        if inner is None:
+            return found
+        found = inner
+    return None
+
+
+def in_compiled_module_call() -> bool:
+    """Whether an ``OptimizedModule``'s ``__call__`` is running (the module it wraps called through it).
+
+    NOTE: ``torch._dynamo.eval_frame._is_in_optimized_module`` (2.13), set by ``OptimizedModule.__call__``."""
+    from torch._dynamo.eval_frame import _is_in_optimized_module
+
+    return _is_in_optimized_module()
 
 
 # Ops and tensors (OpOverload tags and schemas, torch-function subclasses, weak references).

@@ -99,6 +99,30 @@ def recording_dispatch():
         yield calls
 
 
+
+@contextlib.contextmanager
+def random_ops_through(hook):
+    """Inside, every op that draws random numbers (tagged ``nondeterministic_seeded``: dropout, rand,
+    randn, randint, bernoulli, multinomial, ``uniform_``...) runs as ``hook(op, args, kwargs)``, on
+    this thread only; every other op runs as it is.
+
+    NOTE: the ``TorchDispatchMode`` stack (``torch.utils._python_dispatch``) is thread-local, so each
+    simulated rank's thread pushes its own; ops a lowering emits under ``recording_dispatch`` come here
+    when that inner mode re-dispatches them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Random(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                return hook(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    with Random():
+        yield
+
 # flex_attention, as Dynamo hands it over: a higher-order op whose score_mod and mask_mod are
 # subgraphs (get_attr GraphModules) of the graph that calls it.
 # NOTE: torch 2.13's argument layout (trace_flex_attention, torch/_higher_order_ops/flex_attention.py),

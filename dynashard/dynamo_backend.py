@@ -35,9 +35,13 @@ from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_fre
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
 from dynashard.report import GraphReport, format_table, plan_summary
 from dynashard.rewrite import rewrite
+from dynashard.uncompiled_calls import watch
 from dynashard.weights import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
+# A model torch.compile wraps with this backend and then runs around the wrapper (model.generate) is
+# warned about: torch.compile looks the backend up, importing this module, before it wraps the model.
+watch()
 
 
 def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None,

@@ -6,10 +6,18 @@ rank's cut of the real weights, and collectives replaced by :class:`SimulatedCol
 which meet at a barrier and combine every rank's tensor exactly as the real collective would.
 No process group is used. The unsharded graph runs alongside; each linear's output (colwise
 shards concatenated across ranks) and each graph output are compared.
+
+Random ops (dropout, rand, multinomial, ...): real ranks are seeded alike (the user's
+``torch.manual_seed``) and each draws from its own generator, so ranks drawing the same shapes
+draw the same numbers. Here every rank and the reference draw from a stream of their own, each
+starting from the state the generator had when ``verify`` began (:class:`_RandomStreams`), which
+is restored afterwards: a rank drawing for its own part of a cut value draws that part's count,
+as a real rank would, and verification shows what that gives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any
@@ -95,6 +103,41 @@ class SimulatedCollectives:
         return torch.cat([a.narrow(-1, start, lengths[rank]) for a in self._all(x)], 0)
 
 
+class _RandomStreams:
+    """One random stream per simulated rank (and one for the reference): the process's generators
+    (the CPU one, and CUDA's once initialized) swapped to that stream's state around each random op,
+    under a lock, since every simulated rank is a thread of this one process."""
+
+    def __init__(self, count: int) -> None:
+        self.start = _rng_state()
+        self.states = [self.start] * count
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def drawing(self, index: int):
+        def draw(op, args, kwargs):
+            with self.lock:
+                _set_rng_state(self.states[index])
+                try:
+                    return op(*args, **kwargs)
+                finally:
+                    self.states[index] = _rng_state()
+                    _set_rng_state(self.start)
+
+        with private_aten.random_ops_through(draw):
+            yield
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 class _RecordsLinears:
     """Mixin for an fx.Interpreter: keep each linear's output (the interpreter frees dead values)."""
 
@@ -143,7 +186,8 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False
     linear_nodes = [m.node for m in first.plan.linears]
     reference = _Reference(first.aten, linear_nodes)
     written = _written_inputs(first.aten.graph)
-    with torch.no_grad():
+    streams = _RandomStreams(world + 1)  # the reference's is the last
+    with torch.no_grad(), streams.drawing(world):
         expected = reference.run(*_own_copies(inputs, written))
     exchange = _Exchange(world)
     results: list[Any] = [None] * world
@@ -157,7 +201,7 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False
         sharder = _Recording(a.aten, a.plan, "simulated", False, comm, train=train,
                              linears=[m.node for m in a.plan.linears])
         try:
-            with torch.no_grad():
+            with torch.no_grad(), streams.drawing(rank):
                 results[rank] = (sharder.run(*args), sharder.seen)
         except BaseException as e:  # noqa: BLE001 - reported below; the others must not wait
             exchange.barrier.abort()
