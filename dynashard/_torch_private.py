@@ -396,6 +396,21 @@ def in_compiled_module_call() -> bool:
     return _is_in_optimized_module()
 
 
+def never_a_frame_of_its_own(fn: Callable) -> None:
+    """Dynamo neither compiles nor guards ``fn`` when it runs as a frame of its own (a forward pre-hook
+    called by ``Module._call_impl`` outside a trace); inlined in a traced frame it is traced as before (so no
+    graph break, ``fullgraph=True`` included). Without it, the first call of a compiled module spends a
+    Dynamo frame (and its guards on every call) on a hook that returns at once.
+
+    NOTE: ``torch._dynamo.eval_frame.skip_code`` (2.11-2.15: a SKIP exec strategy for the code object);
+    absent, nothing is done (the hook still works, at the cost of that frame)."""
+    from torch._dynamo import eval_frame
+
+    skip = getattr(eval_frame, "skip_code", None)
+    if skip is not None:
+        skip(fn.__code__)
+
+
 # Ops and tensors (OpOverload tags and schemas, torch-function subclasses, weak references).
 
 def draws_random(node: torch.fx.Node) -> bool:

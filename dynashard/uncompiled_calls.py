@@ -29,6 +29,7 @@ def watch() -> None:
     global _HOOK
     if _HOOK is None:
         _HOOK = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+        private.never_a_frame_of_its_own(_FirstEagerCall.__call__)
 
 
 def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
