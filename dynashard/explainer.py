@@ -21,7 +21,7 @@ from dynashard.analysis import analyse
 from dynashard.errors import UsageError, VerificationError
 from dynashard.options import parse_options
 from dynashard.protocol import resolve_group
-from dynashard.report import GraphReport, LayerRow, _human, format_table
+from dynashard.report import GraphReport, LayerRow, format_table, human_bytes
 from dynashard.weights import STORE
 
 
@@ -49,7 +49,7 @@ class Report:
         if self.outside:
             names = ", ".join(n for n, _ in self.outside[:6]) + (", ..." if len(self.outside) > 6 else "")
             out += (f"\nread by no graph, so whole on every rank: {len(self.outside)} parameter(s), "
-                    f"{_human(sum(b for _, b in self.outside))} ({names}): Dynamo ran the code that uses them "
+                    f"{human_bytes(sum(b for _, b in self.outside))} ({names}): Dynamo ran the code that uses them "
                     "eagerly (a graph break; TORCH_LOGS=graph_breaks says where)")
         return out
 

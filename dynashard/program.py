@@ -31,6 +31,7 @@ from dynashard.gate import Opened
 from dynashard.optimizers import FREED
 from dynashard.options import Options
 from dynashard.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
+from dynashard.report import human_bytes
 from dynashard.rules.inplace import mutated_roots
 from dynashard.weights import STORE, ShardSpec, Source
 
@@ -320,4 +321,7 @@ def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], gro
         freed += STORE.free([inputs[i]], keep + later)
     freed += STORE.free([inputs[i] for i, _ in order], keep)
     FREED.add([inputs[i] for i, _ in order])  # (an optimizer over them is refused while they live)
-    log.info("dynashard: freed %.1f MiB of full weights", freed / 2**20)
+    if freed:
+        log.info("dynashard: cut %d weights, freed %s of full weights", len(order), human_bytes(freed))
+    elif order:  # (a model built on meta, loaded a slice at a time, or shards already held)
+        log.info("dynashard: cut %d weights; no full copy was in memory, nothing to free", len(order))

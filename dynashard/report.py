@@ -132,7 +132,7 @@ def plan_summary(plan: Any) -> str:
     return f"{len(plan.sharded())} of {len(plan.linears)} linears sharded, {collectives}"
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -155,8 +155,8 @@ def format_table(graphs: list[GraphReport]) -> str:
                     "x".join(map(str, r.weight_shape)),
                     r.style,
                     r.collectives,
-                    _human(r.comm_bytes),
-                    _human(r.weight_bytes),
+                    human_bytes(r.comm_bytes),
+                    human_bytes(r.weight_bytes),
                     *err,
                     r.reason,
                 )
