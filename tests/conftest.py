@@ -8,3 +8,10 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    """A spawn of ``@on_ranks`` scenarios runs the selected ones only (``-k``: tests/scenarios.py)."""
+    from tests.scenarios import select
+
+    select(session.items)
