@@ -169,3 +169,29 @@ def test_the_functional_collectives_chosen_emit_the_same_ops_on_this_torch():
     assert "_c10d_functional.all_gather_into_tensor.default" in targets, targets
     assert "_c10d_functional.reduce_scatter_tensor.default" in targets, targets
 
+
+def test_compiling_is_true_in_dynamo_and_in_a_backend_and_false_when_compiled_code_runs():
+    """``private.compiling()`` is what facades and parameters branch on: True while Dynamo traces and while a
+    backend runs (dynashard's analysis and rewrite read facades as plain tensors there), False when the
+    compiled code runs and in eager code. torch 2.11 and 2.12's ``torch.compiler.is_compiling()`` is False
+    inside a backend: HF's recipe then failed at parallelize with "this tensor's storage was freed"."""
+    from dynashard import _torch_private as private
+
+    seen = {}
+
+    def traced(x):
+        seen["dynamo"] = private.compiling()
+        return x + 1
+
+    def backend(gm, example_inputs):
+        seen["backend"] = private.compiling()
+
+        def run(*args):
+            seen["running"] = private.compiling()
+            return gm(*args)
+        return run
+
+    torch._dynamo.reset()
+    torch.compile(traced, backend=backend)(torch.ones(2))
+    assert seen == {"dynamo": True, "backend": True, "running": False}, seen
+    assert private.compiling() is False
