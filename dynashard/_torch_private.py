@@ -49,11 +49,35 @@ def from_fsdp_module(node: torch.fx.Node) -> bool:
     grapharg = node.meta.get("grapharg")
     return grapharg is not None and grapharg.source is not None and grapharg.source.guard_source.is_fsdp_module()
 
+def _compiling_since_2_13() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _compiling_before_2_13() -> bool:
+    from torch._guards import CompileContext
+
+    # (Dynamo folds the first to True while it traces; the second is its compile of a frame, backend included)
+    return torch.compiler.is_compiling() or CompileContext.try_get() is not None
+
+
+# NOTE: torch 2.13 holds ``torch.compiler.is_compiling()`` True for a whole compile (Dynamo's trace and the
+# backend it calls: ``convert_frame``'s ``_compile_session_context``); 2.11 and 2.12 only while Dynamo
+# traces, so inside a backend it is False there. Dynamo's ``CompileContext`` spans the whole compile on
+# every supported release. Chosen by the presence of the 2.13 context manager.
+_COMPILING = _compiling_since_2_13 if hasattr(torch.compiler, "_compile_session_context") else _compiling_before_2_13
+
+
+def compiling() -> bool:
+    """Whether torch.compile is compiling now: Dynamo tracing, or a backend (dynashard's analysis and rewrite,
+    AOTAutograd, Inductor) running inside Dynamo's compile. False when compiled code runs."""
+    return _COMPILING()
+
+
 def never_a_frame(fn: Any) -> Any:
     """``fn`` is never compiled by Dynamo as a frame of its own, yet still inlined into a frame Dynamo traces
     (``torch._dynamo.eval_frame.skip_code``: the code's own frame runs eagerly). For code that branches on
-    ``torch.compiler.is_compiling()``: called from eager code inside a compiled region (a frame Dynamo fell
-    back from), Dynamo would otherwise trace it alone with ``is_compiling()`` true and hand the traced
+    :func:`compiling`: called from eager code inside a compiled region (a frame Dynamo fell
+    back from), Dynamo would otherwise trace it alone with ``compiling()`` true and hand the traced
     branch's result back to eager code."""
     from torch._dynamo.eval_frame import skip_code
 

@@ -95,9 +95,13 @@ def _merge_duplicate_views(gm: torch.fx.GraphModule) -> None:
 def _drop_dead_detaches(gm: torch.fx.GraphModule) -> None:
     """``detach`` nodes nothing reads: make_fx records one per tensor autograd would save, when
     traced with gradients enabled. They are no computation, but a rule that looks at a value's
-    readers (loss parallel's "only nll_loss reads it") would count them."""
+    readers (loss parallel's "only nll_loss reads it") would count them.
+
+    NOTE: torch 2.14's make_fx records them as ``aten.alias`` (2.13: ``aten.detach``); a dead alias is no
+    computation either."""
+    detaches = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
+        if node.op == "call_function" and node.target in detaches and not node.users:
             gm.graph.erase_node(node)
     gm.recompile()
 

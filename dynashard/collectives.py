@@ -1,6 +1,7 @@
 """The collectives inside the sharded graph: funcol ops, and Megatron's conversions for training.
 
-They are plain functions over ``torch.distributed._functional_collectives``; the rewrite calls them
+They are plain functions over ``torch.distributed._functional_collectives`` (the two whose names changed
+between torch releases through ``_torch_private_funcol``); the rewrite calls them
 while tracing, so the graph holds ``_c10d_functional.*`` + ``wait_tensor`` with symbolic batch sizes.
 What runs outside the graph is elsewhere: the ranks' agreement in ``protocol`` (host-side), data
 moves (rank 0's deal, gathers) in ``transport``.
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from dynashard import _torch_private_funcol as private_funcol
 from dynashard.protocol import peer_guard
 
 
@@ -41,7 +43,7 @@ def all_gather_last_dim(
     chunks = {c: max(lengths[c]) for c in cut}
     pieces = [_pad_last(own[c], chunks[c]) for c in cut]
     x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
-    gathered = funcol.all_gather_single(x.contiguous(), 0, group_name)  # [world * d0, ...]
+    gathered = private_funcol.all_gather_single(x.contiguous(), 0, group_name)  # [world * d0, ...]
     blocks = gathered.view(world, *x.shape).movedim(0, -2)  # [..., world, sum(chunks)]
     out, offset = [], 0
     for c, ls in enumerate(lengths):
@@ -86,14 +88,14 @@ def reduce_scatter_last_dim(x: torch.Tensor, lengths: list[int], rank: int, grou
     if via_all_to_all:
         y = funcol.wait_tensor(funcol.all_to_all_single(blocks, None, None, group_name)).sum(0)  # j: rank j's
     else:
-        y = funcol.wait_tensor(funcol.reduce_scatter_single(blocks, "sum", 0, group_name))[0]
+        y = funcol.wait_tensor(private_funcol.reduce_scatter_single(blocks, "sum", 0, group_name))[0]
     # (contiguous: a training graph is traced on the conversion's fake output, which is contiguous)
     return y if lengths[rank] == blocks.shape[-1] else y.narrow(-1, 0, lengths[rank]).contiguous()
 
 
 def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """Every rank's rows, rank-major (inputs="per_rank": a colwise input)."""
-    return funcol.all_gather_single(x.contiguous(), 0, group_name)
+    return private_funcol.all_gather_single(x.contiguous(), 0, group_name)
 
 
 def reduce_scatter_rows(x: torch.Tensor, world: int, group_name: str, via_all_to_all: bool) -> torch.Tensor:
@@ -105,7 +107,7 @@ def reduce_scatter_rows(x: torch.Tensor, world: int, group_name: str, via_all_to
     NCCL's reduce_scatter is the real one and is kept there.
     """
     if not via_all_to_all:
-        return funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group_name)
+        return private_funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group_name)
     y = funcol.all_to_all_single(x.contiguous(), None, None, group_name)  # block j: rank j's partial
     return y.view(world, x.shape[0] // world, *x.shape[1:]).sum(0)
 

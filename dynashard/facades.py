@@ -59,7 +59,7 @@ class _Answers:
     @private.never_a_frame  # (eager use inside a compiled region: answered eagerly, not traced as a graph alone)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # Dynamo's trace, the backend's analysis and rewrite: plain tensors
+        if private.compiling():  # Dynamo's trace, the backend's analysis and rewrite: plain tensors
             return _plain(func, args, kwargs)
         kind, name = _name_of(func)
         if (kind, name) == ("get", "requires_grad"):  # the shard's: the one gradients follow (it may be frozen)

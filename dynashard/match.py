@@ -312,9 +312,11 @@ def _embeddings(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -
 
 def _renorm_before(weight: torch.fx.Node, ids: torch.fx.Node) -> torch.fx.Node | None:
     """The ``embedding_renorm_(detach(W), ids, max_norm, norm_type)`` that ``F.embedding`` with
-    ``max_norm`` runs just before this lookup, on the same ids (None if there is none)."""
+    ``max_norm`` runs just before this lookup, on the same ids (None if there is none).
+
+    NOTE: torch 2.14's make_fx records ``F.embedding``'s ``weight.detach()`` as ``aten.alias`` (2.13: ``detach``)."""
     for user in weight.users:
-        if user.op != "call_function" or user.target is not aten.detach.default:
+        if user.op != "call_function" or user.target not in (aten.detach.default, aten.alias.default):
             continue
         for renorm in user.users:
             if renorm.target is aten.embedding_renorm_.default and renorm.args[0] is user and renorm.args[1] is ids:

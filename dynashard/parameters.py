@@ -154,7 +154,7 @@ def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
-        if torch.compiler.is_compiling():
+        if private.compiling():
             return original(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(original, backend=sharded_backend)
@@ -333,13 +333,13 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def _facade_property(attr: str) -> property:
-    @private.never_a_frame  # (Dynamo tracing it alone would hand eager code the facade: is_compiling() is true)
+    @private.never_a_frame  # (Dynamo tracing it alone would hand eager code the facade: compiling() is true)
     def get(self):
         facades = self.__dict__.get(FACADES, {})
         if attr not in facades:  # another instance of the class, whose parameter was not sharded
             return nn.Module.__getattr__(self, attr)
         facade = facades[attr]
-        if not torch.compiler.is_compiling() and dtensor_params.is_live(facade):
+        if not private.compiling() and dtensor_params.is_live(facade):
             return private.parameter_slots(self)[attr]  # dtensor=True: eager code (FSDP2) gets the DTensor
         return facade  # (eager use of it is answered by the facade itself: facades.py)
 

@@ -47,7 +47,7 @@ class _FirstEagerCall:
         self.compiled, self.warned = compiled, False
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # (first: Dynamo, tracing the wrapper's call, folds it and stops here,
+        if private.compiling():  # (first: Dynamo, tracing the wrapper's call, folds it and stops here,
             return                         # so the hook adds no graph break, fullgraph=True included)
         if self.warned or private.in_compiled_module_call():
             return

@@ -21,3 +21,10 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+def pytest_collection_finish(session):
+    """A spawn of ``@on_ranks`` scenarios runs the selected ones only (``-k``: tests/scenarios.py)."""
+    from tests.scenarios import select
+
+    select(session.items)

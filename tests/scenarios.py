@@ -26,6 +26,8 @@ is shared first (``from_rank0``) and asserted on every rank.
 (or ``cases={2: [...], 4: [...]}``, by world) runs it once per case, each a test of its own, the
 scenario taking ``case``. ``@on_ranks.alone(2, dies=(1,))`` gives a scenario a spawn of its own,
 for one the group does not survive: the ranks in ``dies`` must die (``os._exit``), the others pass.
+A spawn runs only the scenarios pytest selected (``-k``, ``-m``: ``tests/conftest.py`` hands the selection
+to :func:`select`), so ``pytest -k`` of one scenario does not run its whole file on the ranks.
 ``SCENARIO_TIMES=FILE pytest ...`` appends each scenario's seconds on rank 0 to ``FILE``, wall and CPU
 (pytest's ``--durations`` charges a whole spawn to its first test).
 """
@@ -83,6 +85,7 @@ class Scenarios:
         self.marks = dict(marks or {})  # a world's tests' mark (pytest.mark.slow)
         self.runs: dict[str, Run] = {}  # by test key: the name, and "[case]" for a case
         self.alone_runs: dict[str, Run] = {}
+        self.selected: frozenset[str] | None = None  # the keys pytest selected (None: every one)
         self.outcomes = shared_run(self._spawn_scenarios)  # {world: per rank, {key: Failure | None} or a RankError}
         _BY_MODULE[module] = self
 
@@ -171,7 +174,7 @@ class Scenarios:
     def _spawn_scenarios(self, world: int) -> list:
         root = tempfile.mkdtemp(prefix="dynashard-scenarios-")
         try:
-            return run_ranks_outcomes(_run_on_rank, world, self.module, root, timeout=self.deadline_s)
+            return run_ranks_outcomes(_run_on_rank, world, self.module, root, self.selected, timeout=self.deadline_s)
         except TimeoutError as e:
             where = "; ".join(f"rank {r}: {_read(Path(root, f'rank{r}.running'))}" for r in range(world))
             raise TimeoutError(f"the scenario each rank was running: {where}\n{e}") from e
@@ -194,6 +197,20 @@ class Scenarios:
             per_rank.append((rank, None if died and rank in dies else
                              _not_finished(outcome) if isinstance(outcome, RankError) else outcome))
         _report(key, world, per_rank)
+
+
+def select(items: Sequence[pytest.Item]) -> None:
+    """Limit the spawns of each module with a scenario among ``items`` (pytest's selected tests) to those.
+    (A module none of whose scenarios is a collected test, such as test_multiproc's own, keeps them all.)"""
+    keys: dict[str, set[str]] = {}
+    for item in items:
+        fn = getattr(item, "function", None)
+        scenarios = _BY_MODULE.get(getattr(fn, "__module__", None))
+        case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
+        if scenarios is not None and _key(fn.__name__, case) in scenarios.runs:  # (not a plain test of the module)
+            keys.setdefault(fn.__module__, set()).add(_key(fn.__name__, case))
+    for module, selected in keys.items():
+        _BY_MODULE[module].selected = frozenset(selected)
 
 
 def _key(name: str, case_id: str | None) -> str:
@@ -249,11 +266,12 @@ def _failure(e: BaseException, fn: Callable[..., None]) -> Failure:
     return Failure(type(e).__name__, str(e), text, "".join(traceback.format_tb(tb)))
 
 
-def _run_on_rank(rank: int, world: int, module: str, root: str) -> dict[str, Failure | None]:
+def _run_on_rank(rank: int, world: int, module: str, root: str,
+                 selected: frozenset[str] | None) -> dict[str, Failure | None]:
     importlib.import_module(module)  # (its decorators fill _BY_MODULE[module] on this rank)
     outcomes: dict[str, Failure | None] = {}
     for key, run in _BY_MODULE[module].runs.items():
-        if world in run.worlds:
+        if world in run.worlds and (selected is None or key in selected):
             Path(root, f"rank{rank}.running").write_text(key)
             began, began_cpu = time.perf_counter(), time.process_time()
             outcomes[key] = _run_one(key, run, rank, world, root)

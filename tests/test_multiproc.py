@@ -5,6 +5,7 @@ per case; a scenario run alone passes when the ranks meant to die die and the ot
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -197,3 +198,21 @@ def test_a_scenario_test_is_one_pytest_test_per_world_with_the_spawns_deadline()
         scenarios(worlds=(8,))(lambda rank: None)
     with pytest.raises(TypeError, match="has cases but takes no case"):
         scenarios(cases=["x"])(lambda rank: None)
+
+
+@pytest.mark.unit
+def test_a_spawn_runs_only_the_scenarios_pytest_selected(tmp_path):
+    """``pytest -k`` of one scenario runs that one on the ranks, not its whole file (tests/conftest.py hands
+    pytest's selection to ``select``; tools/compat.sh's smoke picks one HF generate and one training step so)."""
+    from tests.scenarios import _BY_MODULE, _run_on_rank, select
+
+    item = types.SimpleNamespace(function=scenario_of_each_case, callspec=types.SimpleNamespace(params={"case": "a"}))
+    plain = types.SimpleNamespace(function=test_a_spawn_runs_only_the_scenarios_pytest_selected)  # (no scenario)
+    select([item, types.SimpleNamespace(function=scenario_passes), plain])
+    try:
+        assert _BY_MODULE[__name__].selected == {"scenario_of_each_case[a]", "scenario_passes"}
+        # (in this process, as rank 0 of 2: the two selected scenarios need no process group)
+        outcomes = _run_on_rank(0, 2, __name__, str(tmp_path), _BY_MODULE[__name__].selected)
+        assert outcomes == {"scenario_passes": None, "scenario_of_each_case[a]": None}, outcomes
+    finally:
+        _BY_MODULE[__name__].selected = None
