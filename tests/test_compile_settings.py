@@ -8,7 +8,8 @@ graph's memory): for the sharded graph, the slots the model compiled plainly has
 (holding the shards). The replay's copies themselves need a GPU: not checked here.
 
 HF models under ``dynamic=True``: tests/test_hf_models.py (planned, simulated) and tests/test_serving.py
-(generate on gloo ranks); here, the AOT path that makes Dynamo trace the frame again.
+(generate on gloo ranks); here, the AOT path that makes Dynamo trace the frame again, and the sharded
+graph cached (AOTAutograd's and Inductor's FX graph caches) under dynamic=True.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def test_inductor_caches_the_sharded_graph_under_dynamic_shapes(monkeypatch, tmp
                                 dynamic=True)
             assert model.q.weight.untyped_storage().nbytes() == 0  # cut: the sharded graph is the one cached
             counts.append([cache(*n) - b for n, b in zip(names, before)])
-    pickling = [r.getMessage() for r in logged if r.levelno >= logging.WARNING or "pickle" in r.getMessage()]
-    assert not pickling, pickling
+    warned = [r.getMessage() for r in logged if r.levelno >= logging.WARNING or "pickle" in r.getMessage()]
+    assert not warned, warned
     # (AOTAutograd hit, bypassed, FX graph hit) per compile
     assert counts == [[0, 0, 0], [1, 0, 1]], counts
