@@ -145,9 +145,16 @@ def trace_aten(fn: Callable[..., Any], fake_args: Sequence[Any], keep_tags: bool
     fake_mode.allow_scalar_outputs = True
     try:
         with fake_mode, keeping_tags() if keep_tags else contextlib.nullcontext():
-            return make_fx(with_memos, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
+            traced = make_fx(with_memos, tracing_mode="symbolic", record_module_stack=False)(*fake_args)
     finally:
         fake_mode.allow_scalar_outputs = allowed
+    # NOTE: make_fx(tracing_mode="symbolic") sets ``traced.shape_env``, Dynamo's ShapeEnv (the fake
+    # mode is Dynamo's). Inductor's FX graph cache pickles the graph module's attributes into its
+    # key, and that ShapeEnv's tracked fakes are cyclic while Dynamo compiles: under dynamic=True
+    # every such graph bypassed the cache ("can't pickle cyclic objects", a logged traceback each).
+    # Nothing reads it: Inductor takes the ShapeEnv from the inputs' fake mode when it is None.
+    traced.shape_env = None
+    return traced
 
 # Activation checkpointing. Dynamo captures a checkpointed block as a tag_activation_checkpoint region,
 # and the retrace to aten inlines it with each op tagged (meta "recompute", a CheckpointPolicy, and

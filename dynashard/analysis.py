@@ -57,7 +57,8 @@ class Analysis:
             if (refused := m.kind.refused_dim(dim)) is not None:  # (the plans never ask: a wrong value else)
                 raise InternalError(f"dynashard: internal error: {m.fqn} planned {style}, but {refused}")
             split = self.plan.layouts.weight_split(m.node)
-            for p in (m.weight, *m.companions):  # (weight_norm's g [out, 1] or [1, in]: cut on the same dim)
+            companions = m.companions if m.kind.cuts_companions(dim) else ()
+            for p in (m.weight, *companions):  # (weight_norm's g [out, 1] or [1, in] on its norm dim)
                 out[index[p]] = (self.params[index[p]][0], dim, split)
             if self.stacked and style == Style.COLWISE and m.bias in index:
                 out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)

@@ -67,13 +67,14 @@ def auto_decisions(
         elif (own := m.kind.auto_style(_reduce_name(modes))) is not None:
             decisions[m.node] = Decision(Style(own[0]), own[1])
         elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m) \
-                and m.kind.refused_dim(m.out_dim) is None:
+                and m.kind.refused_dim(m.out_dim, modes["per_rank"]) is None:
             for o in src.origins:
                 expanded.setdefault(o, []).append(m)
             bottlenecks[m.node] = src.origins
             decisions[m.node] = Decision(Style.COLWISE, "")
-        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim)) is not None:
-            decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")  # (weight_norm's other dim)
+        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim, modes["per_rank"])) \
+                is not None:
+            decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")  # (weight_norm, per_rank)
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
@@ -126,7 +127,7 @@ def auto_decisions(
                 f"{_GATHER_MIN_IN_FEATURES}: a gather would not pay"
             )
     for ms in shared_conflicts(linears, decisions).values():
-        _settle_shared(ms, decisions, blocked, modes["stacked"])
+        _settle_shared(ms, decisions, blocked, modes["stacked"], modes["per_rank"])
     return decisions
 
 
@@ -152,7 +153,7 @@ def _only_loss_parallel(walked: LayoutMap, m: LinearMatch) -> bool:
     return any(mine) and all(mine)
 
 
-def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool) -> None:
+def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool, per_rank: bool) -> None:
     """One split for a shared weight: a use replicated only for cost follows the sharded uses'
     dim (a tied LM head follows its vocab-parallel embedding); otherwise all stay whole."""
     names = ", ".join(sorted({f"{m.fqn} ({decisions[m.node].style})" for m in ms}))
@@ -162,7 +163,7 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
 
     dims = {split_dim(m, decisions[m.node].style) for m in ms} - {None}
     stuck = any(blocked[m.node] or m.kind.refused(stacked, False) is not None
-                or any(m.kind.refused_dim(d) is not None for d in dims) for m in ms)
+                or any(m.kind.refused_dim(d, per_rank) is not None for d in dims) for m in ms)
     if len(dims) == 1 and not stuck:
         (dim,) = dims
         for m in ms:

@@ -41,9 +41,11 @@ REEXPRESSED: dict[Any, dict[str, str]] = {
         "scale_grad_by_freq": "with gradients, each row's gradient divided by its id's count here "
                               "(the local lookup's own counts would include other ranks' ids)",
     },
-    # (a rank that holds slices of v emits the op itself, every argument carried)
+    # (a rank that holds slices of v cut on the norm dim emits the op itself, every argument carried)
     aten._weight_norm_interface.default: dict.fromkeys(("v", "g", "dim"), "a rank holding none of the slices: "
-                                                      "the empty v * g (lowerings.NormOfSlices)"),
+                                                      "the empty v * g (lowerings.NormOfSlices); v cut across "
+                                                      "the norms: v * g / the norms summed over the ranks "
+                                                      "(lowerings.NormAcrossCut)"),
     aten.embedding_renorm_.default: {
         "max_norm": "the looked-up rows this rank holds renormalised here",
         "norm_type": "the looked-up rows this rank holds renormalised here",

@@ -158,6 +158,36 @@ class NormOfSlices(Lowering):
 
 
 @dataclasses.dataclass(frozen=True)
+class NormAcrossCut(Lowering):
+    """weight_norm with v cut across its norms (match_normed.py): ``dim=0`` rowwise, ``dim=1`` colwise.
+    Each norm sums squares over the cut dim: this rank's partial sums (a component every rank holds
+    whole counted on rank 0 only), one all_reduce of the ``[out, 1]`` (``[1, in]``) vector, then
+    ``v * (g / norms)`` on this rank's slices, g whole. With gradients the backward sums too
+    (``copy_to_shards``, of the norms and of g): a rank's gradient of either holds its own slices' part."""
+
+    cut: Shard
+    across: int  # v's dim each norm sums over: the cut one
+
+    def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
+        (v, g, *_), _ = sharder.args(node)
+        # (in float32 for half types, as torch's kernel accumulates)
+        wide = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+        squares = wide * wide
+        if self.cut.split.whole and sharder.lm.rank != 0:
+            pieces, at = [], 0
+            for i, (_, length) in enumerate(self.cut.pieces):
+                piece = aten.narrow(squares, self.across, at, length)
+                pieces.append(aten.zeros_like(piece) if i in self.cut.split.whole else piece)
+                at += length
+            squares = torch.cat(pieces, self.across)
+        norms = sharder.all_reduce(squares.sum(self.across, keepdim=True))
+        if sharder.megatron:
+            norms, g = (sharder.comm.copy_to_shards(t, sharder.group_name) for t in (norms, g))
+        norms = norms.sqrt().to(v.dtype)
+        return v * (g / norms), norms
+
+
+@dataclasses.dataclass(frozen=True)
 class CutMatVec(Lowering):
     """spectral_norm (match_normed.py): ``mv`` of this rank's cut of W (or of its transpose); ``cut``: the
     rank's part of the cut dim. Contracting the cut dim, the vector is narrowed to that part and the

@@ -64,9 +64,15 @@ class LinearKind:
         """Its backward makes sparse gradients (``embedding(..., sparse=True)``)."""
         return False
 
-    def refused_dim(self, dim: int) -> str | None:
-        """Why this kind's weight may not be cut on its ``dim`` (None: it may)."""
+    def refused_dim(self, dim: int, per_rank: bool = False) -> str | None:
+        """Why this kind's weight may not be cut on its ``dim`` (None: it may); ``per_rank``: under
+        inputs="per_rank"."""
         return None
+
+    def cuts_companions(self, dim: int) -> bool:
+        """Whether the parameters its path reads besides the weight (``companions``) are cut with the
+        weight when it is cut on ``dim``."""
+        return True
 
 
 class Embedding(LinearKind):
@@ -100,7 +106,8 @@ class Experts(LinearKind):
 
 
 class WeightNormed(LinearKind):
-    """``weight_norm``'s v and g (match_normed.py): cut alike on the dim its norms are per slice of."""
+    """``weight_norm``'s v and g (match_normed.py): v and g cut alike on the dim its norms are per slice
+    of; v cut on the other dim (across the norms), g whole, and each norm's sum of squares all-reduced."""
 
     name = "weight_norm"
 
@@ -110,11 +117,15 @@ class WeightNormed(LinearKind):
     def refused(self, stacked: bool, per_rank: bool) -> str | None:
         return "weight_norm's v and g stay whole under weights='per_rank'" if stacked else None
 
-    def refused_dim(self, dim: int) -> str | None:
-        if dim == self.dim:
+    def refused_dim(self, dim: int, per_rank: bool = False) -> str | None:
+        if dim == self.dim or not per_rank:
             return None
         return (f"weight_norm(dim={self.dim}) divides each slice by a norm summed over weight dim {dim}, "
-                f"which a cut there would split across ranks (a cut on dim {self.dim} is exact)")
+                f"and a cut there sums the norms over the ranks, which inputs='per_rank' does not support "
+                f"(a cut on dim {self.dim} is exact)")
+
+    def cuts_companions(self, dim: int) -> bool:
+        return dim == self.dim  # (g is [out, 1] or [1, in]: nothing of it lies along the other dim)
 
 
 class SpectralNormed(LinearKind):
@@ -167,7 +178,8 @@ class LinearMatch:
     renorm: torch.fx.Node | None = None
     # linear: the nodes from the weight to the matmul, in order (a dtype conversion, the transpose)
     operand_path: tuple[torch.fx.Node, ...] = ()
-    # parameters the path reads besides the weight, cut with it on the same dim (weight_norm's g)
+    # parameters the path reads besides the weight, cut with it on the same dim where the kind
+    # cuts them (weight_norm's g: cut on its norm dim, whole on the other)
     companions: tuple[torch.fx.Node, ...] = ()
 
     @property

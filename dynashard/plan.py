@@ -26,6 +26,7 @@ import torch.fx
 from dynashard.auto_plan import auto_decisions, follow_earlier_splits
 from dynashard.decision import Decision
 from dynashard.errors import UsageError
+from dynashard.linear_forms import converted_source
 from dynashard.match import LinearMatch
 from dynashard.options import Options, Style
 from dynashard.propagate import propagate
@@ -137,8 +138,10 @@ def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, mode
     (a whole bias narrowed in the graph gets its gradient summed over the ranks every step).
 
     Only a 1-D parameter read by colwise linears alone, all cut alike (a layer called twice), and
-    not one a graph compiled earlier reads whole; one an earlier graph cut is held cut whatever
-    else reads it (those readers gather it). Held like a cache (``LayoutMap.states``): the store
+    not one a graph compiled earlier reads whole; read as stored or through autocast's dtype
+    conversion (``_to_copy(b, bf16)`` of this rank's part is this rank's part of the conversion,
+    so parallelize in float32 and a step under autocast hold it alike). One an earlier graph cut
+    is held cut whatever else reads it (those readers gather it). Held like a cache (``LayoutMap.states``): the store
     cuts and frees it, ``parallelize`` registers the shard, the graph reads it locally.
     """
     if modes["per_rank"] or modes["stacked"]:
@@ -146,7 +149,7 @@ def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, mode
     readers: dict[torch.fx.Node, list[LinearMatch]] = {}
     for m in linears:
         if m.bias is not None:
-            readers.setdefault(m.bias, []).append(m)
+            readers.setdefault(converted_source(m.bias) or m.bias, []).append(m)
     out: dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]] = {}
     for b, ms in readers.items():
         if b.op != "placeholder" or b not in modes["uniform_inputs"] or b in prewhole:
@@ -157,9 +160,17 @@ def _held_biases(linears: list[LinearMatch], decisions: dict, splits: dict, mode
         cuts = {splits.get(m.node, even(m.out_features)) for m in ms}
         if v is None or v.dim() != 1 or len(cuts) != 1 or any(v.shape[0] != m.out_features for m in ms):
             continue
-        if set(b.users) != {m.node for m in ms} and b not in presplit:
+        if _readers_through_conversions(b) != {m.node for m in ms} and b not in presplit:
             continue
         out[b] = (cuts.pop(), -1, frozenset(m.node for m in ms))
+    return out
+
+
+def _readers_through_conversions(b: torch.fx.Node) -> set[torch.fx.Node]:
+    """What reads ``b``, a dtype conversion of it standing for its own readers."""
+    out: set[torch.fx.Node] = set()
+    for u in b.users:
+        out |= set(u.users) if converted_source(u) is b else {u}
     return out
 
 

@@ -28,8 +28,17 @@ import torch
 import torch.fx
 
 from dynashard import rules
-from dynashard.lowerings import AllocateLocal, CutMatVec, NormOfSlices, Renorm, SigmaOfCut, StackedTranspose
-from dynashard.match import LinearMatch, SpectralNormed
+from dynashard.decision import split_dim
+from dynashard.lowerings import (
+    AllocateLocal,
+    CutMatVec,
+    NormAcrossCut,
+    NormOfSlices,
+    Renorm,
+    SigmaOfCut,
+    StackedTranspose,
+)
+from dynashard.match import LinearMatch, SpectralNormed, WeightNormed
 from dynashard.nodes import all_args
 from dynashard.options import Style
 from dynashard.rules.inplace import SIZE_ARG, alias_roots, grows_cache, mutated_roots
@@ -130,12 +139,27 @@ def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: 
         _lower_spectral(lm, match, style, record)
     for n in match.operand_path:
         if n.target is aten._weight_norm_interface.default:
-            lm.records[n].lowering = NormOfSlices()
+            _lower_weight_norm(lm, match, style, record, n)
     if match.renorm is not None:
         rows = lm.shard(record.weight_split, frozenset(), -1) if style == Style.ROWWISE else None
         lm.records[match.renorm].lowering = Renorm(match, rows)
     if lm.stacked and match.transpose is not None:
         lm.records[match.transpose].lowering = StackedTranspose()
+
+
+def _lower_weight_norm(lm: LayoutMap, match: LinearMatch, style: Style, record: Record, norm: torch.fx.Node
+                       ) -> None:
+    """weight_norm on this rank's slices (cut on its norm dim), or across its norms: then the norms'
+    sums of squares cost one all_reduce (match_normed.py)."""
+    dim = split_dim(match, style)
+    assert isinstance(match.kind, WeightNormed), f"{norm} on the path of a {match.kind}"
+    if dim == match.kind.dim:
+        lm.records[norm].lowering = NormOfSlices()
+        return
+    lm.records[norm].lowering = NormAcrossCut(lm.shard(record.weight_split, frozenset()), dim)
+    # (charged at g, whose shape the all-reduced norms have: the norm op's own value is a pair)
+    record.collectives.append(Collective(CollectiveKind.ALL_REDUCE, match.companions[0], frozenset([match.node]),
+                                         "weight_norm's norms"))
 
 
 def _lower_spectral(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> None:

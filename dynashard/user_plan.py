@@ -78,7 +78,7 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_ra
                 f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected 'replicate' "
                 "for it, or the default inputs='replicated', weights='replicated'."
             )
-        if style != Style.REPLICATE and (refused := m.kind.refused_dim(split_dim(m, style))) is not None:
+        if style != Style.REPLICATE and (refused := m.kind.refused_dim(split_dim(m, style), per_rank)) is not None:
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected "
                 "'replicate' for it, or the style that cuts the exact dim."

@@ -5,7 +5,9 @@ matcher sees through it, so the plan is the one without autocast. Unit: the 19 H
 of ``test_hf_models.py`` under bfloat16 autocast plan exactly as without it and verify. Gloo, 2 ranks: an
 HF Llama compiled under autocast holds about half its bytes and returns the unsharded model's logits; a
 model parallelized in float32 then trained under autocast gets the unsharded twin's raw gradients, step
-after step (before: the compile under autocast matched no linear and refused the shards parallelize cut).
+after step (before: the compile under autocast matched no linear and refused the shards parallelize cut);
+nanoGPT, whose colwise biases are held cut, too, parallelized in float32 or under autocast (before: after a
+float32 parallelize the autocast graph's ``_to_copy`` of a held bias refused it).
 """
 
 from __future__ import annotations
@@ -100,20 +102,47 @@ def test_a_model_parallelized_in_float32_trains_under_autocast_as_the_unsharded_
     model = _llama()
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _ids(), options=OPTIONS)
+    facades = _train_alike_under_autocast(model, twin, steps=3, logits=lambda out: out.logits)
+    assert len(facades) >= 14, f"{len(facades)} parameters sharded: {sorted(facades)}"
+
+
+@pytest.mark.gloo
+@on_ranks(cases=["float32", "bfloat16"])
+def test_colwise_biases_held_cut_train_under_autocast_whichever_precision_parallelize_ran_in(rank, world, case):
+    """nanoGPT (biased c_attn and c_fc, colwise, their biases held cut): parallelized in float32 or under
+    bfloat16 autocast, then 2 SGD steps under autocast, raw gradients as the twin's (as above). Before: after
+    a float32 parallelize the autocast compile read the held bias through ``_to_copy`` and refused it ("c_attn.bias
+    is read by aten._to_copy")."""
+    from tests.models import NanoGPT
+
+    model = NanoGPT()
+    twin = copy.deepcopy(model)
+    ids = _ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bfloat16"):
+        dynashard.parallelize(model, ids, options=OPTIONS)
+    facades = _train_alike_under_autocast(model, twin, steps=2, logits=lambda out: out)
+    held = {"h.0.attn.c_attn.bias", "h.1.attn.c_attn.bias", "h.0.c_fc.bias", "h.1.c_fc.bias"}
+    assert held <= set(facades), f"colwise biases held whole: {sorted(held - set(facades))}"
+
+
+def _train_alike_under_autocast(model, twin, steps, logits) -> dict:
+    """``steps`` SGD steps of the parallelized ``model`` (compiled) and its unsharded ``twin`` under bfloat16
+    autocast; asserts every raw gradient is the twin's cut within NOISE_FACTOR x the bf16 noise floor measured
+    on the twin. Returns the sharded parameters' facades, by name."""
     facades = {n: STORE.facade_of(p) for n, p in model.named_parameters() if STORE.facade_of(p) is not None}
     fast = torch.compile(model, backend="dynashard", options=OPTIONS)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1)
     worst, noise, missing = 0.0, 0.0, []
-    for step in range(3):
+    for step in range(steps):
         batch = torch.randint(3, 96, (2, 5 + step), generator=torch.Generator().manual_seed(10 + step))
         # how far bf16 itself moves the twin's gradients from float32 at these weights: the noise floor
-        loss32 = torch.nn.functional.cross_entropy(twin(batch).logits.flatten(0, 1), batch.flatten())
+        loss32 = torch.nn.functional.cross_entropy(logits(twin(batch)).flatten(0, 1), batch.flatten())
         grads32 = dict(zip([n for n, _ in twin.named_parameters()], torch.autograd.grad(loss32, twin.parameters())))
         for net in (fast, twin):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = net(batch).logits
-            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch.flatten()).backward()
+                out = logits(net(batch))
+            torch.nn.functional.cross_entropy(out.float().flatten(0, 1), batch.flatten()).backward()
         reference = dict(twin.named_parameters())
         noise = max([noise] + [_rel(reference[n].grad, g) for n, g in grads32.items()])
         for name, p in model.named_parameters():
@@ -129,8 +158,8 @@ def test_a_model_parallelized_in_float32_trains_under_autocast_as_the_unsharded_
         opt_twin.step()
         opt.zero_grad()
         opt_twin.zero_grad()
-    assert len(facades) >= 14, f"{len(facades)} parameters sharded: {sorted(facades)}"
     assert not missing, f"parameters without a gradient here or on the twin: {missing}"
     assert noise < 0.1, f"bf16 moves the twin's own gradients {noise} (relative) from float32"
     assert worst <= NOISE_FACTOR * noise, (
         f"raw gradients vs the twin's cut: {worst} relative, over {NOISE_FACTOR}x the bf16 noise floor {noise}")
+    return facades

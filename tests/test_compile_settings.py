@@ -8,7 +8,8 @@ graph's memory): for the sharded graph, the slots the model compiled plainly has
 (holding the shards). The replay's copies themselves need a GPU: not checked here.
 
 HF models under ``dynamic=True``: tests/test_hf_models.py (planned, simulated) and tests/test_serving.py
-(generate on gloo ranks); here, the AOT path that makes Dynamo trace the frame again.
+(generate on gloo ranks); here, the AOT path that makes Dynamo trace the frame again, and the sharded
+graph cached (AOTAutograd's and Inductor's FX graph caches) under dynamic=True.
 """
 
 from __future__ import annotations
@@ -175,3 +176,37 @@ def test_dynamic_shapes_through_aot_let_dynamo_trace_again():
     # traced twice for the first shape (the scale an input, then a constant: one input fewer), never again
     assert len(calls) == 2 and calls[1] == calls[0] - 1, calls
     assert model.q.weight.untyped_storage().nbytes() == 0  # cut: the sharded program runs
+
+
+
+def test_inductor_caches_the_sharded_graph_under_dynamic_shapes(monkeypatch, tmp_path):
+    """Inductor with dynamic=True, compiled twice (torch._dynamo.reset() between, a fresh cache directory):
+    the second compile hits AOTAutograd's cache and the FX graph cache under it, and nothing is logged
+    about pickling. Before: make_fx left Dynamo's ShapeEnv on the sharded graph module (``gm.shape_env``),
+    AOTAutograd pickled it into its cache key, and its tracked fakes are cyclic while Dynamo compiles:
+    "Failed to pickle cache key ... can't pickle cyclic objects", a warning with a traceback for each graph
+    (here two: Dynamo traces the frame twice, see the test above), and the cache bypassed."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    logged: list[logging.LogRecord] = []  # every record of every logger (torch's do not propagate to the root)
+    call_handlers = logging.Logger.callHandlers
+    monkeypatch.setattr(logging.Logger, "callHandlers", lambda self, r: (logged.append(r), call_handlers(self, r)))
+
+    def cache(group: str, what: str) -> int:  # (looked up each time: Dynamo may replace its counters' dicts)
+        return torch._dynamo.utils.counters[group][what]
+
+    names = [("aot_autograd", f"autograd_cache_{w}") for w in ("hit", "bypass")] + [("inductor", "fxgraph_cache_hit")]
+    counts = []
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            before = [cache(*n) for n in names]
+            torch.manual_seed(0)
+            model = _ScaledAttention()
+            _fake_group_compile(model, torch.randn(2, 5, 32), backend=dynashard.backend(min_shard_numel=0),
+                                dynamic=True)
+            assert model.q.weight.untyped_storage().nbytes() == 0  # cut: the sharded graph is the one cached
+            counts.append([cache(*n) - b for n, b in zip(names, before)])
+    warned = [r.getMessage() for r in logged if r.levelno >= logging.WARNING or "pickle" in r.getMessage()]
+    assert not warned, warned
+    # (AOTAutograd hit, bypassed, FX graph hit) per compile
+    assert counts == [[0, 0, 0], [1, 0, 1]], counts

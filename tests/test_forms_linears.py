@@ -375,18 +375,54 @@ def test_weight_norm_on_a_rank_holding_no_slice(world):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("dims,whole", [((0, 0), "down"), ((1, None), "up")])
-def test_weight_norm_is_never_cut_across_its_norms(dims, whole):
-    """weight_norm(dim=0) on down (the auto plan would cut it rowwise) and dim=1 on up (colwise): kept
-    whole with the reason, and every rank equal to the model; a user plan asking for that cut is refused."""
+@pytest.mark.parametrize("dims,collectives", [((0, 0), (2, 0)), ((1, 1), (2, 0)), ((1, 0), (3, 0))])
+@pytest.mark.parametrize("world", [2, 3, 4])  # 40 features: 20/20, 14/13/13, 10 x 4
+def test_weight_norm_is_cut_across_its_norms(dims, collectives, world):
+    """weight_norm(dim=0) on down (rowwise: v's columns cut) and dim=1 on up (colwise: v's rows cut): each
+    norm is this rank's partial sum of squares, one all_reduce of the [out, 1] ([1, in]) vector, g whole;
+    every rank equal to the model (in a training compile too: its norms' sum has a summed backward).
+    Was: kept whole, and its partner with it."""
     torch.manual_seed(0)
     model, x = NormedMLP("weight_norm", dims), torch.randn(2, 3, 16)
-    report = dynashard.explain(model, x, world_size=2, options={"min_shard_numel": 0}, verify=True)
-    assert {fqn: str(s) for fqn, s in report.layers.items()} == {"up": "replicate", "down": "replicate"}
-    assert [r.reason for r in report.rows if r.fqn == whole][0].startswith("kept whole: weight_norm"), str(report)
-    style = "rowwise" if whole == "down" else "colwise"
-    with pytest.raises(UsageError, match=f"plan asks for {style} on weight_norm '{whole}'"):
-        dynashard.explain(model, x, world_size=2, options={"min_shard_numel": 0, "plan": {whole: style}})
+    for train in (False, True):
+        assert _layers(model, x, world, dynamic=world == 3, train=train) == PAIRED
+    assert _collectives(model, x) == collectives  # the linear's all_reduce and one per cut across norms
+
+
+@pytest.mark.unit
+def test_weight_norm_across_its_norms_is_asked_for_and_kept_whole_under_per_rank_inputs():
+    """The reversed plan (up rowwise, down colwise) cuts dim=0 on up across its norms: taken as asked.
+    Under inputs='per_rank' (no summed backward for the norms there) the cut across is refused: the
+    auto plan keeps that layer whole with the reason, a user plan asking for it raises."""
+    torch.manual_seed(0)
+    model, x = NormedMLP("weight_norm", (0, 0)), torch.randn(2, 3, 16)
+    reversed_plan = {"min_shard_numel": 0, "plan": dict(REVERSED)}
+    report = dynashard.explain(model, x, world_size=2, options=reversed_plan, verify=True)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == REVERSED, str(report)
+    per_rank = {"min_shard_numel": 0, "inputs": "per_rank"}
+    report = dynashard.explain(model, x, world_size=2, options=per_rank, verify=True)
+    assert str(report.layers["down"]) == "replicate", str(report)
+    reason = [r.reason for r in report.rows if r.fqn == "down"][0]
+    assert reason.startswith("kept whole: weight_norm(dim=0)") and "per_rank" in reason, str(report)
+    with pytest.raises(UsageError, match="plan asks for rowwise on weight_norm 'down'.*inputs='per_rank'"):
+        dynashard.explain(model, x, world_size=2, options={**per_rank, "plan": PAIRED})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_weight_norm_across_its_norms_of_a_fused_qkv_with_whole_parts(train):
+    """weight_norm(dim=1) on a fused q|k|v (colwise, across its norms) with 2 K/V heads on 4 ranks: k and v
+    are whole on every rank and their squares counted once in each norm (rank 0's), not once per rank;
+    dim=0 on o_proj (rowwise, across its norms)."""
+    torch.manual_seed(0)
+    model = models.FusedGQAAttention(128, 8, 2)
+    nn.utils.parametrizations.weight_norm(model.qkv_proj, dim=1)
+    nn.utils.parametrizations.weight_norm(model.o_proj, dim=0)
+    report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=4, options={"min_shard_numel": 0},
+                               verify=True, train=train)
+    assert {fqn: str(s) for fqn, s in report.layers.items()} == {"qkv_proj": "colwise", "o_proj": "rowwise"}
+    assert "held whole by every rank" in report.rows[0].reason, str(report)
+    assert report.rows[0].collectives == "all_reduce", str(report)  # (its norms')
 
 
 @pytest.mark.unit
