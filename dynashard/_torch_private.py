@@ -220,6 +220,12 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
     cache skips that graph."""
     if compiler == "eager":
         return gm.forward
+    # NOTE: make_fx(tracing_mode="symbolic") leaves the ShapeEnv on the graph it returns (``gm.shape_env``),
+    # and AOTAutograd's cache key pickles the graph module whole: under dynamic shapes, torch 2.11 and 2.12
+    # fail to pickle its fake-tensor dispatch cache (OpOverloads: "pybind11 ... is not pickleable"), warn
+    # with a traceback on every such compile and skip the cache. Nothing compiles from it (AOTAutograd takes
+    # the ShapeEnv from the fake inputs), so the graph goes without it.
+    gm.__dict__.pop("shape_env", None)
     if compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 

@@ -210,3 +210,45 @@ def test_inductor_caches_the_sharded_graph_under_dynamic_shapes(monkeypatch, tmp
     assert not warned, warned
     # (AOTAutograd hit, bypassed, FX graph hit) per compile
     assert counts == [[0, 0, 0], [1, 0, 1]], counts
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_dynamic_recompile_under_inductor_hands_over_a_graph_its_cache_can_key():
+    """The sharded graph is make_fx's, which keeps its ShapeEnv as ``gm.shape_env``; AOTAutograd's cache key
+    pickles the graph module whole. On torch 2.11 and 2.12 the ShapeEnv's fake-tensor cache does not pickle
+    under dynamic shapes: every recompile warned "Failed to pickle cache key" with a traceback (the demo
+    printed four) and skipped the cache. Now no graph dynashard hands to Inductor carries one, and a
+    dynamic recompile logs no such warning (without the fix, on 2.11 both checks fail; on 2.13 the second)."""
+    handed, records = [], _Records()
+    real = private.compile_graph
+
+    def recording(compiler, gm, *args, **kwargs):
+        compiled = real(compiler, gm, *args, **kwargs)
+        handed.append("shape_env" in gm.__dict__)
+        return compiled
+
+    logger = logging.getLogger("torch._inductor.codecache")
+    logger.addHandler(records)
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(private, "compile_graph", recording)
+            torch.manual_seed(0)
+            compiled = torch.compile(models.MLP(64, 128), backend="dynashard",
+                                     options={"compiler": "inductor", "min_shard_numel": 0})
+            with torch.no_grad():
+                for batch in (4, 5):  # (the second: Dynamo's recompile with a dynamic batch)
+                    compiled(torch.randn(batch, 64))
+    finally:
+        dist.destroy_process_group()
+        logger.removeHandler(records)
+    assert not [m for m in records.messages if "Failed to pickle" in m], records.messages
+    assert handed == [False, False], handed
