@@ -103,7 +103,7 @@ def _unit_weights(model: torch.nn.Module) -> None:
 def _hf_model(arch: str, form: str, device: str, dtype: torch.dtype):
     import transformers as T
 
-    from tests.test_hf_models import CONFIGS
+    from tests.hf_configs import CONFIGS
 
     _register_causal_attention()
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def check_hf_kernel(arch: str, kernel: str, form: str, device: str = DEVICE, dty
     unsharded model within ``BF16_RTOL`` of each layer's magnitude, and the plan the CPU tier pins."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from tests.test_hf_models import EXPECTED
+    from tests.hf_configs import EXPECTED
 
     backend, op = KERNELS[kernel]
     model = _hf_model(arch, form, device, dtype)
