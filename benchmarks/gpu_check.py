@@ -243,7 +243,8 @@ def s0_facts(st: Stage, args: argparse.Namespace) -> None:
     st.run("import", imported)
     st.run("compile", one_compile)
     if args.dry_run:
-        st.skip("cuda", f"{NO_CUDA}: the compile ran on CPU with compiler='eager', not on a GPU through Triton")
+        st.skip("cuda", f"{NO_CUDA}: the versions of CUDA, NCCL, cuDNN and the GPU, and the compile on a GPU "
+                       "through Inductor (Triton) not run; the compile ran on CPU with compiler='eager'")
 
 
 # --- S1: each SDPA backend forced, its own pytest process ----------------------------------------------

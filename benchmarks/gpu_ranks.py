@@ -150,10 +150,14 @@ def rank_main() -> None:
 def stage(st: Any, args: argparse.Namespace) -> None:
     import tempfile
 
+    with tempfile.TemporaryDirectory(prefix="gpu_ranks_") as tmp:
+        _stage(st, args, tmp)
+
+
+def _stage(st: Any, args: argparse.Namespace, tmp: str) -> None:
     from benchmarks.gpu_check import NO_CUDA, child_env
 
     device, compiler = ("cpu", "eager") if args.dry_run else ("cuda", "inductor")
-    tmp = tempfile.mkdtemp(prefix="gpu_ranks_")
     # (the dry run: world 2 only; world 4 is the same code, and 4 more CPU processes cost the default suite too much)
     worlds = (2,) if args.dry_run else WORLDS
     procs = {}
