@@ -37,3 +37,21 @@ def test_gpu_check_dry_run_gives_every_stage_a_verdict_and_a_record(tmp_path):
     assert summary["ok"] and summary["dry_run"] and set(summary["verdicts"]) == {f"S{s}" for s in range(5)}, summary
     assert (tmp_path / "gpu_check.log").exists()
     assert done.returncode == 0, said[-4000:]
+
+
+def test_a_stage_that_dies_is_a_fail_and_the_next_stage_still_runs(tmp_path):
+    """S1's process exits at once without a record (a crash, as a CUDA error can cause): its verdict line and
+    record say FAIL with the exit status, S3 runs after it, and the script exits 1."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ncase "$*" in *"benchmarks.gpu_check s1 "*) echo "died"; exit 3;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(python), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--stages", "1,3"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"^\[S1\] FAIL the stage process exited 3 without writing its record$", done.stdout, re.M)
+    assert json.loads((out / "gpu_check_s1.json").read_text())["verdict"] == "FAIL"
+    assert re.search(r"^\[S3\] PASS ", done.stdout, re.M), done.stdout[-3000:]
+    assert json.loads((out / "gpu_check.json").read_text())["verdicts"] == {"S1": "FAIL", "S3": "PASS"}
