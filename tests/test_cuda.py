@@ -8,8 +8,9 @@ One GPU (a fake process group or simulated ranks stand in for the other ranks):
 - HF Llama, Qwen2 and GPT-2 in bfloat16 under each CUDA SDPA kernel forced alone (flash,
   memory-efficient, cuDNN, math): ``explain(verify=True)``, every rank's program against the unsharded
   model, and the plan tests/test_hf_models.py pins on CPU; and under Inductor, rank 0's program against
-  the same program run eagerly (benchmarks/gpu_check.sh S1 runs each kernel in a process of its own). (On CPU these rules are checked through
-  math stand-ins for the kernels, tests/gpu_attention_on_cpu.py: never the kernels themselves.)
+  the same program run eagerly (benchmarks/gpu_check.sh S1 runs each kernel in a process of its own).
+  (On CPU these rules are checked through math stand-ins for the kernels, tests/gpu_attention_on_cpu.py:
+  never the kernels themselves.)
 - Inductor's Triton code for a sharded graph, against the same graph run eagerly.
 - ``mode="reduce-overhead"``: the sharded graph replays as a CUDA graph that reads its shards in
   place (no copy of a weight per replay); a cache grown by cat (HF's DynamicCache) and held by heads
