@@ -201,10 +201,9 @@ def s0_facts(st: Stage, args: argparse.Namespace) -> None:
 
         where = os.path.dirname(os.path.abspath(dynashard.__file__))
         assert os.path.dirname(where) == ROOT, f"dynashard imported from {where}, expected this checkout {ROOT}"
-        from torch._dynamo import list_backends
-
-        assert "dynashard" in list_backends(), ("the 'dynashard' backend is not registered: the entry point comes "
-                                                "from `pip install --no-deps -e .` (gpu_check.sh does it)")
+        assert "dynashard" in torch.compiler.list_backends(), (
+            "the 'dynashard' backend is not registered: the entry point comes from `pip install --no-deps -e .` "
+            "(gpu_check.sh does it)")
         return {"summary": f"dynashard {dynashard.__version__} from {where}"}
 
     def one_compile() -> dict[str, Any]:
@@ -227,12 +226,12 @@ def s0_facts(st: Stage, args: argparse.Namespace) -> None:
             with torch.no_grad():
                 got = torch.compile(copy.deepcopy(mlp), backend="dynashard",
                                     options={"min_shard_numel": 0, "compiler": compiler})(x)
-                torch._dynamo.reset()
+                torch.compiler.reset()
                 want = torch.compile(copy.deepcopy(mlp), backend=dynashard.backend(compiler="eager",
                                                                                    min_shard_numel=0))(x)
         finally:
             dist.destroy_process_group()
-            torch._dynamo.reset()
+            torch.compiler.reset()
         err = float((got - want).abs().max())
         assert err < 1e-4, f"{compiler} against eager, rank 0's program: {err}"  # fp32: the same sums reordered
         worst = max(g.output_err for g in report.graphs)

@@ -103,7 +103,7 @@ def measure(n: int, s: Any, device: str, dry: bool, plain: bool = False) -> dict
     from benchmarks.bench_decode import Llama
     from dynashard import _torch_private as private
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.manual_seed(0)
     dtype = torch.float32 if dry else torch.bfloat16
     base = Llama(s, max_len=CONTEXT + STEPS + 8).to(device=device, dtype=dtype).eval()

@@ -64,7 +64,7 @@ def logits(device: str, compiler: str) -> dict[str, Any]:
         model = _llama(device, dtype)
         twin = copy.deepcopy(model)
         ids = torch.randint(3, 128, (2, 12), device=device)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         fast = torch.compile(model, backend=dynashard.backend(compiler=compiler, min_shard_numel=0))
         with torch.no_grad():
             err = _rel(fast(ids, use_cache=False).logits, twin(ids, use_cache=False).logits)
@@ -79,7 +79,7 @@ def generate(device: str, compiler: str) -> dict[str, Any]:
     model = _llama(device, torch.float32)
     twin = copy.deepcopy(model)
     ids = torch.randint(3, 128, (1, 6), device=device)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model.forward = torch.compile(model.forward, backend=dynashard.backend(compiler=compiler, min_shard_numel=0))
     kw = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
     with torch.no_grad():
@@ -95,7 +95,7 @@ def train_step(device: str, compiler: str) -> dict[str, Any]:
     model = _llama(device, torch.float32).train()
     twin = copy.deepcopy(model)
     ids = torch.randint(3, 128, (2, 12), device=device)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     dynashard.parallelize(model, ids, options={"min_shard_numel": 0}, use_cache=False)
     fast = torch.compile(model, backend=dynashard.backend(compiler=compiler, min_shard_numel=0))
     held, whole = dynashard.held_bytes(model), dynashard.held_bytes(twin)
