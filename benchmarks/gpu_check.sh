@@ -1,129 +1,141 @@
 #!/usr/bin/env bash
-# The GPU tier in one command: `bash benchmarks/gpu_check.sh` from anywhere in the checkout.
+# The one-GPU check, one command: `bash benchmarks/gpu_check.sh [--dry-run] [--stages 0,1,2,3,4]`.
 #
-# Prints the machine's facts (GPUs, driver, torch / CUDA / cuDNN / NCCL versions), runs every test
-# marked `cuda` (`python -m pytest -m cuda -rA`, tests/test_cuda.py: one GPU's checks; two GPUs' where
-# there are two), prints one line per test (passed / failed / skipped, with the reason) and writes a
-# JSON summary: $OUT/gpu_check.json if $OUT is set, else benchmarks/results/gpu_check.json on a
-# machine with CUDA, else a temporary directory (a run without a GPU is never a record). Exit status:
-# 0 if no test failed and at least one passed; 1 if any test failed or errored, none was collected, or
-# the run passed GPU_CHECK_TIMEOUT_S (420 s); 3 if every test was skipped (no CUDA: nothing checked);
-# 2 if torch cannot be imported.
-# Installs nothing: it uses the python on PATH (or $PYTHON) as it is.
+# Written for the machine this project is lent now and then: one H200, 16 cores, torch 2.11.0+cu130,
+# transformers 5.17, NCCL 2.28, Triton, no network, 10 minutes a command. Designed to finish in under
+# 7 minutes there (GPU_CHECK_DEADLINE_S, 420 s: a stage that would start past it is a SKIP). Each stage
+# is a process of its own under its own timeout; one failing does not stop the next. Each prints one
+# verdict line, `[SN] PASS|FAIL|SKIP (seconds) what | ran: ... | not run: ...`, and writes
+# gpu_check_sN.json; the run ends with gpu_check.json (every stage's verdict) and gpu_check.log, in $OUT
+# when set, else benchmarks/results/ (a dry run without $OUT: a temporary directory; never a record).
 #
-# Designed to take under 5 minutes on one GPU. NEVER RUN ON A GPU YET (written on a CPU-only machine,
-# where every test reports skipped: no CUDA).
+#   S0 versions (torch, CUDA, cuDNN, NCCL, Triton, transformers, GPU), import dynashard, one compile
+#   S1 pytest -m cuda with each SDPA backend forced (flash, efficient, cuDNN, math), one process each:
+#      HF Llama, Qwen2, GPT-2 in bf16 under explain(verify=True) and under Inductor
+#   S2 2 and 4 processes sharing cuda:0 over gloo: logits, 16 greedy tokens, a training step vs unsharded
+#   S3 NCCL at world 1 with device_id and its host companion group; mode="reduce-overhead" replays
+#   S4 a FORECAST of TP 2/4/8 decode speedups (fake process group timings + published latencies)
+#
+# Nothing is fetched. Setup: wheels in $GPU_CHECK_WHEELS (default .whl/, if any) are installed with
+# --no-index into a private target; the checkout with `pip install --no-deps --no-build-isolation -e .`
+# (its torch pin is never resolved: the machine's torch stays) for the 'dynashard' entry point, and
+# PYTHONPATH names the checkout in any case. GPU_CHECK_INSTALL=0 skips the pip step.
+# --dry-run: every stage on CPU at tiny sizes (gloo, CPU tensors; the parts that need CUDA are skipped,
+# each naming what did not run); installs nothing. tests/test_gpu_check.py runs it in the default suite.
+# Exit status: 0 if no stage failed, 1 otherwise, 2 if no Python with torch was found.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-PY=${PYTHON:-python}
-LIMIT_S=${GPU_CHECK_TIMEOUT_S:-420}
+ROOT=$(pwd)
+
+DRY=0
+STAGES=${GPU_CHECK_STAGES:-0,1,2,3,4}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY=1 ;;
+        --stages) STAGES=$2; shift ;;
+        --stages=*) STAGES=${1#--stages=} ;;
+        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$1'; expected --dry-run, --stages 0,1,2,3,4 or --help" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null && "$candidate" -c "import torch" 2>/dev/null; then PY=$candidate; break; fi
+    done
+fi
+[ -n "$PY" ] || { echo "gpu_check.sh: no python that imports torch (set PYTHON=...)" >&2; exit 2; }
 
 if [ -n "${OUT:-}" ]; then
     DIR=$OUT
-elif "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    DIR=benchmarks/results
+elif [ "$DRY" = 1 ]; then
+    DIR=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check_dry.XXXXXX")
 else
-    DIR=${TMPDIR:-/tmp}/dynashard-gpu-check
+    DIR=$ROOT/benchmarks/results
 fi
 mkdir -p "$DIR" || exit 2
-JUNIT=$DIR/gpu_check.junit.xml
-SUMMARY=$DIR/gpu_check.json
-FACTS=$DIR/gpu_check.facts.json
-rm -f "$JUNIT" "$SUMMARY" "$FACTS"
+rm -f "$DIR"/gpu_check_s?.json "$DIR/gpu_check.json"
 
-echo "== machine"
-"$PY" - "$FACTS" <<'EOF'
-import datetime, json, os, platform, shutil, subprocess, sys
-import torch
+if [ "$DRY" = 1 ]; then
+    DEADLINE=${GPU_CHECK_DEADLINE_S:-600}
+    declare -A LIMIT=([0]=120 [1]=180 [2]=240 [3]=120 [4]=180)
+else
+    DEADLINE=${GPU_CHECK_DEADLINE_S:-420}
+    # measured budgets come with the first GPU run; until then: S1's four processes run at once, S2's two worlds too
+    declare -A LIMIT=([0]=60 [1]=150 [2]=150 [3]=90 [4]=180)
+fi
 
-facts = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-         "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-         "cpus": os.cpu_count(), "gpus": []}
-try:
-    facts["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                     timeout=10).stdout.strip() or None
-except (OSError, subprocess.SubprocessError):
-    facts["commit"] = None
-if torch.cuda.is_available():
-    facts["cudnn"] = torch.backends.cudnn.version()
-    facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    for i in range(torch.cuda.device_count()):
-        p = torch.cuda.get_device_properties(i)
-        facts["gpus"].append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
-                              "memory_gib": round(p.total_memory / 2**30, 1)})
-if shutil.which("nvidia-smi"):
-    try:
-        facts["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,mig.mode.current", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-    except (OSError, subprocess.SubprocessError) as e:
-        facts["nvidia_smi"] = [f"failed: {e}"]
-for key in ("date", "host", "commit", "python", "torch", "cuda_build", "cudnn", "nccl", "cpus"):
-    print(f"{key:>12}: {facts.get(key)}")
-for g in facts["gpus"]:
-    print(f"{'gpu ' + str(g['index']):>12}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)")
-for line in facts.get("nvidia_smi", []):
-    print(f"{'nvidia-smi':>12}: {line}")
-if not torch.cuda.is_available():
-    print("     no CUDA: torch.cuda.is_available() is False; every test below reports skipped")
-with open(sys.argv[1], "w") as f:
-    json.dump(facts, f)
+run() {
+    local start now left limit stage json rc
+    start=$(date +%s)
+    echo "== gpu_check: $([ "$DRY" = 1 ] && echo 'DRY RUN (CPU, tiny sizes) ')stages $STAGES, into $DIR, python $PY"
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    if [ "$DRY" = 0 ]; then
+        WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
+        if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+            echo "== installing carried wheels from $WHEELS (no index)"
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/gpu_check_site "$WHEELS"/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+        fi
+        if [ "${GPU_CHECK_INSTALL:-1}" = 1 ]; then
+            echo "== pip install --no-deps --no-build-isolation -e . (the 'dynashard' entry point; torch untouched)"
+            timeout 120 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+                || echo "   pip install failed: S0 will say whether the backend is registered"
+        fi
+    fi
+    for stage in ${STAGES//,/ }; do
+        json=$DIR/gpu_check_s$stage.json
+        [ -n "${LIMIT[$stage]:-}" ] || { echo "gpu_check.sh: no stage $stage (0-4)"; continue; }
+        now=$(date +%s)
+        left=$(( DEADLINE - (now - start) ))
+        limit=${LIMIT[$stage]}
+        [ "$left" -lt "$limit" ] && limit=$left
+        if [ "$limit" -lt 20 ]; then
+            record "$stage" SKIP "not started: ${left}s left of the ${DEADLINE}s deadline (GPU_CHECK_DEADLINE_S)" "$json"
+            continue
+        fi
+        timeout --kill-after=10 "$limit" "$PY" -m benchmarks.gpu_check "s$stage" --out "$DIR" \
+            --timeout $(( limit - 15 > 10 ? limit - 15 : 10 )) $([ "$DRY" = 1 ] && echo --dry-run)
+        rc=$?
+        if [ ! -s "$json" ] || [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+            case $rc in
+                124|137) why="timed out after ${limit}s" ;;
+                *) why="the stage process exited $rc without writing its record" ;;
+            esac
+            record "$stage" FAIL "$why" "$json"
+        fi
+    done
+    "$PY" - "$DIR" "$STAGES" "$(( $(date +%s) - start ))" "$DRY" <<'EOF'
+import glob, json, os, sys
+out, stages, secs, dry = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4] == "1"
+recs = {}
+for s in stages:
+    path = os.path.join(out, f"gpu_check_s{s}.json")
+    recs[f"S{s}"] = json.load(open(path)) if os.path.exists(path) else {"verdict": "FAIL", "line": "no record"}
+verdicts = {k: r["verdict"] for k, r in recs.items()}
+first = next(iter(r for r in recs.values() if "torch" in r), {})
+summary = {"name": "gpu_check", "dry_run": dry, "seconds": secs, "verdicts": verdicts,
+           "ok": "FAIL" not in verdicts.values(), "lines": {k: r.get("line") for k, r in recs.items()},
+           **{k: first.get(k) for k in ("date", "commit", "torch", "gpu", "host")}}
+with open(os.path.join(out, "gpu_check.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+print(f"== gpu_check{' (DRY RUN)' if dry else ''}: " + ", ".join(f"{k} {v}" for k, v in verdicts.items())
+      + f" in {secs} s; records in {out}")
+sys.exit(0 if summary["ok"] else 1)
 EOF
-[ -s "$FACTS" ] || { echo "gpu_check: could not import torch with $PY"; exit 2; }
+}
 
-echo "== python -m pytest -m cuda -rA (limit ${LIMIT_S}s)"
-start=$(date +%s)
-timeout --kill-after=15 "$LIMIT_S" "$PY" -m pytest -m cuda -rA -q --junitxml="$JUNIT"
-pytest_rc=$?
-elapsed=$(( $(date +%s) - start ))
+# A stage that wrote nothing (killed, crashed, never started) still gets its verdict line and record.
+record() {
+    local stage=$1 verdict=$2 why=$3 json=$4
+    echo "[S$stage] $verdict $why"
+    "$PY" -c 'import json, sys; s, v, why, path, dry = sys.argv[1:6]
+json.dump({"stage": "S" + s, "verdict": v, "dry_run": dry == "1", "line": f"[S{s}] {v} {why}",
+           "checks": [{"name": "stage", "verdict": v, "detail": why}]}, open(path, "w"), indent=1)' \
+        "$stage" "$verdict" "$why" "$json" "$DRY"
+}
 
-echo "== summary"
-"$PY" - "$JUNIT" "$FACTS" "$SUMMARY" "$pytest_rc" "$elapsed" "$LIMIT_S" <<'EOF'
-import json, os, sys
-import xml.etree.ElementTree as ET
-
-junit, facts_path, summary, rc, elapsed, limit = sys.argv[1:7]
-rc, elapsed = int(rc), int(elapsed)
-facts = json.load(open(facts_path))
-tests = []
-if os.path.exists(junit):
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        outcome, detail = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                detail = (node.get("message") or node.text or "").strip()
-                break
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time") or 0), "detail": detail[:2000]})
-counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
-problems = []
-if rc in (124, 137):
-    problems.append(f"pytest ran past {limit} s and was stopped")
-elif rc not in (0, 1, 5):
-    problems.append(f"pytest exited {rc}")
-if counts["failed"] or counts["error"]:
-    problems.append(f"{counts['failed']} failed, {counts['error']} errors")
-if not tests:
-    problems.append("no test ran (none collected, or no report written)")
-nothing = not problems and not counts["passed"]  # every test skipped: nothing was checked
-for t in tests:
-    line = t["detail"].splitlines()[0][:160] if t["detail"] else ""
-    print(f"{t['outcome'].upper():>8}  {t['seconds']:6.1f}s  {t['test']}" + (f"\n{'':>18}{line}" if line else ""))
-print(f"\n{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
-      f"{counts['skipped']} skipped in {elapsed} s (pytest exit {rc})")
-if not facts["cuda_available"]:
-    print("no CUDA on this machine: the skips above are expected; nothing on a GPU was checked")
-record = {"name": "gpu_check", **facts, "pytest_exit": rc, "seconds": elapsed, "limit_s": int(limit),
-          "counts": counts, "ok": not problems and not nothing, "problems": problems, "tests": tests}
-with open(summary, "w") as f:
-    json.dump(record, f, indent=1)
-print(f"wrote {summary} (junit: {junit})")
-if problems:
-    print("gpu_check: FAILED: " + "; ".join(problems))
-elif nothing:
-    print("gpu_check: NOTHING CHECKED: every test was skipped (exit 3)")
-sys.exit(1 if problems else 3 if nothing else 0)
-EOF
+run 2>&1 | tee "$DIR/gpu_check.log"
+exit "${PIPESTATUS[0]}"

@@ -35,7 +35,8 @@ def host_group() -> None:
     from dynashard.protocol import host_group as host_of
 
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    # device_id: the README's recipe; NCCL makes its communicator now (eager init), not at the first collective
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("cuda", 0))
     world = dist.group.WORLD
     host = host_of(world)
     # NOTE: ProcessGroup._device_types (torch 2.13) lists the device types a group has a backend for
@@ -58,6 +59,15 @@ def host_group() -> None:
         want = model(x)
         got = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0})(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32; Triton fuses gelu and the biases
+    import torch._inductor.config as inductor_config
+
+    # mode="reduce-overhead" on the NCCL group: recorded once, then replayed; every replay equals eager
+    graphs = torch.compile(copy.deepcopy(model), backend=dynashard.backend(mode="reduce-overhead", min_shard_numel=0))
+    with torch.no_grad(), inductor_config.patch({"triton.cudagraph_or_error": True}):
+        for i in range(4):
+            xi = x + i
+            torch.compiler.cudagraph_mark_step_begin()
+            torch.testing.assert_close(graphs(xi).clone(), model(xi), rtol=1e-4, atol=1e-4)
     dist.destroy_process_group()
     print("host_group: OK", flush=True)
 

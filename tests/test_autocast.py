@@ -19,8 +19,8 @@ import torch
 
 import dynashard
 from dynashard.weights import STORE, cut
+from tests.hf_configs import CONFIGS, EXPECTED
 from tests.scenarios import Scenarios
-from tests.test_hf_models import CONFIGS, EXPECTED
 
 # bfloat16 keeps 8 bits of mantissa (unit roundoff 2^-8 = 3.9e-3); the sharded matmuls round each rank's
 # partial sum to bf16 before adding, the unsharded one rounds once. Logits: measured 7.4e-3 relative to the

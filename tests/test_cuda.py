@@ -6,9 +6,11 @@ passed, read each test as a specification of what should hold, not as evidence t
 
 One GPU (a fake process group or simulated ranks stand in for the other ranks):
 - HF Llama, Qwen2 and GPT-2 in bfloat16 under each CUDA SDPA kernel forced alone (flash,
-  memory-efficient, cuDNN): ``explain(verify=True)``, every rank's program against the unsharded
-  model, and the plan tests/test_hf_models.py pins on CPU. (On CPU these rules are checked through
-  math stand-ins for the kernels, tests/gpu_attention_on_cpu.py: never the kernels themselves.)
+  memory-efficient, cuDNN, math): ``explain(verify=True)``, every rank's program against the unsharded
+  model, and the plan tests/test_hf_models.py pins on CPU; and under Inductor, rank 0's program against
+  the same program run eagerly (benchmarks/gpu_check.sh S1 runs each kernel in a process of its own).
+  (On CPU these rules are checked through math stand-ins for the kernels, tests/gpu_attention_on_cpu.py:
+  never the kernels themselves.)
 - Inductor's Triton code for a sharded graph, against the same graph run eagerly.
 - ``mode="reduce-overhead"``: the sharded graph replays as a CUDA graph that reads its shards in
   place (no copy of a weight per replay); a cache grown by cat (HF's DynamicCache) and held by heads
@@ -53,6 +55,8 @@ KERNELS = {
     "flash": ("FLASH_ATTENTION", aten._scaled_dot_product_flash_attention.default),
     "efficient": ("EFFICIENT_ATTENTION", aten._scaled_dot_product_efficient_attention.default),
     "cudnn": ("CUDNN_ATTENTION", aten._scaled_dot_product_cudnn_attention.default),
+    # math: SDPA decomposes into matmuls and a softmax while tracing; no fused kernel op in the graph
+    "math": ("MATH", None),
 }
 # How HF calls SDPA. "mask": as it ships, compiled: transformers keeps the boolean causal mask while
 # Dynamo traces (masking_utils._ignore_causal_mask_sdpa never skips it under torch < 2.14), so SDPA gets
@@ -62,7 +66,11 @@ CAUSAL_ATTENTION = "sdpa_is_causal"
 # NOTE: torch 2.13's refusals when the allowed SDPA kernels cannot take a call (CUDA's select_sdp_backend;
 # the second is the CPU dispatcher's, met when this file's helpers are tried on CPU)
 NO_KERNEL = ("No available kernel", "No viable backend for scaled_dot_product_attention")
-CASES = [("flash", "causal"), ("efficient", "causal"), ("efficient", "mask"), ("cudnn", "causal"), ("cudnn", "mask")]
+CASES = [("flash", "causal"), ("efficient", "causal"), ("efficient", "mask"), ("cudnn", "causal"), ("cudnn", "mask"),
+         ("math", "causal"), ("math", "mask")]
+# Under Inductor, one form per kernel: as HF ships compiled (a mask), except flash (no mask at all)
+INDUCTOR_CASES = [("flash", "causal"), ("efficient", "mask"), ("cudnn", "mask"), ("math", "mask")]
+FUSED_OPS = {v[1] for v in KERNELS.values() if v[1] is not None}
 
 # bfloat16 keeps 8 significant bits: one rounding is off by up to 2**-9 of the value. A sharded linear
 # rounds each rank's partial sum, and the all_reduce rounds their sum again, where the unsharded one
@@ -103,7 +111,7 @@ def _unit_weights(model: torch.nn.Module) -> None:
 def _hf_model(arch: str, form: str, device: str, dtype: torch.dtype):
     import transformers as T
 
-    from tests.test_hf_models import CONFIGS
+    from tests.hf_configs import CONFIGS
 
     _register_causal_attention()
     torch.manual_seed(0)
@@ -185,13 +193,16 @@ def check_hf_kernel(arch: str, kernel: str, form: str, device: str = DEVICE, dty
     unsharded model within ``BF16_RTOL`` of each layer's magnitude, and the plan the CPU tier pins."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from tests.test_hf_models import EXPECTED
+    from tests.hf_configs import EXPECTED
 
     backend, op = KERNELS[kernel]
     model = _hf_model(arch, form, device, dtype)
     ids = torch.randint(3, 96, (2, 7), device=device)
     ops = _traced_ops_or_skip(model, ids, kernel, backend)
-    assert op in ops, f"forced {backend}, the graph has no {op}: {sorted(map(str, ops))}"
+    if op is None:
+        assert not ops & FUSED_OPS, f"forced {backend}, the graph has a fused op: {sorted(map(str, ops & FUSED_OPS))}"
+    else:
+        assert op in ops, f"forced {backend}, the graph has no {op}: {sorted(map(str, ops))}"
     torch._dynamo.reset()
     with sdpa_kernel([getattr(SDPBackend, backend)]):
         report = dynashard.explain(model, ids, world_size=world, verify=True, options={"min_shard_numel": 0},
@@ -217,6 +228,52 @@ def test_hf_model_in_bf16_under_each_cuda_attention_kernel_is_verified(arch, ker
 
 
 # --- Inductor on CUDA: Triton kernels for the sharded graph --------------------------------------
+
+
+def check_hf_inductor(arch: str, kernel: str, form: str, device: str = DEVICE, dtype: torch.dtype = torch.bfloat16,
+                      world: int = 2, compiler: str = "inductor") -> float:
+    """One architecture under one SDPA kernel, rank 0's program at ``world`` on the fake group, compiled by
+    ``compiler`` (Inductor: Triton) against the same program compiled with ``compiler="eager"``; together
+    with check_hf_kernel (the eager program equals the unsharded model) this is Inductor's sharded model
+    against the unsharded one. Compared: the last hidden state, and the logits where the plan gathers
+    nothing (a gather on the fake group returns uninitialised memory: GPT-2's tied LM head). Returns the
+    largest error as a fraction of the output's magnitude."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.hf_configs import EXPECTED
+
+    backend = KERNELS[kernel][0]
+    model = _hf_model(arch, form, device, dtype)
+    ids = torch.randint(3, 96, (2, 7), device=device)
+    gathered = bool(EXPECTED[arch][world][1])
+
+    def run(c: str) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        fn = torch.compile(copy.deepcopy(model), backend=dynashard.backend(compiler=c, min_shard_numel=0))
+        with torch.no_grad(), sdpa_kernel([getattr(SDPBackend, backend)]):
+            try:
+                out = fn(ids, use_cache=False, output_hidden_states=True)
+            except Exception as e:  # noqa: BLE001 - only torch's own refusal is a skip
+                if not any(refusal in _messages(e) for refusal in NO_KERNEL):
+                    raise
+                pytest.skip(f"SDPA {kernel} ({backend}) is unsupported here for this call: {_messages(e)[:500]}")
+        return [out.hidden_states[-1].float()] + ([] if gathered else [out.logits.float()])
+
+    want = _on_fake_group(lambda: run("eager"), world)
+    got = _on_fake_group(lambda: run(compiler), world)
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        # see BF16_RTOL: Triton computes a fused region in float32 and rounds once, eager rounds per op
+        rel = float((g - w).abs().max()) / max(float(w.abs().max()), 1e-6)
+        assert rel <= BF16_RTOL, f"{compiler} against eager, rank 0's program: error {rel:.2e} of the magnitude"
+        worst = max(worst, rel)
+    return worst
+
+
+@pytest.mark.parametrize("kernel,form", INDUCTOR_CASES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_hf_model_in_bf16_under_each_cuda_attention_kernel_under_inductor(arch, kernel, form):
+    check_hf_inductor(arch, kernel, form)
 
 
 def _on_fake_group(fn, world: int = 2):
