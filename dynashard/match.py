@@ -141,6 +141,7 @@ class ParamInfo:
     fqn: str
     module_fqn: str
     is_parameter: bool
+    inner: str = ""  # an inner tensor of a subclass parameter (torchao's "qdata", "scale"): fqn ends with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +240,8 @@ def _quantized(weight: torch.fx.Node, path: tuple[torch.fx.Node, ...]) -> bool:
 
 
 def _plan_name(info: ParamInfo) -> str:
-    return info.module_fqn if info.fqn.endswith(".weight") or info.fqn == "weight" else info.fqn
+    fqn = info.fqn.removesuffix(f".{info.inner}") if info.inner else info.fqn  # (a quantized weight's qdata)
+    return info.module_fqn if fqn.endswith(".weight") or fqn == "weight" else fqn
 
 
 def find_linears(

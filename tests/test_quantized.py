@@ -1,0 +1,106 @@
+"""torchao's quantized weights (tensor-subclass parameters) cut like the float layers they replace.
+
+``quantize_(model, Int8WeightOnlyConfig())`` makes each linear's weight an ``Int8Tensor`` (qdata int8
+[out, in], scale [out, 1], zero_point [out, 1]). Dynamo hands the backend that subclass as one input;
+dynashard flattens it into its inner tensors (subclass_inputs.py), so the aten graph reads
+``mm(x, t(qdata).to(f32)) * scale``: qdata is cut as the float weight (rows colwise, columns rowwise),
+the per-row scale narrowed with the rows it belongs to. Before that, capture crashed:
+"'Int8Tensor' object has no attribute 'fake_mode'".
+
+Simulated at 2 and 4 ranks (explain verify), and on 2 real gloo ranks against the quantized unsharded model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import transformers as T
+from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+import dynashard
+from tests.scenarios import Scenarios
+
+SCENARIOS_DEADLINE_S = 180  # one spawn at world 2: ~15 s quiet; 3x slower machine, 2x margin, plus startup
+pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
+
+OPTIONS = {"min_shard_numel": 0}  # (tiny layers: cut them all)
+
+
+def _llama() -> nn.Module:
+    """A tiny HF Llama with 8 heads and 4 KV heads (world 4: one KV head a rank), int8 weight-only."""
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config).eval()
+    quantize_(model, Int8WeightOnlyConfig())
+    return model
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 64, ffn: int = 256) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    model = MLP()
+    quantize_(model, Int8WeightOnlyConfig())
+    return model
+
+
+LLAMA_PLAN = {
+    **{f"model.layers.{i}.self_attn.{p}_proj": "colwise" for i in range(2) for p in "qkv"},
+    **{f"model.layers.{i}.self_attn.o_proj": "rowwise" for i in range(2)},
+    **{f"model.layers.{i}.mlp.{p}_proj": "colwise" for i in range(2) for p in ("gate", "up")},
+    **{f"model.layers.{i}.mlp.down_proj": "rowwise" for i in range(2)},
+    "model.embed_tokens": "rowwise", "lm_head": "replicate",  # (lm_head: no partner, in_features 64: whole)
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 4])
+def test_int8_weight_only_llama_is_cut_as_its_float_twin(world):
+    model = _llama()
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    # verify=True raises if any simulated rank's logits differ from the quantized model's beyond float32's
+    # tolerance (the same int8 values and scales, partial sums added in another order)
+    report = dynashard.explain(model, ids, world_size=world, verify=True, options=OPTIONS, use_cache=False)
+    assert report.layers == LLAMA_PLAN, str(report)
+    float_twin = dynashard.explain(T.LlamaForCausalLM(model.config).eval(), ids, world_size=world, options=OPTIONS,
+                                   use_cache=False)
+    assert report.layers == float_twin.layers
+    assert not report.outside, report.outside  # every quantized weight is read by the graph (none left out)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 4])
+def test_int8_weight_only_mlp_is_cut_in_pairs(world):
+    report = dynashard.explain(_mlp(), torch.randn(2, 5, 64), world_size=world, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "colwise", "down": "rowwise"}, str(report)
+    # each rank holds its 1/world of the int8 data: 256 x 64 int8 bytes (a float32 weight: 4x that)
+    assert {r.fqn: r.weight_bytes for r in report.rows} == {"up": 256 * 64 // world, "down": 64 * 256 // world}
+
+
+@on_ranks
+@torch.no_grad()
+def test_int8_llama_on_real_ranks_equals_the_quantized_model(rank, world):
+    model = _llama()
+    reference = copy.deepcopy(model)
+    fast = torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})
+    for length in (7, 5):  # (the second length recompiles: Dynamo re-traces the cut, freed inner tensors)
+        ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(length))
+        got, want = fast(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+        # float32 O(1) logits from the same int8 weights and scales, partial sums added in another order: ulps
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), length
+    held, whole = dynashard.held_bytes(model), dynashard.held_bytes(reference)
+    # Cut: the int8 q/k/v/o/gate/up/down weights (half each); whole: embedding half (vocab-parallel), lm_head,
+    # norms, the float scales and zero points (5 bytes per output row against 64-128 int8 bytes)
+    assert held <= 0.62 * whole, (held, whole)
