@@ -104,3 +104,23 @@ def test_int8_llama_on_real_ranks_equals_the_quantized_model(rank, world):
     # Cut: the int8 q/k/v/o/gate/up/down weights (half each); whole: embedding half (vocab-parallel), lm_head,
     # norms, the float scales and zero points (5 bytes per output row against 64-128 int8 bytes)
     assert held <= 0.62 * whole, (held, whole)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", ["int8 per group", "int4 per group"])
+def test_group_wise_quantized_linears_are_kept_whole_with_the_reason(config):
+    """torchao's group-wise forms that run on this CPU (int8 PerGroup(32), and int4 weight-only as
+    IntxWeightOnlyConfig stores it: int4 values in int8, scales per 32 columns; Int4WeightOnlyConfig needs
+    mslk or CUDA here) dequantize through views of the whole weight's shape: held whole, said in explain, the
+    logits the quantized model's. Before: no linear was matched at all, so explain showed no row for them."""
+    from torchao.quantization import IntxWeightOnlyConfig, PerGroup
+
+    torch.manual_seed(0)
+    model = MLP()
+    quantize_(model, Int8WeightOnlyConfig(granularity=PerGroup(32)) if config.startswith("int8")
+              else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    report = dynashard.explain(model, torch.randn(2, 5, 64), world_size=2, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)
+    assert all("quantized by groups of 32 input columns" in r.reason for r in report.rows), str(report)
+    with pytest.raises(ValueError, match="quantized by groups of 32"):  # a plan asking for a cut is refused
+        dynashard.explain(model, torch.randn(2, 5, 64), world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
