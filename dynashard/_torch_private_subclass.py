@@ -22,15 +22,22 @@ def is_traceable_subclass(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t)
 
 
-def copy_placeholder_origin(src: torch.fx.Node, dst: torch.fx.Node) -> None:
-    """Give ``dst`` (a placeholder for one inner tensor of ``src``'s subclass) what Dynamo recorded of
-    where ``src``'s value comes from: its grapharg (source: the parameter's FQN), whether it is a static
-    input (``tensor_dict["_dynamo_static_input_type"]``) and its ``_dynamo_source`` (read by
-    ``carry_dynamo_inputs``).
+def copy_placeholder_origin(src: torch.fx.Node, dst: torch.fx.Node, path: str) -> None:
+    """Give ``dst`` (a placeholder for the inner tensor ``path`` of ``src``'s subclass) what Dynamo recorded
+    of where ``src``'s value comes from: its grapharg (source: the parameter's FQN), whether it is a static
+    input (``tensor_dict["_dynamo_static_input_type"]``), and as its ``_dynamo_source`` (read by
+    ``carry_dynamo_inputs``) the attribute ``path`` of ``src``'s: AOTAutograd refuses two inputs of one
+    source ("already in seen_sources", measured under Inductor).
 
-    NOTE: node meta keys and the ``_dynamo_source`` attribute Dynamo 2.13 sets on its placeholders."""
+    NOTE: node meta keys and the ``_dynamo_source`` attribute Dynamo 2.13 sets on its placeholders;
+    ``torch._dynamo.source.AttrSource``."""
+    from torch._dynamo.source import AttrSource
+
     for key in ("grapharg", "tensor_dict"):
         if key in src.meta:
             dst.meta[key] = src.meta[key]
-    if hasattr(src, "_dynamo_source"):
-        dst._dynamo_source = src._dynamo_source
+    source = getattr(src, "_dynamo_source", None)
+    if source is not None:
+        for name in path.split("."):
+            source = AttrSource(source, name)
+        dst._dynamo_source = source

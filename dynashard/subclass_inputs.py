@@ -144,7 +144,7 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Flattene
         leaves = []
         for (path, fake), real in zip(fakes, reals, strict=True):
             leaf = graph.placeholder(f"{node.name}_{path.replace('.', '_')}")
-            copy_placeholder_origin(node, leaf)
+            copy_placeholder_origin(node, leaf, path)
             leaf.meta["example_value"] = fake
             leaf.meta[INNER] = path
             leaves.append(leaf)

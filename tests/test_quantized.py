@@ -124,3 +124,36 @@ def test_group_wise_quantized_linears_are_kept_whole_with_the_reason(config):
     assert all("quantized by groups of 32 input columns" in r.reason for r in report.rows), str(report)
     with pytest.raises(ValueError, match="quantized by groups of 32"):  # a plan asking for a cut is refused
         dynashard.explain(model, torch.randn(2, 5, 64), world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
+
+
+@pytest.mark.unit
+def test_int8_mlp_compiles_under_inductor():
+    """The flattened inner tensors reach Inductor (the default compiler: AOTAutograd, then C++) each with a source
+    of its own (``<weight>.qdata``): the parent's for all three raised "already in seen_sources". One process,
+    a fake group of 2 (no data moves: the program's collectives are not run, its shards are checked)."""
+    from dynashard import _torch_private as private
+
+    private.init_fake_process_group(2)
+    try:
+        model = _mlp()
+        whole = dynashard.held_bytes(model)
+        x = torch.randn(2, 5, 64)
+        dynashard.parallelize(model, x, options=OPTIONS)  # (Inductor, the default)
+        assert model(x).shape == (2, 5, 64)  # (its first call compiles the cut program: where it raised)
+        # the int8 data halved (2 x 8 KiB of 2 x 16 KiB); scales, zero points and biases whole (2.9 KiB)
+        assert dynashard.held_bytes(model) == whole - 2 * 8192, (dynashard.held_bytes(model), whole)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@on_ranks
+@torch.no_grad()
+def test_int8_mlp_parallelized_under_inductor_equals_the_quantized_model(rank, world):
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(3))
+    dynashard.parallelize(model, x, options=OPTIONS)  # (Inductor underneath, the default compiler)
+    want = reference(x)
+    # float32 sums of 256 products in another order, and Inductor's fused kernels: relative 1e-5 of the output
+    assert float((model(x) - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    assert dynashard.held_bytes(model) == dynashard.held_bytes(reference) - 2 * 8192  # the int8 data halved
