@@ -22,6 +22,7 @@ from dynashard.nodes import PARAMETER, val
 from dynashard.options import Options, Style
 from dynashard.plan import Plan, make_plan
 from dynashard.split import Split
+from dynashard.subclass_inputs import INNER
 from dynashard.weights import EarlierCuts
 
 
@@ -125,11 +126,13 @@ def analyse(
         if source is None or not isinstance(private.example_value(dyn), torch.Tensor):
             continue  # (a symbolic size of a module's tensor has the tensor's source: not a parameter)
         module_fqn, attr = source
+        inner = dyn.meta.get(INNER, "")  # (an inner tensor of a subclass parameter: subclass_inputs.py)
+        attr = f"{attr}.{inner}" if inner else attr
         fqn = f"{module_fqn}.{attr}" if module_fqn else attr
         is_param = isinstance(private.example_value(dyn), torch.nn.Parameter) or "_parameters[" in str(
             private.placeholder_source_name(dyn)
         )
-        infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param)
+        infos[node] = ParamInfo(fqn=fqn, module_fqn=module_fqn, is_parameter=is_param, inner=inner)
         node.meta[PARAMETER] = is_param
         params[i] = (fqn, node)
         names[i] = fqn

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import dtensor_params, gate
+from dynashard import dtensor_params, gate, subclass_inputs
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
@@ -59,6 +59,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
         return private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
+    if (flat := subclass_inputs.flatten(gm, example_inputs)) is not None:  # torchao's quantized weights
+        return flat.wrap(dynashard_backend(flat.gm, flat.inputs, options, mode, source))
     check_data_parallel()
     dtensor_params.refuse_strays(gm, example_inputs)
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch_private as private
-from dynashard import simulate
+from dynashard import simulate, subclass_inputs
 from dynashard.analysis import analyse
 from dynashard.errors import UsageError, VerificationError
 from dynashard.options import parse_options
@@ -91,6 +91,9 @@ def explain(
         seen: set[int] = set()  # ids of the parameters some graph reads (FQNs differ across graph breaks)
 
         def capture(gm, example_inputs):
+            dynamo_gm, dynamo_inputs = gm, example_inputs
+            if (flat := subclass_inputs.flatten(gm, example_inputs)) is not None:  # torchao's quantized weights
+                gm, example_inputs = flat.gm, flat.inputs
             if any(torch.is_tensor(t) and STORE.is_sharded(t) for t in example_inputs):
                 raise UsageError(
                     "dynashard.explain: this model's weights were sharded (and freed) by an earlier "
@@ -102,12 +105,14 @@ def explain(
             earlier = STORE.earlier_cuts(example_inputs)
             analysis = analyse(gm, fake_args, opts, world, rank, earlier)
             seen.update(id(example_inputs[i]) for i in analysis.params)
+            if flat is not None:  # (a subclass parameter is read through its inner tensors)
+                seen.update(id(dynamo_inputs[flat.origin[i]]) for i in analysis.params)
             report = GraphReport.build(analysis, example_inputs)
             if verify and world > 1:
                 analyses = [analyse(gm, fake_args, opts, world, r, earlier) for r in range(world)]
                 report = report.with_errors(*simulate.verify(analyses, example_inputs, train=train))
             graphs.append(report)
-            return gm.forward
+            return dynamo_gm.forward
 
         # A fresh code object per call: Dynamo's cache for it never fills, whatever was explained before.
         run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})

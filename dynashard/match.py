@@ -34,6 +34,7 @@ import torch.fx
 from dynashard.linear_forms import converted_source as _converted_source
 from dynashard.linear_forms import squeezed_source
 from dynashard.match_normed import Spectral, normed_source, plan_name, spectral_source
+from dynashard.match_quantized import dequantized_source
 from dynashard.nodes import val
 
 aten = torch.ops.aten
@@ -142,6 +143,19 @@ class SpectralNormed(LinearKind):
         return None
 
 
+class GroupQuantized(LinearKind):
+    """An integer weight dequantized by groups of input columns (match_quantized.py): held whole for now."""
+
+    name = "group-quantized"
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        return (f"quantized by groups of {self.group} input columns, dequantized before the matmul through views of "
+                "the whole weight's shape: no cut of it is lowered yet (per-row int8 is cut)")
+
+
 DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()
 
 
@@ -152,6 +166,7 @@ class ParamInfo:
     fqn: str
     module_fqn: str
     is_parameter: bool
+    inner: str = ""  # an inner tensor of a subclass parameter (torchao's "qdata", "scale"): fqn ends with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +266,8 @@ def _quantized(weight: torch.fx.Node, path: tuple[torch.fx.Node, ...]) -> bool:
 
 
 def _plan_name(info: ParamInfo) -> str:
-    return info.module_fqn if info.fqn.endswith(".weight") or info.fqn == "weight" else info.fqn
+    fqn = info.fqn.removesuffix(f".{info.inner}") if info.inner else info.fqn  # (a quantized weight's qdata)
+    return info.module_fqn if fqn.endswith(".weight") or fqn == "weight" else fqn
 
 
 def find_linears(
@@ -272,6 +288,9 @@ def find_linears(
         mat2 = node.args[2] if is_addmm else node.args[1]
         weight, path, transpose = _weight_path(mat2)
         form = "out_in" if transpose is not None else "in_out"
+        grouped = dequantized_source(weight) if transpose is not None and weight not in params else None
+        if grouped is not None:  # (a group-wise quantized weight: its integer data is the weight)
+            weight, path = grouped.qdata, (*grouped.path, *path)
         if weight not in params or not (params[weight].is_parameter or _quantized(weight, path)):
             continue
         shape = weight.meta["val"].shape
@@ -293,7 +312,8 @@ def find_linears(
                 in_features=int(in_f),
                 out_features=int(out_f),
                 operand_path=path,
-                kind=WeightNormed(normed[3]) if normed else SpectralNormed(spectral) if spectral else DENSE,
+                kind=(WeightNormed(normed[3]) if normed else SpectralNormed(spectral) if spectral
+                      else GroupQuantized(grouped.group) if grouped is not None else DENSE),
                 companions=(normed[1],) if normed else (),
             )
         )

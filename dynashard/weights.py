@@ -412,12 +412,16 @@ def held_bytes(model: torch.nn.Module) -> int:
 
     A weight dynashard sharded counts as its shard in :data:`STORE` (plus the full tensor, if its
     storage could not be freed because an unsharded tensor shares it); a DTensor counts as its
-    local shard; anything else as its own bytes. Shared tensors are counted once.
+    local shard; a tensor subclass (torchao's quantized weights) as its inner tensors; anything else as
+    its own bytes. Shared tensors are counted once.
     """
     from torch.distributed.tensor import DTensor
 
+    from dynashard.subclass_inputs import inner_tensors
+
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
+    # (a quantized weight, torchao's Int8Tensor: its inner int8 data and scales, each cut or whole)
+    for t in [leaf for v in [*model.parameters(), *model.buffers()] for leaf in inner_tensors(v)]:
         if isinstance(t, DTensor):
             total += t.to_local().nbytes
             continue

@@ -29,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      pytest.param("suite.py", 2, marks=pytest.mark.slow), ("bench_overlap.py", 2), ("bench_fused_kv.py", 2),
      ("bench_call_check.py", 2), pytest.param("bench_train.py", 2, marks=pytest.mark.slow),
      pytest.param("bench_decode.py", 2, marks=pytest.mark.slow),
+     # (tests/test_quantized.py checks the int8 cut on real ranks; this one decodes with a KV cache: ~70 s loaded)
+     pytest.param("bench_quantized.py", 2, marks=pytest.mark.slow),
      # (test_activation_checkpointing.py counts what the backward keeps, at smaller sizes)
      pytest.param("bench_checkpointing.py", 2, marks=pytest.mark.slow),
      # (tests/test_training_2d.py trains and counts the same 2x2 composition)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dynashard"
 PRIVATE_MODULES = {"_torch_private.py", "_torch_private_aten.py", "_torch_private_c10d.py", "_torch_private_dtensor.py",
-                   "_torch_private_funcol.py"}
+                   "_torch_private_funcol.py", "_torch_private_subclass.py"}
 # The functional collectives, underscore-named but the one way to emit them, are called from the module
 # whose job that is (STYLE 1: "collectives (the one module that calls funcol)").
 ALLOWED_IMPORTS = {("collectives.py", "torch.distributed._functional_collectives")}
