@@ -268,14 +268,15 @@ def test_the_forms_under_autocast_are_cut_as_without_it(case, world):
 
 
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
-# twice), a 1x1 conv MLP, weight_norm's v and g and spectral_norm's W (its u and v buffers too), SGD steps
-# whose gradients equal the twin's own cut.
+# twice), a 1x1 conv MLP, weight_norm's v and g (cut on the norm dim; v cut across the norms, g whole)
+# and spectral_norm's W (its u and v buffers too), SGD steps whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
     for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5)),
                          (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (3, 16, 5)),
                          (NormedMLP("weight_norm", (0, 1)), (3, 5, 16)),
+                         (NormedMLP("weight_norm", (1, 0)), (3, 5, 16)),  # (across the norms, both)
                          (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (3, 5, 16))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
@@ -286,11 +287,13 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
     normed = {f"{layer}.parametrizations.weight.original{i}" for layer in ("up", "down") for i in (0, 1)}  # g, v
+    across = {f"{layer}.parametrizations.weight.original1" for layer in ("up", "down")}  # v (g whole)
     spectral = {f"{layer}.parametrizations.weight.original" for layer in ("up", "down")}  # (u, v: buffers, whole)
     for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
                                   (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"}),
                                   (ConvMLP(conv=nn.Conv2d), (3, 16, 2, 5), {"up.weight", "down.weight"}),
                                   (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed),
+                                  (NormedMLP("weight_norm", (1, 0)), (3, 5, 16), across),
                                   (NormedMLP("spectral_norm"), (3, 5, 16), spectral)]:  # (train mode: power steps)
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
