@@ -21,8 +21,10 @@ then rowwise on the same cut, one all_reduce, and W's gradient is the sum of bot
 
 ``weight_norm(dim=d)`` (``torch.nn.utils.parametrizations``): the weight ``v * g / ||v||`` has one norm
 per slice along d, so v and g cut alike on d give this rank's slices exactly: d=0 colwise, d=1 rowwise.
-A cut on the other dim would divide by part of each norm: refused, the layer kept whole. ``dim=None``
-(one norm) is left whole, the reason logged at debug level (never cut wrongly).
+Cut on the other dim (across the norms), v alone is cut, g whole, and each norm's sum of squares is
+every rank's partial sum all-reduced (its backward summed too); refused under inputs='per_rank'.
+``dim=None`` (one norm) is left whole, the reason logged at debug level (never cut wrongly); so is the
+deprecated hook form ``torch.nn.utils.weight_norm``, its reason naming the parametrization.
 
 ``spectral_norm`` (dim=0): W cut either way, its buffers u and v whole on every rank. Sigma
 ``vdot(u, W v)`` is every rank's term summed (a scalar all_reduce; with gradients its backward sums
@@ -37,6 +39,7 @@ against the unsharded twin.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -426,6 +429,31 @@ def test_weight_norm_across_its_norms_of_a_fused_qkv_with_whole_parts(train):
     assert {fqn: str(s) for fqn, s in report.layers.items()} == {"qkv_proj": "colwise", "o_proj": "rowwise"}
     assert "held whole by every rank" in report.rows[0].reason, str(report)
     assert report.rows[0].collectives == "all_reduce", str(report)  # (its norms')
+
+
+class HookNormedMLP(nn.Module):
+    """up (dim=1) and down (dim=0) under the deprecated hook form ``torch.nn.utils.weight_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (its deprecation)
+            self.up = nn.utils.weight_norm(nn.Linear(16, 40), dim=1)
+            self.down = nn.utils.weight_norm(nn.Linear(40, 16), dim=0)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.unit
+def test_weight_norm_hook_form_is_left_whole_naming_the_parametrization():
+    """The hook form stores the computed weight on the module (Dynamo returns it: a graph output), so
+    v is read by more than its linear: whole, the reason naming the parametrizations form, which is cut."""
+    torch.manual_seed(0)
+    report = dynashard.explain(HookNormedMLP(), torch.randn(2, 3, 16), world_size=2,
+                               options={"min_shard_numel": 0}, verify=True)
+    assert {r.fqn: str(r.style) for r in report.rows} == {"up.weight_v": "replicate", "down.weight_v": "replicate"}
+    assert all("torch.nn.utils.parametrizations.weight_norm form is cut" in r.reason for r in report.rows), str(report)
 
 
 @pytest.mark.unit
