@@ -381,9 +381,18 @@ def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:
         found = []
         renorm_path = [m.renorm.args[0]] if m.renorm is not None else []
         for here in [m.weight, *_between(m), *renorm_path]:
-            found += [str(u.target) for u in here.users if u not in allowed[here]]
+            found += [_reader(here, u) for u in here.users if u not in allowed[here]]
         other[m.weight] = sorted(set(found))
     return other
+
+
+def _reader(value: torch.fx.Node, reader: torch.fx.Node) -> str:
+    """How a reason names ``reader``: its op, and why a computed weight is a graph output."""
+    if reader.op == "output" and isinstance(value.args[0] if value.args else None, torch.fx.Node) \
+            and value.args[0].target is aten._weight_norm_interface.default:
+        return ("output (weight_norm's weight, which the deprecated torch.nn.utils.weight_norm's hook stores "
+                "on the module: its torch.nn.utils.parametrizations.weight_norm form is cut)")
+    return str(reader.target)
 
 
 def _between(m: LinearMatch) -> list[torch.fx.Node]:

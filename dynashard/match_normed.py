@@ -9,15 +9,19 @@ float32; ``v`` stored ``[out, in]``, the gain ``g`` of v's shape with size 1 on 
 After: one :class:`~dynashard.match.LinearMatch` on ``v`` (its path: wn, getitem, t) of kind
 :class:`WeightNormed`, whose ``companions`` hold ``g``, cut with v on the same dim and split.
 
-Why only on ``d``: the norm of each slice along ``d`` sums over the other dims, so this rank's slices
-of v and g give exactly this rank's slices of the weight (d=0: colwise; d=1: rowwise). Cut on another
-dim, each rank would divide by the norm of its own columns only: that cut is refused
-(:meth:`WeightNormed.refused_dim`), and the plan keeps such a linear whole rather than reduce the
-sums of squares across ranks.
+On ``d`` (d=0 colwise, d=1 rowwise): the norm of each slice along ``d`` sums over the other dim, so
+this rank's slices of v and g give exactly this rank's slices of the weight, no collective
+(lowerings.NormOfSlices). On the other dim (across the norms: d=0 rowwise, d=1 colwise): v alone is
+cut, g (``[out, 1]`` or ``[1, in]``, nothing along that dim) stays whole, and each norm is this rank's
+partial sum of squares, all-reduced (one vector of g's shape), its backward summed as well
+(lowerings.NormAcrossCut, set by propagate.py). Under inputs="per_rank" that cut is refused
+(:meth:`WeightNormed.refused_dim`): the layer is kept whole.
 
 Left as written (the weight then whole, logged by linear_forms): ``weight_norm(dim=None)`` (one norm
 over all of v, traced as ``v * (g / norm(v))``), a gain or norms read by anything else; a v read by
-anything else stays whole by match.py's other uses. spectral_norm's left-as-written forms follow.
+anything else stays whole by match.py's other uses (the deprecated hook form ``torch.nn.utils.weight_norm``
+stores the computed weight on the module, which Dynamo returns: its reason says so).
+spectral_norm's left-as-written forms follow.
 
 ``spectral_norm`` (``torch.nn.utils.parametrizations``, a 2-D weight, dim=0), before::
 

@@ -979,13 +979,13 @@ class ClothedLinear(nn.Module):
     """A linear on ``x [B, S, in]`` written in one of ``FORMS`` (issue 28, linears in other clothes);
     the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``) or a
     Conv1d's ``[out, in, 1]`` (Conv2d's ``[out, in, 1, 1]``); the bias, if any, added after.
-    ``weight_norm``: F.linear on ``weight_norm(dim=0)``'s weight (``_in``: dim=1), whose one exact
-    cut is colwise (rowwise): ``REFUSED`` the other. ``spectral_norm``: F.linear on its weight (cut either
-    way; in train mode, its power iteration writes the buffers u and v on every call)."""
+    ``weight_norm``: F.linear on ``weight_norm(dim=0)``'s weight (``_in``: dim=1), cut either way (colwise
+    (rowwise) on its norm dim, v and g alike; the other across its norms, g whole, the norms summed over
+    the ranks). ``spectral_norm``: F.linear on its weight (cut either way; in train mode, its power
+    iteration writes the buffers u and v on every call)."""
 
     FORMS = ("linear", "einsum", "einsum_in_out", "einsum_ellipsis", "conv1x1", "bmm_expand", "bmm_in_out",
              "einsum_first", "einsum_first_in_out", "conv2d_1x1", "weight_norm", "weight_norm_in", "spectral_norm")
-    REFUSED = {"weight_norm": "rowwise", "weight_norm_in": "colwise"}
 
     def __init__(self, in_features: int, out_features: int, form: str, bias: bool = True) -> None:
         super().__init__()

@@ -21,8 +21,10 @@ then rowwise on the same cut, one all_reduce, and W's gradient is the sum of bot
 
 ``weight_norm(dim=d)`` (``torch.nn.utils.parametrizations``): the weight ``v * g / ||v||`` has one norm
 per slice along d, so v and g cut alike on d give this rank's slices exactly: d=0 colwise, d=1 rowwise.
-A cut on the other dim would divide by part of each norm: refused, the layer kept whole. ``dim=None``
-(one norm) is left whole, the reason logged at debug level (never cut wrongly).
+Cut on the other dim (across the norms), v alone is cut, g whole, and each norm's sum of squares is
+every rank's partial sum all-reduced (its backward summed too); refused under inputs='per_rank'.
+``dim=None`` (one norm) is left whole, the reason logged at debug level (never cut wrongly); so is the
+deprecated hook form ``torch.nn.utils.weight_norm``, its reason naming the parametrization.
 
 ``spectral_norm`` (dim=0): W cut either way, its buffers u and v whole on every rank. Sigma
 ``vdot(u, W v)`` is every rank's term summed (a scalar all_reduce; with gradients its backward sums
@@ -37,6 +39,7 @@ against the unsharded twin.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -268,14 +271,15 @@ def test_the_forms_under_autocast_are_cut_as_without_it(case, world):
 
 
 # On real ranks, eager: each form's forward against the unsharded model, and for the tied W (read
-# twice), a 1x1 conv MLP, weight_norm's v and g and spectral_norm's W (its u and v buffers too), SGD steps
-# whose gradients equal the twin's own cut.
+# twice), a 1x1 conv MLP, weight_norm's v and g (cut on the norm dim; v cut across the norms, g whole)
+# and spectral_norm's W (its u and v buffers too), SGD steps whose gradients equal the twin's own cut.
 @on_ranks
 def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
     torch.manual_seed(0)
     for model, shape in [(EinsumMLP("bsd,hd->bsh", "bsh,dh->bsd"), (3, 5, 16)), (ConvMLP(), (3, 16, 5)),
                          (EinsumMLP("hd,bds->bhs", "dh,bhs->bds"), (3, 16, 5)),
                          (NormedMLP("weight_norm", (0, 1)), (3, 5, 16)),
+                         (NormedMLP("weight_norm", (1, 0)), (3, 5, 16)),  # (across the norms, both)
                          (models.ClothedMLP(16, 40, "bmm_expand", "bmm_in_out"), (3, 5, 16))]:
         torch._dynamo.reset()
         reference = copy.deepcopy(model)
@@ -286,11 +290,13 @@ def test_linears_in_other_clothes_on_real_ranks_equal_unsharded(rank, world):
             assert float((fast(x) - reference(x)).abs().max()) <= 1e-5, type(model).__name__
         assert dynashard.held_bytes(model) < 0.6 * dynashard.held_bytes(reference), type(model).__name__
     normed = {f"{layer}.parametrizations.weight.original{i}" for layer in ("up", "down") for i in (0, 1)}  # g, v
+    across = {f"{layer}.parametrizations.weight.original1" for layer in ("up", "down")}  # v (g whole)
     spectral = {f"{layer}.parametrizations.weight.original" for layer in ("up", "down")}  # (u, v: buffers, whole)
     for model, shape, sharded in [(models.TiedAutoencoder(16, 40), (3, 5, 16), {"tied"}),
                                   (ConvMLP(), (3, 16, 5), {"up.weight", "down.weight"}),
                                   (ConvMLP(conv=nn.Conv2d), (3, 16, 2, 5), {"up.weight", "down.weight"}),
                                   (NormedMLP("weight_norm", (0, 1)), (3, 5, 16), normed),
+                                  (NormedMLP("weight_norm", (1, 0)), (3, 5, 16), across),
                                   (NormedMLP("spectral_norm"), (3, 5, 16), spectral)]:  # (train mode: power steps)
         torch._dynamo.reset()
         assert _sgd_gradient_error(model, shape, sharded) < GRAD_RTOL, type(model).__name__
@@ -423,6 +429,31 @@ def test_weight_norm_across_its_norms_of_a_fused_qkv_with_whole_parts(train):
     assert {fqn: str(s) for fqn, s in report.layers.items()} == {"qkv_proj": "colwise", "o_proj": "rowwise"}
     assert "held whole by every rank" in report.rows[0].reason, str(report)
     assert report.rows[0].collectives == "all_reduce", str(report)  # (its norms')
+
+
+class HookNormedMLP(nn.Module):
+    """up (dim=1) and down (dim=0) under the deprecated hook form ``torch.nn.utils.weight_norm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (its deprecation)
+            self.up = nn.utils.weight_norm(nn.Linear(16, 40), dim=1)
+            self.down = nn.utils.weight_norm(nn.Linear(40, 16), dim=0)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.unit
+def test_weight_norm_hook_form_is_left_whole_naming_the_parametrization():
+    """The hook form stores the computed weight on the module (Dynamo returns it: a graph output), so
+    v is read by more than its linear: whole, the reason naming the parametrizations form, which is cut."""
+    torch.manual_seed(0)
+    report = dynashard.explain(HookNormedMLP(), torch.randn(2, 3, 16), world_size=2,
+                               options={"min_shard_numel": 0}, verify=True)
+    assert {r.fqn: str(r.style) for r in report.rows} == {"up.weight_v": "replicate", "down.weight_v": "replicate"}
+    assert all("torch.nn.utils.parametrizations.weight_norm form is cut" in r.reason for r in report.rows), str(report)
 
 
 @pytest.mark.unit

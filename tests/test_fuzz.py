@@ -288,11 +288,9 @@ def test_random_linears_in_other_clothes(case, world, plan_draw, dynamic, autoca
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     tied = isinstance(model, models.TiedAutoencoder)
     names = ["tied"] if tied else ["up", "down"]
-    # (the tied W's two uses share one name: one style for both would cut W two ways, a UsageError;
-    # weight_norm's other cut, across its norms, is refused: a UsageError too)
+    # (the tied W's two uses share one name: one style for both would cut W two ways, a UsageError)
     styles = ["replicate"] if tied else ["colwise", "rowwise", "replicate"]
-    refused = {n: models.ClothedLinear.REFUSED.get(getattr(model, n).form) for n in names} if not tied else {}
-    plan = {n: data.draw(st.sampled_from([s for s in styles if s != refused.get(n)]), label=n) for n in names}
+    plan = {n: data.draw(st.sampled_from(styles), label=n) for n in names}
     options = {"min_shard_numel": 0, "plan": plan if plan_draw else "auto"}
     x = torch.randn(2, 3, hidden)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
