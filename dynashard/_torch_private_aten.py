@@ -26,18 +26,28 @@ def known_equal(a: Any, b: Any) -> bool:
     """``a == b`` for sizes that may be symbolic, provable without adding a guard."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a == b))
+    return _statically_true(lambda: a == b)
 
 
 def known_multiple(a: Any, k: int) -> bool:
     """``a % k == 0`` for a size that may be symbolic, provable without adding a guard."""
     if isinstance(a, int):
         return a % k == 0
+    return _statically_true(lambda: a % k == 0)
+
+
+def _statically_true(condition: Any) -> bool:
+    """``condition()`` (a comparison of symbolic sizes) provably true, decided outside any trace.
+
+    NOTE: called while the rewrite traces (make_fx), on sizes of the graph being rewritten, which that
+    trace never produced. torch 2.11's proxy mode records a SymInt comparison made under it, and
+    fails on such a size ("Max(1, ((s27 + 127)//128)) ... is not tracked with proxy": a per-head block
+    mask under dynamic shapes); 2.13's does not. The comparison is a question, not part of the program."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return bool(statically_known_true(a % k == 0))
+    with disable_proxy_modes_tracing():
+        return bool(statically_known_true(condition()))
 
 
 def schema_of(target: Any) -> Any:
