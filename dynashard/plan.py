@@ -30,7 +30,7 @@ from dynashard.match import LinearMatch
 from dynashard.options import Options, Style
 from dynashard.propagate import propagate
 from dynashard.recut import Cuts, recut_until_stable
-from dynashard.rules.inplace import unsafe_mutations
+from dynashard.rules.inplace import follow_writes
 from dynashard.shard import LayoutMap, Wish
 from dynashard.split import Split, even
 from dynashard.user_plan import user_decisions
@@ -100,7 +100,7 @@ def make_plan(
             biases = _held_biases(linears, decisions, cuts.splits, modes, presplit or {}, prewhole)
             layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank,
                                 splits=cuts.splits, states={**cuts.states, **biases}, **modes)
-            unsafe = unsafe_mutations(graph, layouts)
+            unsafe, layouts.write_backs = follow_writes(graph, layouts)
             apart = _cut_apart(linears, decisions, layouts, world)
             if not unsafe and not apart:
                 return Plan(linears, decisions, layouts, frozenset(biases))

@@ -46,18 +46,22 @@ def mutated_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     }
 
 
-def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.fx.Node, frozenset[torch.fx.Node]]]:
-    """In-place writes the layout cannot follow (the aten graph is not functionalized).
+def follow_writes(graph: torch.fx.Graph, lm: LayoutMap
+                  ) -> tuple[list[tuple[torch.fx.Node, frozenset[torch.fx.Node]]], dict[torch.fx.Node, torch.fx.Node]]:
+    """In-place writes the layout cannot follow (the aten graph is not functionalized), and the
+    writes into a gather that are copied back into the shard they were gathered from.
 
     Once sharded, one value of the model may live in several tensors of a rank: its shard, a gather
     of it (one per value and conversion, made where it is first read, shared by its later readers),
     a narrowed copy. A write lands in one of them: the shard (a write the rule keeps sharded), or a
     gather (``logits[..., 0] = -inf`` gathers the logits' cut dim first). It is safe when every later
-    read of that memory, through any alias, reads the tensor written, or a gather of the written
-    shard made after the write. Unsafe, returned with the origins of the Shards whose memory it
-    touches: a later read of another copy (the shard, after a write into its gather; a gather made
-    before a write into the shard). A write into partial sums (or into memory a partial value
-    aliases) is unsafe too: the reads see one all-reduced copy.
+    read of that memory, through any alias, reads a tensor the write updated, or a gather of an
+    updated shard made after the write. A write into a gather updates the shard too where a later
+    read needs it (a write-back: this rank's part of the gather copied into the shard, no
+    collective); returned as in-place node -> the value gathered. Unsafe, returned with the origins
+    of the Shards whose memory it touches: a later read of a copy not updated (a gather made before
+    a write into the shard). A write into partial sums (or into memory a partial value aliases) is
+    unsafe too: the reads see one all-reduced copy.
     """
     root = alias_roots(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -66,7 +70,7 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         for producer, how in record.reads.items():
             key = (how, producer)
             first_read[key] = min(first_read.get(key, order[consumer]), order[consumer])
-    found = []
+    found, write_backs = [], {}
     for node in graph.nodes:
         if node.op != "call_function" or not mutates_self(node) or not isinstance(node.args[0], torch.fx.Node):
             continue
@@ -80,24 +84,29 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         if not shards:
             continue
         written = _read_copy(lm, root, node, node.args[0])
-        for m in members:
-            if any(order[c] > order[node] and not _sees(lm, root, c, m, written, order[node], first_read)
-                   for c in m.users):
-                found.append((node, union_origins(shards)))
-                break
-    return found
+        updated = {written}
+        back = written[1] if written[0] == Read.GATHER and not lm.per_rank else None
+        if back is not None and _copy(lm, root, back)[0] == "own":  # the gathered shard: base memory, or a view
+            updated.add(_copy(lm, root, back))
+        later = [(c, m) for m in members for c in m.users if order[c] > order[node]]
+        if all(_sees(lm, root, c, m, {written}, order[node], first_read) for c, m in later):
+            continue
+        if len(updated) > 1 and all(_sees(lm, root, c, m, updated, order[node], first_read) for c, m in later):
+            write_backs[node] = back
+            continue
+        found.append((node, union_origins(shards)))
+    return found, write_backs
 
 
-def _sees(lm: LayoutMap, root: dict, consumer: torch.fx.Node, member: torch.fx.Node, written: tuple,
+def _sees(lm: LayoutMap, root: dict, consumer: torch.fx.Node, member: torch.fx.Node, updated: set,
           at: int, first_read: dict) -> bool:
-    """``consumer``, after the write at ``at`` into the tensor ``written``, reads ``member`` from it,
-    or from a gather of it made after the write (the rewrite gathers where a value is first read)."""
-    read = _read_copy(lm, root, consumer, member)
-    if read == written:
+    """``consumer``, after the write at ``at``, reads ``member`` from a tensor it ``updated``, or from a
+    gather of one made after the write (the rewrite gathers where a value is first read)."""
+    if _read_copy(lm, root, consumer, member) in updated:
         return True
     how = lm.read_of(consumer, member)
     return (how in (Read.GATHER, Read.GLOBAL) and lm.layouts.get(member) is not None
-            and _copy(lm, root, member) == written and first_read[(how, member)] > at)
+            and _copy(lm, root, member) in updated and first_read[(how, member)] > at)
 
 
 def _copy(lm: LayoutMap, root: dict, node: torch.fx.Node) -> tuple:
