@@ -1,11 +1,19 @@
 """In-place writes: which ones the layout can follow, which ones it cannot.
 
 The aten graph dynashard plans on is not functionalized, so an in-place op (``add_``, ``copy_``,
-``index_copy_``) writes through whatever alias it is given. A write into a Shard through a
-shard-preserving alias is safe (the pointwise rule keeps ``self``'s layout); a write into a
-gathered copy, or between two reads sharing one gather, would be lost or seen stale: the plan
-keeps the written-to layers whole (auto) or refuses (a user plan). A rule for an in-place op
-that is not pointwise (a KV cache's ``index_copy_``) belongs here, registered with ``@rule``.
+``index_put_``) writes through whatever alias it is given. Before/after, the logits cut on the
+vocabulary (``follow_writes``)::
+
+    logits[logits < v] = -inf   index_put_(logits, [lt], -inf): written on this rank's part, lt cut alike
+    logits[..., 0] = -inf       fill_(select(logits, -1, 0)): written into the gather of the logits,
+                                which later gathered reads share; this rank's part copied back into
+                                the shard (a write-back) where a later read uses the shard
+    before = softmax(logits); logits[0] = 0; softmax(logits)
+                                the second softmax would share the gather made before the write:
+                                the plan keeps the head whole (auto) or refuses (a user plan)
+
+A rule for an in-place op that is not pointwise (a KV cache's ``index_copy_``, a masked write)
+belongs here, registered with ``@rule``.
 """
 
 from __future__ import annotations
