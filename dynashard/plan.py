@@ -24,14 +24,14 @@ import hashlib
 import torch.fx
 
 from dynashard.auto_plan import auto_decisions, follow_earlier_splits
-from dynashard.decision import Decision
+from dynashard.decision import Decision, split_dim
 from dynashard.errors import UsageError
 from dynashard.linear_forms import converted_source
 from dynashard.match import LinearMatch
 from dynashard.options import Options, Style
 from dynashard.propagate import propagate
 from dynashard.recut import Cuts, recut_until_stable
-from dynashard.rules.inplace import unsafe_mutations
+from dynashard.rules.inplace import follow_writes
 from dynashard.shard import LayoutMap, Wish
 from dynashard.split import Split, even
 from dynashard.user_plan import user_decisions
@@ -93,30 +93,34 @@ def make_plan(
         return recut_until_stable(decide, graph, by_node, cuts, modes, world, rank, auto)
 
     def finish(cuts: Cuts) -> Plan:
-        """The fixpoint's styles, then layers an unsafe in-place write reaches kept whole."""
+        """The fixpoint's styles, then layers an unsafe in-place write reaches, and weights whose uses
+        would be cut differently, kept whole (with every other use of their weights)."""
         decisions = solve(cuts)
         _describe_cuts(linears, decisions, cuts.splits)
         while True:
             biases = _held_biases(linears, decisions, cuts.splits, modes, presplit or {}, prewhole)
             layouts = propagate(graph, by_node, lambda m, _src: decisions[m.node].style, world, rank,
                                 splits=cuts.splits, states={**cuts.states, **biases}, **modes)
-            unsafe = unsafe_mutations(graph, layouts)
-            if not unsafe:
+            unsafe, layouts.write_backs = follow_writes(graph, layouts)
+            apart = _cut_apart(linears, decisions, layouts, world)
+            if not unsafe and not apart:
                 return Plan(linears, decisions, layouts, frozenset(biases))
-            node, origins = unsafe[0]
-            names = sorted(by_node[o].fqn for o in origins)
+            if unsafe:
+                node, origins = unsafe[0]
+                names = sorted({by_node[o].fqn for o in origins})
+                why = f"an in-place {node.target} writes into its output"
+                problem = (f"the in-place op {node.target} writes into the output of {names}, which the plan shards, "
+                           "through a view dynashard cannot keep sharded; expected out-of-place code there")
+            else:
+                origins = frozenset(m.node for m in apart[0])
+                names = sorted({f"{m.fqn} ({decisions[m.node].style})" for m in apart[0]})
+                why = f"its weight's uses would be cut differently: {', '.join(names)}"
+                problem = (f"the uses {names} of one weight would cut it differently (one stored shard serves "
+                           "them all); expected styles that cut it alike")
+                names = sorted({m.fqn for m in apart[0]})
             if options.plan != "auto":
-                raise UsageError(
-                    f"dynashard: the in-place op {node.target} writes into the output of {names}, which the plan "
-                    "shards, through a view dynashard cannot keep sharded; expected out-of-place code there, "
-                    f"or mark {names} 'replicate'."
-                )
-            for o in origins:  # keep the written-to layers whole and plan again
-                decisions[o] = Decision(Style.REPLICATE, f"an in-place {node.target} writes into its output")
-            for n, d in list(decisions.items()):  # partners now read a replicated input: say so
-                if d.style == Style.ROWWISE and d.fed_by & set(names):
-                    decisions[n] = Decision(
-                        Style.ROWWISE, f"input replicated ({', '.join(names)} kept whole): narrowed locally")
+                raise UsageError(f"dynashard: {problem}, or mark {names} 'replicate'.")
+            _keep_whole(linears, decisions, origins, why)
 
     cuts = Cuts()
     plan = finish(cuts)
@@ -172,6 +176,40 @@ def _readers_through_conversions(b: torch.fx.Node) -> set[torch.fx.Node]:
     for u in b.users:
         out |= set(u.users) if converted_source(u) is b else {u}
     return out
+
+
+def _cut_apart(linears: list[LinearMatch], decisions: dict, layouts: LayoutMap, world: int
+               ) -> list[list[LinearMatch]]:
+    """The uses of each weight that would not read one stored shard alike: some cut and some whole,
+    or cut on other dims or into other pieces (a layer called twice whose two inputs arrive cut
+    differently). One copy of a weight serves every use, so such uses can only all stay whole."""
+    uses: dict[torch.fx.Node, list[LinearMatch]] = {}
+    for m in linears:
+        uses.setdefault(m.weight, []).append(m)
+
+    def held(m: LinearMatch) -> tuple:
+        style = decisions[m.node].style
+        if style == Style.REPLICATE:
+            return (None,)
+        split = layouts.weight_split(m.node)
+        return split_dim(m, style), None if split is None else tuple(map(tuple, split.owned(world)))
+
+    return [ms for ms in uses.values() if len({held(m) for m in ms}) > 1]
+
+
+def _keep_whole(linears: list[LinearMatch], decisions: dict, origins: frozenset[torch.fx.Node], why: str) -> None:
+    """``origins`` replicated, and every other use of their weights with them (a tied LM head's
+    embedding, the other call of a layer called twice): one stored copy serves every use."""
+    weights = {m.weight for m in linears if m.node in origins}
+    kept = [m for m in linears if m.weight in weights]
+    names = {m.fqn for m in kept}
+    for m in kept:
+        reason = why if m.node in origins else f"kept whole with the other uses of its weight: {why}"
+        decisions[m.node] = Decision(Style.REPLICATE, reason)
+    for n, d in list(decisions.items()):  # partners now read a replicated input: say so
+        if d.style == Style.ROWWISE and d.fed_by & names:
+            decisions[n] = Decision(Style.ROWWISE, f"input replicated ({', '.join(sorted(names))} kept whole): "
+                                    "narrowed locally")
 
 
 def _sharded_numel(linears: list[LinearMatch], decisions: dict) -> int:

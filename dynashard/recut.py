@@ -18,7 +18,8 @@ nothing (1 K/V head a half on 2 ranks). Halves that units coarsened for GQA (pai
 heads) cannot deal to every rank ask for finer units instead (``WishKind.REFINE``).
 
 Invariants: a round only changes cuts (and, for the auto plan, forces styles), never the graph;
-the same layer of every block is re-cut together; a weight shared by several layers keeps its cut;
+the same layer of every block is re-cut together, and every use of one weight of one kind; a weight
+shared by uses of different kinds (a tied head and its embedding) keeps its cut;
 a re-cut never leaves a rank holding nothing it held before. Stopping at the round limit is safe.
 """
 
@@ -85,16 +86,17 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     A fused origin asked to stay whole keeps only its components with fewer units than ranks
     whole (a fused [q | k | v] with 2 KV heads on 4 ranks: q still cut, k and v held by all).
 
-    Wishes of one round combine: component boundaries first, then the least common unit. A
-    weight shared by several layers keeps its cut (its uses must agree). True if anything changed.
+    Wishes of one round combine: component boundaries first, then the least common unit. The uses
+    of one weight are re-cut together when they are of one kind (a layer called twice, a model run
+    twice in one graph, an expert weight used once per expert); a weight shared by uses of different
+    kinds (a tied head and its embedding) keeps its cut. True if anything changed.
     """
     by_node = {m.node: m for m in linears}
     splits, forced = cuts.splits, cuts.forced
     uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for m in linears:
         uses.setdefault(m.weight, []).append(m.node)
-    # One expert weight used once per expert (``W[e]`` in a loop): its uses are re-cut together.
-    family = {n: ns for ns in uses.values() if all(by_node[n].kind.experts for n in ns) for n in ns}
+    family = _families(uses, by_node)
     boundaries: dict[torch.fx.Node, set[int]] = {}
     units: dict[torch.fx.Node, int] = {}
     refined: dict[torch.fx.Node, tuple[int, frozenset[int]]] = {}
@@ -174,10 +176,25 @@ def _recut_siblings(recut: dict, splits: dict, linears: list[LinearMatch], uses:
         by_pattern[(_block_pattern(by_node[o].fqn), by_node[o].out_features)] = change
     for m in linears:
         change = by_pattern.get((_block_pattern(m.fqn), m.out_features))
-        if change is None or m.node in recut or len(uses[m.weight]) > 1 or m.node in family:
+        members = family.get(m.node, [m.node])
+        if change is None or len(uses[m.weight]) != len(members) or any(n in recut for n in members):
             continue
-        if splits.get(m.node, even(m.out_features)) == change[0]:
-            splits[m.node] = change[1]
+        if all(splits.get(n, even(m.out_features)) == change[0] for n in members):
+            for n in members:
+                splits[n] = change[1]
+
+
+def _families(uses: dict[torch.fx.Node, list[torch.fx.Node]], by_node: dict[torch.fx.Node, LinearMatch]
+              ) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Use -> every use of its weight, for weights used several times by one kind of computation on
+    the same dims (their outputs cut alike read one stored shard): a layer called twice, a model run
+    twice in one graph (a generate loop Dynamo unrolls), an expert weight used once per expert."""
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for ns in uses.values():
+        if len(ns) > 1 and len({(by_node[n].kind.name, by_node[n].weight_form, by_node[n].out_features)
+                                for n in ns}) == 1:
+            out.update(dict.fromkeys(ns, ns))
+    return out
 
 
 def _block_pattern(fqn: str) -> str:

@@ -70,6 +70,7 @@ class _Sharder(torch.fx.Interpreter):
         self.weights = {n for m in sharded for n in (m.weight, m.transpose, *m.operand_path) if n is not None}
         self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
         self.roots, self.written = alias_roots(gm.graph), mutated_roots(gm.graph)
+        self.local_of_gathered: dict[torch.fx.Node, Any] = {}  # write-back targets' shards, as gathered
 
     def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None, to_shards: bool = False
                  ) -> Any:
@@ -146,6 +147,8 @@ class _Sharder(torch.fx.Interpreter):
         key = (how, producer)
         if key not in self.converted:
             self.converted[key] = self._convert(how, producer, value, out)
+            if how == Read.GATHER and producer in self.lm.write_backs.values():
+                self.local_of_gathered[producer] = value
         if sharded_reader and self.lm.layouts.get(producer) is not None:  # gathered, then read by a sharded op
             key = ("copy", how, producer)
             if key not in self.converted:
@@ -159,6 +162,14 @@ class _Sharder(torch.fx.Interpreter):
             return self._run(node)
 
     def _run(self, node: torch.fx.Node) -> Any:
+        out = self._emit(node)
+        gathered = self.lm.write_backs.get(node)
+        if gathered is not None:  # a write into a gather: this rank's part of it copied into the shard
+            part = take(self.converted[(Read.GATHER, gathered)], self.lm.layouts[gathered])
+            self.local_of_gathered[gathered].copy_(part)
+        return out
+
+    def _emit(self, node: torch.fx.Node) -> Any:
         record = self.lm.records[node]
         if record.lowering is None and record.resize is None and node.target not in _VIEWS:
             return self.run_op(node)  # the op itself on converted arguments: every argument carried

@@ -195,6 +195,9 @@ class LayoutMap:
     wishes: list[Wish] = dataclasses.field(default_factory=list)
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     written: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # values an in-place op writes into
+    # in-place writes into a gather of a Shard, copied back into that shard (the plan's rules.inplace.follow_writes):
+    # the in-place node -> the value gathered
+    write_backs: dict[torch.fx.Node, torch.fx.Node] = dataclasses.field(default_factory=dict)
     # Graph inputs held sharded because the graph writes Shards into them in place (KV caches):
     # placeholder -> its layout, seeded by the plan (Cuts.states) before the walk.
     states: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)

@@ -139,7 +139,9 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
 
 
 class _RecordsLinears:
-    """Mixin for an fx.Interpreter: keep each linear's output (the interpreter frees dead values)."""
+    """Mixin for an fx.Interpreter: keep each linear's output (the interpreter frees dead values), as
+    a copy: a later in-place write (``logits[..., 0] = -inf``) lands in the output itself on one side
+    and in a gather of it on the other."""
 
     linears: set
     seen: dict
@@ -147,7 +149,7 @@ class _RecordsLinears:
     def run_node(self, node):
         value = super().run_node(node)
         if node in self.linears:
-            self.seen[node] = value
+            self.seen[node] = value.clone() if torch.is_tensor(value) else value
         return value
 
 

@@ -482,3 +482,114 @@ def test_weight_checksum_sees_values_moved(rows, row_len, dtype, moved, data):
     assume(not torch.equal(v, w))  # (equal values swapped move nothing)
     assert not close(checksum(w), checksum(v))
     assert close(checksum(w), checksum(w.clone()))
+
+
+def _write(t: torch.Tensor, form: str, twin: bool) -> torch.Tensor:
+    """``t`` written in place as sampling and masking code writes it (issue 42), or (``twin``) the
+    out-of-place op that computes the same value."""
+    if form in ("mask", "topk", "rows"):
+        if form == "mask":
+            mask = t < 0
+        elif form == "topk":  # nanoGPT's generate
+            mask = t < torch.topk(t, min(3, t.shape[-1]))[0][..., [-1]]
+        else:  # whole rows, picked by a value of each
+            mask = t[..., 0] > 0
+        if twin:
+            return t.masked_fill(mask if form != "rows" else mask[..., None], 0.5)
+        t[mask] = 0.5
+    elif form == "list":
+        if twin:
+            return t.index_fill(-1, torch.tensor([0, t.shape[-1] - 1]), 0.5)
+        t[..., [0, -1]] = 0.5
+    elif form == "last_feature":
+        if twin:
+            return torch.select_scatter(t, torch.full_like(t[..., 0], 0.5), -1, 0)
+        t[..., 0] = 0.5
+    elif form == "first_row":
+        if twin:
+            return torch.select_scatter(t, torch.full_like(t[0], 0.5), 0, 0)
+        t[0] = 0.5
+    elif form == "mul_":
+        return t * 2.0 if twin else t.mul_(2.0)
+    else:  # clamp_
+        return t.clamp(min=-0.5) if twin else t.clamp_(min=-0.5)
+    return t
+
+
+WRITES = ["mask", "topk", "rows", "list", "last_feature", "first_row", "mul_", "clamp_"]
+
+
+class WrittenOutput(nn.Module):
+    """An up projection's output written in place (on itself or a ``.clone()``), then read by its
+    rowwise partner or returned through a softmax (logits); ``alias``: a view of it taken before the
+    write and read after it, which must see the write too."""
+
+    def __init__(self, hidden, ffn, form, clone, tail, alias, twin=False):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.form, self.clone, self.tail, self.alias, self.twin = form, clone, tail, alias, twin
+
+    def forward(self, x):
+        t = self.up(x)
+        t = t.clone() if self.clone else t
+        view = t[..., :] if self.alias else None
+        t = _write(t, self.form, self.twin)
+        if view is not None:
+            t = t + view
+        return self.down(F.gelu(t)) if self.tail == "down" else F.softmax(t, -1)
+
+
+@fuzz(6, 25, world=st.integers(2, 4), hidden=st.integers(2, 24), ffn=st.integers(2, 40), form=st.sampled_from(WRITES),
+      clone=st.booleans(), tail=st.sampled_from(["down", "softmax"]), alias=st.booleans(), shape3d=st.booleans(),
+      data=st.data())
+def test_random_written_outputs(world, hidden, ffn, form, clone, tail, alias, shape3d, data):
+    """In-place writes on a cut output, every form through the rules that keep it cut, the gather the
+    indexing needs (copied back where the shard is read after it), or the plan keeping the layer
+    whole: every simulated rank equal to the model; every layer the out-of-place twin cuts is cut,
+    and (no view read across the write) none is kept whole for the write."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
+    model = WrittenOutput(hidden, ffn, form, clone, tail, alias)
+    options = {"min_shard_numel": 0}
+    report = dynashard.explain(model, x, world_size=world, options=options, verify=True)
+    twin = WrittenOutput(hidden, ffn, form, clone, tail, alias, twin=True)
+    twin.load_state_dict(model.state_dict())
+    twin_report = dynashard.explain(twin, x, world_size=world, options=options)
+    cut = {n for n, s in twin_report.layers.items() if s != "replicate"}
+    assert cut <= {n for n, s in report.layers.items() if s != "replicate"}, f"{report}\n--- twin:\n{twin_report}"
+    assert alias or "in-place" not in str(report), str(report)
+
+
+class Generate(nn.Module):
+    """nanoGPT greedy decoding unrolled in one graph (``runs`` forwards: every weight read ``runs``
+    times), optionally one block object listed twice (its weights read twice per forward)."""
+
+    def __init__(self, heads, dh, layers, shared_block, flash, runs):
+        super().__init__()
+        self.gpt = models.NanoGPT(vocab=40, n_embd=heads * dh, n_head=heads, n_layer=layers, flash=flash)
+        if shared_block:
+            self.gpt.h = nn.ModuleList([self.gpt.h[0]] * layers)
+        self.runs = runs
+
+    def forward(self, idx):
+        for _ in range(self.runs):
+            idx = torch.cat([idx, self.gpt(idx)[:, -1, :].argmax(-1, keepdim=True)], 1)
+        return idx
+
+
+# (each example plans and simulates nanoGPT two to three times over; FUZZ_EXAMPLES=40 passed when written)
+@fuzz(4, 15, world=st.integers(2, 4), heads=st.integers(1, 6), dh=st.sampled_from([2, 4, 8]), layers=st.integers(1, 2),
+      shared_block=st.booleans(), flash=st.booleans(), runs=st.integers(2, 3), data=st.data())
+def test_random_reused_weights(world, heads, dh, layers, shared_block, flash, runs, data):
+    """Weights used more than once in one graph (issue 42 item 4): the model run ``runs`` times (and a
+    block called twice per run, a tied head): tokens equal on every simulated rank, and every layer
+    planned as for one forward."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    model = Generate(heads, dh, layers, shared_block and layers > 1, flash, runs)
+    idx = torch.randint(0, 40, (2, 4))
+    options = {"min_shard_numel": 0}
+    report = dynashard.explain(model, idx, world_size=world, options=options, verify=True)
+    model.runs = 1
+    once = dynashard.explain(model, idx, world_size=world, options=options)
+    assert sorted({(r.fqn, str(r.style)) for r in report.rows}) == sorted({(r.fqn, str(r.style)) for r in once.rows}), (
+        f"{report}\n--- run once:\n{once}")

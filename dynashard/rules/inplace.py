@@ -1,11 +1,19 @@
 """In-place writes: which ones the layout can follow, which ones it cannot.
 
 The aten graph dynashard plans on is not functionalized, so an in-place op (``add_``, ``copy_``,
-``index_copy_``) writes through whatever alias it is given. A write into a Shard through a
-shard-preserving alias is safe (the pointwise rule keeps ``self``'s layout); a write into a
-gathered copy, or between two reads sharing one gather, would be lost or seen stale: the plan
-keeps the written-to layers whole (auto) or refuses (a user plan). A rule for an in-place op
-that is not pointwise (a KV cache's ``index_copy_``) belongs here, registered with ``@rule``.
+``index_put_``) writes through whatever alias it is given. Before/after, the logits cut on the
+vocabulary (``follow_writes``)::
+
+    logits[logits < v] = -inf   index_put_(logits, [lt], -inf): written on this rank's part, lt cut alike
+    logits[..., 0] = -inf       fill_(select(logits, -1, 0)): written into the gather of the logits,
+                                which later gathered reads share; this rank's part copied back into
+                                the shard (a write-back) where a later read uses the shard
+    before = softmax(logits); logits[0] = 0; softmax(logits)
+                                the second softmax would share the gather made before the write:
+                                the plan keeps the head whole (auto) or refuses (a user plan)
+
+A rule for an in-place op that is not pointwise (a KV cache's ``index_copy_``, a masked write)
+belongs here, registered with ``@rule``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import torch.fx
 from dynashard import _torch_private_aten as private_aten
 from dynashard.nodes import all_args, mutates_self, norm_dim, op_name, size_at, val
 from dynashard.rules.registry import rule
-from dynashard.shard import LayoutMap, Read, Record, Shard, WishKind
+from dynashard.shard import LayoutMap, Read, Record, Shard, WishKind, union_origins
 
 aten = torch.ops.aten
 
@@ -46,24 +54,31 @@ def mutated_roots(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     }
 
 
-def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.fx.Node, frozenset[torch.fx.Node]]]:
-    """In-place writes the layout cannot follow (the aten graph is not functionalized).
+def follow_writes(graph: torch.fx.Graph, lm: LayoutMap
+                  ) -> tuple[list[tuple[torch.fx.Node, frozenset[torch.fx.Node]]], dict[torch.fx.Node, torch.fx.Node]]:
+    """In-place writes the layout cannot follow (the aten graph is not functionalized), and the
+    writes into a gather that are copied back into the shard they were gathered from.
 
-    Safe: a write into a Shard through a shard-preserving alias, as long as no gather of that
-    memory is shared across the write. Unsafe, returned with the origins of the Shard whose memory
-    it touches: a write through an alias that was gathered (it would change a copy, not the shard),
-    or a write between two reads that share one cached gather of the same memory. A write into
-    partial sums (or into memory a partial value aliases) is unsafe too: the reads see one
-    all-reduced copy.
+    Once sharded, one value of the model may live in several tensors of a rank: its shard, a gather
+    of it (one per value and conversion, made where it is first read, shared by its later readers),
+    a narrowed copy. A write lands in one of them: the shard (a write the rule keeps sharded), or a
+    gather (``logits[..., 0] = -inf`` gathers the logits' cut dim first). It is safe when every later
+    read of that memory, through any alias, reads a tensor the write updated, or a gather of an
+    updated shard made after the write. A write into a gather updates the shard too where a later
+    read needs it (a write-back: this rank's part of the gather copied into the shard, no
+    collective); returned as in-place node -> the value gathered. Unsafe, returned with the origins
+    of the Shards whose memory it touches: a later read of a copy not updated (a gather made before
+    a write into the shard). A write into partial sums (or into memory a partial value aliases) is
+    unsafe too: the reads see one all-reduced copy.
     """
     root = alias_roots(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    gathers: dict[torch.fx.Node, list[int]] = {}
+    first_read: dict[tuple[Read, torch.fx.Node], int] = {}
     for consumer, record in lm.records.items():
         for producer, how in record.reads.items():
-            if how in (Read.GATHER, Read.GLOBAL) and lm.layouts.get(producer) is not None:
-                gathers.setdefault(producer, []).append(order[consumer])
-    found = []
+            key = (how, producer)
+            first_read[key] = min(first_read.get(key, order[consumer]), order[consumer])
+    found, write_backs = [], {}
     for node in graph.nodes:
         if node.op != "call_function" or not mutates_self(node) or not isinstance(node.args[0], torch.fx.Node):
             continue
@@ -73,16 +88,52 @@ def unsafe_mutations(graph: torch.fx.Graph, lm: LayoutMap) -> list[tuple[torch.f
         if partial and node not in lm.partial:  # (an add_ of partials into its own memory: rules/partial.py)
             found.append((node, partial))
             continue
-        shard = next((lm.layouts[m] for m in members if lm.layouts.get(m) is not None), None)
-        if shard is None:
+        shards = [lm.layouts[m] for m in members if lm.layouts.get(m) is not None]
+        if not shards:
             continue
-        # a write into a copy: of a replicated alias of the shard, or of a gather the op itself reads
-        read = lm.read_of(node, node.args[0])
-        through_copy = lm.layouts.get(node.args[0]) is None or read in (Read.GATHER, Read.GLOBAL)
-        stale = any(min(gathers.get(m, [order[node]])) < order[node] < max(gathers.get(m, [0])) for m in members)
-        if through_copy or stale:
-            found.append((node, shard.origins))
-    return found
+        written = _read_copy(lm, root, node, node.args[0])
+        updated = {written}
+        back = written[1] if written[0] == Read.GATHER and not lm.per_rank else None
+        if back is not None and _copy(lm, root, back)[0] == "own":  # the gathered shard: base memory, or a view
+            updated.add(_copy(lm, root, back))
+        later = [(c, m) for m in members for c in m.users if order[c] > order[node]]
+        if all(_sees(lm, root, c, m, {written}, order[node], first_read) for c, m in later):
+            continue
+        if len(updated) > 1 and all(_sees(lm, root, c, m, updated, order[node], first_read) for c, m in later):
+            write_backs[node] = back
+            continue
+        found.append((node, union_origins(shards)))
+    return found, write_backs
+
+
+def _sees(lm: LayoutMap, root: dict, consumer: torch.fx.Node, member: torch.fx.Node, updated: set,
+          at: int, first_read: dict) -> bool:
+    """``consumer``, after the write at ``at``, reads ``member`` from a tensor it ``updated``, or from a
+    gather of one made after the write (the rewrite gathers where a value is first read)."""
+    if _read_copy(lm, root, consumer, member) in updated:
+        return True
+    how = lm.read_of(consumer, member)
+    return (how in (Read.GATHER, Read.GLOBAL) and lm.layouts.get(member) is not None
+            and _copy(lm, root, member) in updated and first_read[(how, member)] > at)
+
+
+def _copy(lm: LayoutMap, root: dict, node: torch.fx.Node) -> tuple:
+    """The tensor of this rank that ``node``'s value lives in: its own memory, or (an alias) its
+    input's as the alias reads it."""
+    if node not in root:
+        return ("own", node)
+    return _read_copy(lm, root, node, node.args[0])
+
+
+def _read_copy(lm: LayoutMap, root: dict, consumer: torch.fx.Node, producer: torch.fx.Node) -> tuple:
+    """The tensor ``consumer`` reads ``producer`` from: the producer's own, a gather of it (shared by
+    every reader converting it the same way), or a narrowed copy of its own."""
+    how = lm.read_of(consumer, producer)
+    if how in (None, Read.LOCAL) or (how == Read.GATHER and lm.layouts.get(producer) is None):
+        return _copy(lm, root, producer)
+    if how in (Read.GATHER, Read.GLOBAL):
+        return (how, producer)
+    return (how, producer, consumer)  # narrowed for this consumer alone
 
 
 # Writes into a KV cache: ``cache[:, :, pos] = k`` (index_put_), ``cache.index_copy_(2, pos, k)``,
@@ -104,9 +155,31 @@ def index_put(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     indexed = [i for i, ix in enumerate(indices) if ix is not None]
     if len(indexed) != 1 or not isinstance(values, torch.fx.Node) or val(indices[indexed[0]]) is None:
         return None
-    if val(indices[indexed[0]]).dim() != 1 or val(indices[indexed[0]]).dtype == torch.bool:
+    if val(indices[indexed[0]]).dtype == torch.bool:
+        return _write_masked(lm, node, target, indexed[0], indices[indexed[0]], values)
+    if val(indices[indexed[0]]).dim() != 1:
         return None
     return _write_along(lm, node, target, values, indexed[0])
+
+
+def _write_masked(lm: LayoutMap, node: torch.fx.Node, target: torch.fx.Node, at: int, mask: torch.fx.Node,
+                  values: torch.fx.Node) -> Record | None:
+    """``self[mask] = v`` (nanoGPT's top-k ``logits[logits < v[:, [-1]]] = -inf``), masked_fill's
+    in-place twin, written on this rank's part: a mask over the trailing dims, cut dim included, is
+    read cut alike and ``v`` is one value; a mask over dims before the cut leaves whole rows of it,
+    and ``v`` (aligned from the end, as index_put_ broadcasts it) is read as a part of them."""
+    held, t, m, v = lm.layouts.get(target), val(target), val(mask), val(values)
+    if held is None or t is None or m is None or v is None:
+        return None
+    cut, end = t.dim() + held.dim, at + m.dim()
+    if end <= cut:  # the mask picks whole rows of the cut dim
+        if lm.layouts.get(mask) is not None or not lm.can_read_as_shard(values, held, t.dim()):
+            return None
+        return _writes(lm, node, values, held)
+    if end != t.dim() or v.numel() != 1 or lm.layouts.get(values) is not None \
+            or not lm.can_read_as_shard(mask, held, t.dim()):
+        return None
+    return Record(held, {a: lm.as_shard(a, held) if a is mask else Read.LOCAL for a in all_args(node)})
 
 
 @rule(aten.index_copy_.default)

@@ -84,7 +84,7 @@ def _adds_into_own(lm: LayoutMap, node: torch.fx.Node) -> bool:
     """``p.add_(q)`` where ``p`` is partial sums in memory nothing else reads (``p`` and each value
     it views, back to the op that made the memory, read once: by the next view, then this add):
     the sum is written where no all-reduced copy of ``p`` is read, so it stays partial (a later
-    write into it is refused: inplace.unsafe_mutations)."""
+    write into it is refused: inplace.follow_writes)."""
     target = node.args[0]
     if node.target is not aten.add_.Tensor or len(node.args) != 2 or set(node.kwargs) - {"alpha"}:
         return False
