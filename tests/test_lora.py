@@ -151,3 +151,56 @@ def test_lora_training_matches_the_twin(rank, world):
     out_err, grad_err, missing = _train(model, twin, _batches())
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+class Chain(nn.Module):
+    """Two MLPs back to back, no residual: the first's output (its down projection's partial sums
+    with its LoRA's) is read by the second's colwise up projection directly, all-reduced first."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 64) -> None:
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
+        self.up2, self.down2 = nn.Linear(hidden, ffn, bias=False), nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down2(F.gelu(self.up2(self.down1(F.gelu(self.up1(x))))))
+
+
+@on_ranks
+def test_partial_sums_all_reduced_into_a_sharded_layer_train_as_the_twin(rank, world):
+    """down1's partial sums (with its LoRA's) are all-reduced where up2, colwise, reads them: with
+    gradients that read goes through f (identity forward, all_reduce backward), or the gradient
+    reaching down1 and its adapter would be each rank's part of it only."""
+    import peft
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Chain(), peft.LoraConfig(r=4, target_modules=["down1"]))
+    randomise_b(model, 1)
+    for p in model.parameters():  # the base layers train too: up1 and down1 sit before the read
+        p.requires_grad_(True)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 5, 32)
+    plan = str(dynashard.explain(copy.deepcopy(model), x, options=OPTIONS))
+    assert plan.count("all_reduce") >= 1 and "all_gather" not in plan, plan
+    dynashard.parallelize(model, x, options=OPTIONS)
+    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    fast(x).pow(2).mean().backward()
+    twin(x).pow(2).mean().backward()
+    err, missing = _grads(model, twin)
+    assert not missing and err < RTOL, (err, missing)
+
+
+@on_ranks
+def test_lora_dropout_in_train_mode_matches_the_twin_from_the_same_seed(rank, world):
+    """lora_dropout=0.1 in train mode: every rank draws each dropout's whole mask (the rowwise layers'
+    dropout reads a cut input: each keeps its part, rules/pointwise.dropout), as the unsharded model
+    draws it from the same seed, so the masks, logits and gradients are the twin's."""
+    model = Logits(lora(llama(layers=1), dropout=0.1)).train()
+    twin = copy.deepcopy(model)
+    ids = _batches(1)[0][0]
+    plan = str(dynashard.explain(copy.deepcopy(model), ids, options=OPTIONS))
+    assert "all_gather" not in plan, plan
+    dynashard.parallelize(model, ids, options=OPTIONS)
+    out_err, grad_err, missing = _train(model, twin, _batches(2), seeds=[11, 12])
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
