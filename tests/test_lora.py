@@ -204,3 +204,62 @@ def test_lora_dropout_in_train_mode_matches_the_twin_from_the_same_seed(rank, wo
     out_err, grad_err, missing = _train(model, twin, _batches(2), seeds=[11, 12])
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_adapters_save_whole_and_load_in_every_order(rank, world, tmp_path):
+    """After a step of training at world 2, PEFT's save_pretrained (every rank calls it, rank 0 writes)
+    writes the whole adapters, the twin's; they load into a fresh base before parallelize
+    (PeftModel.from_pretrained), into a parallelized model's adapter (set_peft_model_state_dict: whole
+    values cut on load) and as a second adapter after parallelize (load_adapter; inference), each giving
+    the trained twin's logits. Adapters attached after parallelize run sharded but are refused by the
+    optimizer (they were cut by the compile, not registered); the base's save_pretrained is refused."""
+    import peft
+    from safetensors.torch import load_file
+
+    from tests.scenarios import from_rank0, raised
+
+    ids = _batches(1)[0][0]
+    model = Logits(lora(llama(layers=1)))
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, ids, options=OPTIONS)
+    _train(model, twin, _batches(1))
+    path = str(tmp_path / "adapter")
+    model.lm.save_pretrained(path)
+    torch.distributed.barrier()
+    saved = load_file(f"{path}/adapter_model.safetensors")
+    want = peft.utils.get_peft_model_state_dict(twin.lm)
+    # (float32: one SGD step from equal values, the gradients summed in another order)
+    err = from_rank0(max(float((saved[k] - want[k]).abs().max()) if saved[k].shape == want[k].shape else float("inf")
+                         for k in want) if sorted(saved) == sorted(want) else float("inf"))
+    assert err < 1e-6, err
+    base_save = raised(lambda: model.lm.base_model.model.save_pretrained(str(tmp_path / f"base{rank}")))
+    assert "export_safetensors" in str(base_save), base_save
+    with torch.no_grad():
+        reference = twin(ids)
+
+        loaded_first = Logits(peft.PeftModel.from_pretrained(llama(layers=1), path))
+        dynashard.parallelize(loaded_first, ids, options=OPTIONS)
+        first_err = float((loaded_first(ids) - reference).abs().max())
+
+        into = Logits(lora(llama(layers=1), seed=5))
+        dynashard.parallelize(into, ids, options=OPTIONS)
+        peft.set_peft_model_state_dict(into.lm, load_file(f"{path}/adapter_model.safetensors"))
+        into_err = float((into(ids) - reference).abs().max())
+        into.lm.load_adapter(path, adapter_name="second")
+        into.lm.set_adapter("second")
+        second_err = float((into(ids) - reference).abs().max())
+
+        after = Logits(llama(layers=1))
+        after_twin = copy.deepcopy(after)
+        dynashard.parallelize(after, ids, options=OPTIONS)
+        torch.manual_seed(3)
+        after.lm = lora(after.lm)
+        torch.manual_seed(3)
+        after_twin.lm = lora(after_twin.lm)
+        after_err = float((after(ids) - after_twin(ids)).abs().max())
+    assert max(first_err, into_err, second_err, after_err) < 1e-5, (first_err, into_err, second_err, after_err)
+    opt = torch.optim.SGD([p for p in after.parameters() if p.requires_grad], lr=0.1)
+    torch.compile(after, backend=dynashard.backend(**OPTIONS))(ids).sum().backward()
+    refused = raised(opt.step)
+    assert "attach adapters before parallelize" in str(refused), refused
