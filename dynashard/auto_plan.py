@@ -29,6 +29,7 @@ import torch.fx
 
 from dynashard.decision import Decision, shared_conflicts, split_dim, style_along
 from dynashard.match import LinearMatch
+from dynashard.match_adapters import LowRankUpdate, find_low_rank_updates
 from dynashard.options import Options, Style
 from dynashard.propagate import propagate
 from dynashard.recut import Cuts
@@ -52,12 +53,17 @@ def auto_decisions(
     expanded: dict[torch.fx.Node, list[LinearMatch]] = {}  # origin -> the expanding layers it fed
     bottlenecks: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}  # expanding layer -> its origins
 
+    by_node = {m.node: m for m in linears}
+    updates = find_low_rank_updates(graph, by_node)
+
     def choose(m: LinearMatch, src: Shard | None) -> str:
         numel = m.numel
         if m.node in cuts.forced:
             decisions[m.node] = cuts.forced[m.node]
         elif blocked[m.node]:
             decisions[m.node] = Decision(Style.REPLICATE, blocked[m.node])
+        elif (follows := adapter_decision(m, updates, decisions)) is not None:
+            decisions[m.node] = follows
         elif numel < options.min_shard_numel:
             decisions[m.node] = Decision(
                 Style.REPLICATE, f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
@@ -86,7 +92,6 @@ def auto_decisions(
             decisions[m.node] = Decision(Style.COLWISE, "")
         return decisions[m.node].style
 
-    by_node = {m.node: m for m in linears}
     walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, states=cuts.states, **modes)
     wishes.extend(walked.wishes)
     for node, origins in bottlenecks.items():  # cut colwise for nothing: pair with the origins after all
@@ -103,7 +108,7 @@ def auto_decisions(
                                    "(cut colwise, its shard would reach no rowwise partner)", frozenset(names))
     for m in linears:
         d = decisions[m.node]
-        if d.style != Style.COLWISE:
+        if d.style != Style.COLWISE or adapter_decision(m, updates, decisions) is not None:
             continue
         if m.node in partners:
             partner = ", ".join(sorted(set(partners[m.node])))
@@ -128,7 +133,43 @@ def auto_decisions(
             )
     for ms in shared_conflicts(linears, decisions).values():
         _settle_shared(ms, decisions, blocked, modes["stacked"], modes["per_rank"])
+    follow_bases(linears, updates, decisions, lambda m: m.node not in cuts.forced and not blocked[m.node])
     return decisions
+
+
+def adapter_decision(m: LinearMatch, updates: dict[torch.fx.Node, LowRankUpdate],
+                     decisions: dict[torch.fx.Node, Decision]) -> Decision | None:
+    """A LoRA's A or B cut by its base layer's style (decided first: it comes first in the graph),
+    so that the adapter adds no collective; None for any other linear."""
+    update = updates.get(m.node)
+    if update is None or m not in (update.a, update.b) or update.base_linear.node not in decisions:
+        return None
+    base, style = update.base_linear.fqn, decisions[update.base_linear.node].style
+    if style == Style.REPLICATE:
+        return Decision(Style.REPLICATE, f"LoRA {'A' if m is update.a else 'B'} of {base}, kept whole like it")
+    if m is update.a and style == Style.COLWISE:
+        return Decision(Style.REPLICATE, f"LoRA A of colwise {base}: whole (its input is replicated); B is cut "
+                                         "like the base")
+    if m is update.b and style == Style.COLWISE:
+        return Decision(Style.COLWISE, f"LoRA B of colwise {base}: cut on its output features like it; the "
+                                       "two shards are added locally")
+    if m is update.b:
+        return Decision(Style.REPLICATE, f"LoRA B of rowwise {base}: whole, applied to each rank's partial sums "
+                                         "of A; they join the base's")
+    if update.base_linear.bias is not None:
+        return Decision(Style.ROWWISE, f"LoRA A of rowwise {base}: cut on its input features like it; one "
+                                       f"all_reduce of its {m.out_features} features (the base's bias is added "
+                                       "after the base's own)")
+    return Decision(Style.ROWWISE, f"LoRA A of rowwise {base}: cut on its input features like it; its partial "
+                                   "sums join the base's one all_reduce through B")
+
+
+def follow_bases(linears: list[LinearMatch], updates: dict[torch.fx.Node, LowRankUpdate],
+                 decisions: dict[torch.fx.Node, Decision], free=lambda m: True) -> None:
+    """Every LoRA A and B for which ``free(m)``, cut by its base's final style."""
+    for m in linears:
+        if free(m) and (follows := adapter_decision(m, updates, decisions)) is not None:
+            decisions[m.node] = follows
 
 
 def _bottleneck(origins: list[LinearMatch], m: LinearMatch) -> bool:

@@ -29,7 +29,6 @@ from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
 from dynashard.lowerings import DropoutOfCut, RowwiseExperts
-from dynashard.nodes import tensor_args, val
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
@@ -279,20 +278,14 @@ def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str
 
 
 def _untrainable_partial(lm: Any) -> str | None:
-    """Partial sums whose backward the all_reduce's (identity: Megatron's g) does not get right:
-    an expert's (the router weights scale it: their gradient would be each rank's term only), or
-    any scaled by a replicated float tensor. A sum or mean of a Shard over its cut dim (a norm
-    over every head) reads only the shard: its gradient is each rank's own."""
-    for node, record in lm.records.items():
-        if record.partial is None:
-            continue
-        if isinstance(record.lowering, RowwiseExperts):
+    """Partial sums whose backward is not built: an expert's (the router weights scale it and pick
+    its rows). Others are right: the all_reduce's backward is the identity (Megatron's g), and every
+    replicated tensor an op keeping partial sums reads (a LoRA's whole B) goes through f
+    (rewrite.py), so its gradient is every rank's term summed. A sum or mean of a Shard over its cut
+    dim (a norm over every head) reads only the shard: its gradient is each rank's own."""
+    for record in lm.records.values():
+        if record.partial is not None and isinstance(record.lowering, RowwiseExperts):
             return "mixture-of-experts partial sums (their backward is not built yet)"
-        scaled = [a for a in tensor_args(node) if a not in lm.partial and lm.layouts.get(a) is None
-                  and val(a) is not None and val(a).is_floating_point()]
-        if scaled:
-            return (f"partial sums at {node.name} scaled by {scaled[0].name}, a replicated tensor (its gradient "
-                    "would be each rank's term only)")
     return None
 
 

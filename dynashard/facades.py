@@ -367,11 +367,16 @@ def _refusal(name: str, args: tuple, kwargs: dict) -> UsageError:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole value of a tensor dynashard sharded (a facade, or a shard ``parallelize`` registered, or
-    another handle of that shard's memory: ``.detach()``, ``.data``, a ``state_dict()`` value), gathered
+    another handle of that shard's memory: ``.detach()``, ``.data``, a ``state_dict()`` value, or such a
+    parameter's ``.grad``), gathered
     from every rank of its group: every rank must call it, in the same order. Any other tensor is returned
     as it is."""
     store = _store()
     facade = store.facade_of(t) if not is_facade(t) else t
+    owner = getattr(t, "_dynashard_param", None)  # a sharded parameter's gradient (gradients.ShardGrad)
+    piece = None
+    if facade is None and owner is not None and owner() is not None:
+        facade, piece = store.facade_of(owner()), t  # (without it: this rank's piece, returned as if whole)
     if facade is None and not is_facade(t) and isinstance(t, torch.Tensor):
         facade = store.facade_sharing_memory(t)  # (without it: this rank's piece, returned as if whole)
     entry = store.entry(facade) if facade is not None else None
@@ -383,4 +388,5 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from dynashard.transport import gather_pieces
 
     group = private.group_by_name(entry.spec.group_name)
-    return gather_pieces(entry.shard.detach(), list(facade.shape), entry.spec, group)
+    shard = entry.shard if piece is None else piece.as_subclass(torch.Tensor)
+    return gather_pieces(shard.detach(), list(facade.shape), entry.spec, group)

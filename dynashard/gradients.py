@@ -18,6 +18,7 @@ rank. Every rank must clip the same parameters in the same order, as for any col
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from dynashard.protocol import peer_guard
 
 
 class ShardGrad(torch.Tensor):
-    """A sharded parameter's gradient: its norm is the whole gradient's (see the module docstring)."""
+    """A sharded parameter's gradient: its norm is the whole gradient's (see the module docstring), and
+    ``dynashard.full_tensor`` of it is the whole gradient (it knows its parameter)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -76,6 +78,7 @@ def mark(param: torch.Tensor, group: dist.ProcessGroup) -> None:
         if p.grad is not None and not isinstance(p.grad, ShardGrad) and not p.grad.is_sparse:
             g = p.grad.as_subclass(ShardGrad)
             g._dynashard_group = group
+            g._dynashard_param = weakref.ref(p)  # (dynashard.full_tensor(p.grad) gathers it by p's placement)
             p.grad = g
 
     param.register_post_accumulate_grad_hook(as_shard_grad)

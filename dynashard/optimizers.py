@@ -69,7 +69,9 @@ class FreedWeights:
                         f"dynashard: {type(optimizer).__name__} holds a full-size parameter of shape {list(p.shape)} "
                         "that dynashard sharded and freed; its gradients go to this rank's shard, so this "
                         "optimizer would train nothing. Expected the optimizer built after "
-                        "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards)."
+                        "dynashard.parallelize(model, example_inputs), over model.parameters() (the shards); "
+                        "layers added after parallelize (PEFT's get_peft_model or load_adapter) are cut by the "
+                        "compile but not registered: attach adapters before parallelize to train them."
                     )
                 facade = STORE.facade_of(p)
                 if facade is not None:

@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch_private as private
-from dynashard import dtensor_params
+from dynashard import adapters, dtensor_params
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
 from dynashard.facades import storage_less
@@ -129,6 +129,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     if mesh is not None:
         dtensor_params.compile_owners(model, FACADES, functools.partial(_sharded_backend, opts=opts))
     _refuse_save_pretrained(model)
+    adapters.install(model, group)  # a PEFT model's save_pretrained gathers its adapters whole instead
     if opts.inputs == "per_rank" and opts.weights != "per_rank":
         _average_gradients(model, group)
     return model
@@ -164,12 +165,11 @@ def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
 
 
 def _refuse_save_pretrained(model: nn.Module) -> None:
-    """HF ``save_pretrained`` of a parallelized model would write this rank's shards under the whole
-    tensors' names (it saves ``state_dict()``, the shards, on the main process only): a checkpoint
-    that is wrong without a word. It raises instead, naming the collective that writes the whole
-    weights as an HF directory. (No collective here: it may be called on rank 0 alone.)"""
-    if not callable(getattr(model, "save_pretrained", None)):
-        return
+    """HF ``save_pretrained`` of a parallelized model (or of an HF model inside it: a PEFT model's base)
+    would write this rank's shards under the whole tensors' names (it saves ``state_dict()``, the shards,
+    on the main process only): a checkpoint that is wrong without a word. It raises instead, naming the
+    collective that writes the whole weights as an HF directory. (No collective here: it may be called on
+    rank 0 alone.) PEFT models save their adapters whole (adapters.py)."""
 
     def save_pretrained(*args: Any, **kwargs: Any) -> None:
         raise UsageError(
@@ -178,7 +178,9 @@ def _refuse_save_pretrained(model: nn.Module) -> None:
             "(an HF directory with config.json, the whole weights streamed by rank 0; max_shard_size= as "
             "save_pretrained takes it), or dcp.save(model.state_dict(), checkpoint_id=path) for the shards.")
 
-    model.save_pretrained = save_pretrained
+    for module in model.modules():
+        if callable(getattr(module, "save_pretrained", None)) and not adapters.is_peft_model(module):
+            module.save_pretrained = save_pretrained
 
 
 def _average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:

@@ -39,11 +39,12 @@ from dynashard.lowerings import (
     StackedTranspose,
 )
 from dynashard.match import LinearMatch, SpectralNormed, WeightNormed
+from dynashard.match_adapters import find_low_rank_updates
 from dynashard.nodes import all_args
 from dynashard.options import Style
 from dynashard.rules.inplace import SIZE_ARG, alias_roots, grows_cache, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
-from dynashard.rules.partial import keeps_partial
+from dynashard.rules.partial import keeps_partial, whole_linear_of_partial
 from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard
 from dynashard.split import Split
 
@@ -73,7 +74,8 @@ def propagate(
     writes head-sharded k/v into).
     """
     lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, sequence=sequence, stacked=stacked,
-                   splits=dict(splits or {}), written=mutated_roots(graph))
+                   splits=dict(splits or {}), written=mutated_roots(graph),
+                   updates=find_low_rank_updates(graph, linears))
     for node in graph.nodes:
         if node in (states or {}):  # a cache held sharded (a graph input, or allocated by the graph)
             split, dim, origins = states[node]
@@ -97,7 +99,8 @@ def propagate(
                 lm.commit(node, kept)
                 continue
         record = _record(lm, node, graph, linears, choose)
-        record.reduced = partial
+        if record.partial is None or node not in linears or lm.styles[node] != Style.REPLICATE:
+            record.reduced = partial  # (a whole linear keeps a partial input partial: whole_linear_of_partial)
         lm.commit(node, record)
     return lm
 
@@ -109,6 +112,8 @@ def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: 
         match = linears[node]
         style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)
         lm.styles[node] = style
+        if style == Style.REPLICATE and (kept := whole_linear_of_partial(lm, match)) is not None:
+            return kept
         record = linear(lm, match, style)
         _lower_weight_uses(lm, match, style, record)
         return record

@@ -119,12 +119,17 @@ class _Sharder(torch.fx.Interpreter):
             if key not in self.converted:
                 self.converted[key] = self.all_reduce(value)
             value = self.converted[key]
-        # With gradients, a replicated value read by an op whose output is sharded goes through f: each
-        # rank's gradient for it is its own part's contribution, all-reduced in backward. One f per value,
-        # shared by such readers only (a reader with a replicated output must not be summed again).
+        # With gradients, a replicated value read by an op whose output is sharded, or partial sums (a
+        # whole LoRA B's weight applied to A's terms), goes through f: each rank's gradient for it is its
+        # own part's or term's contribution, all-reduced in backward. One f per value, shared by such
+        # readers only (a reader with a replicated output must not be summed again). A partial value
+        # all-reduced here is replicated from then on: a sharded reader reads the sum through f too.
         sharded_reader = self.megatron and out is not None and _differentiable(value)
-        replicated = self.lm.layouts.get(producer) is None and producer not in self.weights
-        if sharded_reader and replicated and not reduced:
+        partial_reader = self.megatron and record is not None and record.partial is not None \
+            and _differentiable(value)
+        replicated = self.lm.layouts.get(producer) is None and producer not in self.weights \
+            and (reduced or producer not in self.lm.partial)
+        if (sharded_reader or partial_reader) and replicated:
             key = ("copy", producer)
             if key not in self.converted:
                 self.converted[key] = self.comm.copy_to_shards(value, self.group_name)

@@ -203,6 +203,8 @@ class LayoutMap:
     states: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     # values of states the graph allocates itself (rules.inplace.FACTORIES) that it returns: as shards
     held_outputs: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
+    # low-rank updates (LoRA) by each member's node (match_adapters.find_low_rank_updates)
+    updates: dict[torch.fx.Node, Any] = dataclasses.field(default_factory=dict)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
     _summed: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 

@@ -399,12 +399,13 @@ def test_a_layout_without_a_correct_backward_is_refused_when_trained(rank, world
     assert shape == (2, 5, 128), shape
 
 
-# (at world 2: the probabilities are gathered before dropout at any world size; cheaper than world 4)
+# (at world 2: every rank draws the whole masks at any world size; cheaper than world 4)
 @on_ranks(worlds=(2,))
 def test_hf_gpt2_with_dropout_in_train_mode_equals_the_twin_from_the_same_seed(rank, world):
-    """HF GPT-2 in train mode with its default dropout (0.1): the plan gathers the attention
-    probabilities before dropout (no rule shards a random op), so every rank draws what the unsharded
-    model draws from the same seed -- the same masks, the same output and gradients."""
+    """HF GPT-2 in train mode with its default dropout (0.1): the attention probabilities stay cut by
+    heads through dropout, every rank drawing the whole mask and keeping its heads' part
+    (rules/pointwise.dropout), so every rank draws what the unsharded model draws from the same seed --
+    the same masks, the same output and gradients."""
     model = _build("hf_gpt2_dropout", 64, 96).train()
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 96, (2, 7))

@@ -26,6 +26,7 @@ from dynashard import _torch_private_aten as private_aten
 from dynashard.errors import UsageError
 from dynashard.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
 from dynashard.match import Embedding, Experts, LinearKind, LinearMatch, SpectralNormed, WeightNormed
+from dynashard.match_adapters import joins_update
 from dynashard.nodes import size_at, val
 from dynashard.options import Style
 from dynashard.rules.partial import stays_partial
@@ -173,7 +174,7 @@ def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
     record.read(match.input, how)
     if match.bias is not None and lm.layouts.get(match.bias) is not None:
         record.read(match.bias, Read.GATHER)
-    if _joins_partial_sums(lm, match):
+    if _joins_partial_sums(lm, match) or _joins_low_rank_update(lm, match):
         record.partial = frozenset([node])  # reduced once with the others, where first read otherwise
         record.lowering = RowwiseLinear(match, _input_shard(lm, match, record, usable), reduce=False)
         return record
@@ -229,6 +230,18 @@ def _joins_partial_sums(lm: LayoutMap, match: LinearMatch) -> bool:
                 and len(u.args) == 2 and u.args[0] is value and stays_partial(lm, u.args[1])) for u in users)
 
     return added(match.node)
+
+
+def _joins_low_rank_update(lm: LayoutMap, match: LinearMatch) -> bool:
+    """A LoRA on a rowwise base (match_adapters.py): the base, whose every reader adds the update to
+    it, and A, once its base is partial sums, are left partial: A's terms go through B (whole, linear
+    in them) into the base's, and one all_reduce serves the layer. Not with a bias, as above."""
+    update = lm.updates.get(match.node)
+    if update is None or match.bias is not None or lm.per_rank or lm.stacked or lm.sequence:
+        return False
+    if update.a is match:
+        return update.base in lm.partial
+    return update.base_linear is match and joins_update(match.node, lm.updates)
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

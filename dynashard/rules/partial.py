@@ -19,7 +19,11 @@ into (``p + 1.0`` would add the number once per rank), and ``p.add_(q)`` into me
 reads, of partials (Llama4's shared expert's output, added to in place) or of a whole ``q`` added
 on rank 0 alone (HF's expert biases, ``out.add_(bias[ids])``: lowerings.AddOnce). Every other reader --
 every other in-place op, any op with a Shard operand, the graph's outputs -- reads it all-reduced
-(``Record.reduced``).
+(``Record.reduced``). A linear kept whole, without a bias, is linear in its input too: a LoRA's B
+on a rowwise base applied to each rank's term of A's output (:func:`whole_linear_of_partial`).
+
+With gradients, every replicated tensor such an op reads (B's weight, a router weight) goes through
+Megatron's f in the rewrite: each rank's gradient of it is its own term's, summed in backward.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.fx
 
 from dynashard.lowerings import AddOnce
+from dynashard.match import LinearMatch
 from dynashard.nodes import mutates_self, tensor_args, val
 from dynashard.rules.inplace import aliases_input
 from dynashard.shard import LayoutMap, Record
@@ -131,3 +136,17 @@ def keeps_partial(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     if not ok:
         return None
     return lm.keep(node, None, partial=frozenset().union(*(lm.partial[a] for a in reads)), lowering=lowering)
+
+
+def whole_linear_of_partial(lm: LayoutMap, match: LinearMatch) -> Record | None:
+    """The record of a whole linear (style replicate) reading partial sums: ``p @ W'`` is each
+    rank's term of the output, which stays partial (a LoRA's B on a rowwise base: its sum joins
+    the base's one all_reduce). Not with a bias (added once per rank) or a weight read otherwise
+    than by the matmul; None (the input all-reduced first) then."""
+    node = match.node
+    if match.bias is not None or match.kind.weight_dims or node.target is not aten.mm.default \
+            or node.args[0] is not match.input or match.input not in lm.partial:
+        return None
+    if any(lm.layouts.get(a) is not None or (a is not match.input and a in lm.partial) for a in tensor_args(node)):
+        return None
+    return lm.keep(node, None, partial=lm.partial[match.input])

@@ -54,12 +54,13 @@ def pointwise(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
 
 @rule(aten.native_dropout.default)
 def dropout(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
-    """sequence_parallel: dropout of a cut value (the residual branch, cut along the sequence) keeps
-    the cut. Every rank draws the whole mask, as the unsharded model draws it from the same seed (the
-    ranks' random streams stay in step), and keeps its part (lowerings.DropoutOfCut). Elsewhere the
-    value is gathered and dropped out whole."""
+    """Dropout of a cut value keeps the cut (the residual branch under sequence_parallel, a LoRA's
+    dropout before a rowwise base's A, attention probabilities cut by heads). Every rank draws the
+    whole mask, as the unsharded model draws it from the same seed (the ranks' random streams stay in
+    step, and the masks are the unsharded model's), and keeps its part (lowerings.DropoutOfCut): no
+    collective, the cost of drawing the whole mask on every rank."""
     found = lm.input_shard(node)
-    if not lm.sequence or found is None or not private.draws_random(node):
+    if found is None or not private.draws_random(node) or lm.per_rank:
         return None
     src = found[0]
     return lm.keep(node, None, outputs=(src, src), lowering=DropoutOfCut(src))
