@@ -63,7 +63,8 @@ def _compiling_before_2_13() -> bool:
 # torch's own function, not a wrapper of it: a dynashard frame that calls it from eager code Dynamo's eval-frame
 # hook sees (uncompiled_calls' pre-hook, run by the wrapped module's call) is compiled as a frame of its own,
 # shifting every later compile's id (the user's forward logged as 1/0 instead of 0/0); torch's is skipped.
-_COMPILING = torch.compiler.is_compiling if hasattr(torch.compiler, "_compile_session_context") else _compiling_before_2_13
+_COMPILING = (torch.compiler.is_compiling if hasattr(torch.compiler, "_compile_session_context")
+              else _compiling_before_2_13)
 
 
 def compiling() -> bool:

@@ -33,7 +33,7 @@ from dynashard.nodes import tensor_args, val
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
-from dynashard.report import GraphReport, format_table
+from dynashard.report import GraphReport
 from dynashard.rewrite import rewrite
 from dynashard.uncompiled_calls import watch
 from dynashard.weights import STORE, ShardSpec, Source
@@ -294,7 +294,7 @@ def _plan(
     try:
         analysis = analyse(gm, fake_args, opts, world, rank, STORE.earlier_cuts(example_inputs))
         if log.isEnabledFor(logging.DEBUG) or (log.isEnabledFor(logging.INFO) and progress.speaks()):
-            progress.log_plan_table(format_table([GraphReport.build(analysis, example_inputs)]), rank, world)
+            progress.log_plan_table(GraphReport.build(analysis, example_inputs), rank, world)
             log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
         _check_weights(analysis, example_inputs, analysis.sharded_inputs())
         return analysis, None
