@@ -123,7 +123,8 @@ class ShardedProgram:
         self.held = held or {}
         if self.held:
             log.log(progress.level(), "dynashard: graph outputs %s are caches the graph allocates or grows, returned "
-                    "as this rank's shards (storage-less full-shape tensors outside the compiled model)", sorted(self.held))
+                    "as this rank's shards (storage-less full-shape tensors outside the compiled model)",
+                    sorted(self.held))
         # compiled with gradients: shards are passed as the leaves the gradients land in (the
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
