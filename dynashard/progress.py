@@ -98,10 +98,10 @@ class Progress:
     def stage(self, name: str) -> None:
         with self._lock:
             first, self.current = not self.current, name
-        if first:  # (started here, so its first line names a stage)
-            self._thread.start()
         if time.time() - self.started >= self.after_s:
             self._show()
+        if first:  # (started here, after the line above, so its first line names a stage and is no repeat)
+            self._thread.start()
 
     def _due(self) -> float:
         """When the line is shown next: ``after_s`` in, then ``every_s`` after it was last shown."""
