@@ -155,8 +155,8 @@ def test_the_progress_line_repeats_while_a_stage_lasts(monkeypatch, tty):
     time.sleep(0.5)
     line.close(failed=False)
     text = stream.getvalue()
-    assert text.count("dynashard: compiling graph 0/0 of f: slow (0 s so far)") >= 3, text
-    assert text.endswith("dynashard: compiled graph 0/0 of f in 0 s\n"), text
+    assert len(re.findall(r"dynashard: compiling graph 0/0 of f: slow \(\d s so far\)", text)) >= 3, text
+    assert re.search(r"dynashard: compiled graph 0/0 of f in \d s *\n$", text), text  # (padded over the longer line)
     if tty:
         assert text.count("\n") == 1 and text.startswith("\r"), text
     else:
