@@ -174,3 +174,13 @@ def test_no_progress_under_the_threshold_and_a_clear_error_for_a_bad_setting(mon
         progress._seconds(progress.AFTER_ENV, 5.0)
     monkeypatch.setenv(progress.AFTER_ENV, "off")
     assert progress._seconds(progress.AFTER_ENV, 5.0) is None
+
+
+def test_the_summary_says_what_inductors_cache_did(monkeypatch):
+    """The counts of Inductor's FX graph cache lookups before and after the compile: their difference
+    (measured with compiler='inductor': '1 miss' in a fresh process, '1 hit' in the next, 50 s then 20 s
+    here, too slow for this file); nothing when no lookup happened (compiler='eager')."""
+    monkeypatch.setattr(progress.private, "inductor_cache_counts", lambda: (3, 1, 0))
+    assert progress._cache_words((2, 1, 0)) == "; Inductor cache: 1 hit"
+    assert progress._cache_words((3, 0, 0)) == "; Inductor cache: 1 miss"
+    assert progress._cache_words((3, 1, 0)) == ""
