@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -128,6 +129,7 @@ class Progress:
             return
         stream = sys.stderr
         if stream.isatty():  # one line, rewritten in place; a newline once the compile ends
+            text = text[: shutil.get_terminal_size().columns - 1]  # (a wrapped line is not rewritten by \r)
             stream.write("\r" + text.ljust(self._width) + ("\n" if end else ""))
             self._width = len(text)
         else:
