@@ -129,7 +129,8 @@ class Progress:
             return
         stream = sys.stderr
         if stream.isatty():  # one line, rewritten in place; a newline once the compile ends
-            text = text[: shutil.get_terminal_size().columns - 1]  # (a wrapped line is not rewritten by \r)
+            width = shutil.get_terminal_size().columns - 1  # (a wrapped line is not rewritten by \r)
+            text = text if len(text) <= width else "..." + text[len(text) - width + 3:]  # (the stage and time)
             stream.write("\r" + text.ljust(self._width) + ("\n" if end else ""))
             self._width = len(text)
         else:
