@@ -76,6 +76,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     drain_gloo_at_exit(group)
     check = CallCheck.for_graph(gm, opts)
     if agree and check is not None:
+        progress.stage("waiting for the other ranks to reach this compile")
         check(COMPILE, example_inputs, group)
     progress.stage("tracing the graph to aten ops")
     fake_args = private.backend_fakes(gm)
