@@ -49,10 +49,6 @@ def from_fsdp_module(node: torch.fx.Node) -> bool:
     grapharg = node.meta.get("grapharg")
     return grapharg is not None and grapharg.source is not None and grapharg.source.guard_source.is_fsdp_module()
 
-def _compiling_since_2_13() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _compiling_before_2_13() -> bool:
     from torch._guards import CompileContext
 
@@ -64,7 +60,11 @@ def _compiling_before_2_13() -> bool:
 # backend it calls: ``convert_frame``'s ``_compile_session_context``); 2.11 and 2.12 only while Dynamo
 # traces, so inside a backend it is False there. Dynamo's ``CompileContext`` spans the whole compile on
 # every supported release. Chosen by the presence of the 2.13 context manager.
-_COMPILING = _compiling_since_2_13 if hasattr(torch.compiler, "_compile_session_context") else _compiling_before_2_13
+# torch's own function, not a wrapper of it: a dynashard frame that calls it from eager code Dynamo's eval-frame
+# hook sees (uncompiled_calls' pre-hook, run by the wrapped module's call) is compiled as a frame of its own,
+# shifting every later compile's id (the user's forward logged as 1/0 instead of 0/0); torch's is skipped.
+_COMPILING = (torch.compiler.is_compiling if hasattr(torch.compiler, "_compile_session_context")
+              else _compiling_before_2_13)
 
 
 def compiling() -> bool:
@@ -345,6 +345,28 @@ def compile_info() -> tuple[str, str | None, str | None]:
     context = get_metrics_context()
     reason = getattr(context, "_metrics", {}).get("recompile_reason") if context.in_progress() else None
     return name, None if compile_id is None else str(compile_id), reason
+
+def compile_started() -> float | None:
+    """When Dynamo began the compile in progress (``time.time()``'s clock), called from inside a backend:
+    the backend's own time plus Dynamo's trace before it. None outside a compile.
+
+    NOTE: Dynamo 2.13 (``convert_frame._compile``) opens a ``MetricsContext`` per compile, which stamps
+    ``_start_time_ns`` (``time.time_ns()``) when entered; it has no getter."""
+    from torch._dynamo.utils import get_metrics_context
+
+    context = get_metrics_context()
+    start = getattr(context, "_start_time_ns", 0) if context.in_progress() else 0
+    return start / 1e9 if start else None
+
+def inductor_cache_counts() -> tuple[int, int, int]:
+    """Inductor's FX graph cache lookups so far in this process: (hits, misses, bypasses).
+
+    NOTE: Inductor 2.13 counts them in ``torch._dynamo.utils.counters["inductor"]`` under
+    ``fxgraph_cache_hit`` / ``_miss`` / ``_bypass`` (``codecache.FxGraphCache``); no public getter."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_bypass"]
 
 def is_dynamo_restart(error: BaseException) -> bool:
     """Whether ``error`` is Dynamo asking to trace the frame again, not a failure.

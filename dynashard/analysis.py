@@ -14,6 +14,7 @@ import torch.fx
 
 from dynashard import _torch_private as private
 from dynashard import _torch_private_aten as private_aten
+from dynashard import progress
 from dynashard.decision import split_dim
 from dynashard.errors import InternalError
 from dynashard.linear_forms import normalise
@@ -115,6 +116,7 @@ def analyse(
     """This rank's plan for ``gm``: a function of the graph, the options, the world and ``earlier`` (what
     earlier compiles cut or read whole, ``WeightStore.earlier_cuts``), nothing else."""
     aten_gm = private.trace_aten(gm, fake_args)
+    progress.stage("planning")
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     params: dict[int, tuple[str, torch.fx.Node]] = {}

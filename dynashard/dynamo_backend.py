@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import dtensor_params, gate, subclass_inputs
+from dynashard import dtensor_params, gate, progress, subclass_inputs
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
@@ -32,7 +32,7 @@ from dynashard.lowerings import DropoutOfCut, RowwiseExperts
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
-from dynashard.report import GraphReport, format_table, plan_summary
+from dynashard.report import GraphReport
 from dynashard.rewrite import rewrite
 from dynashard.uncompiled_calls import watch
 from dynashard.weights import STORE, ShardSpec, Source
@@ -60,6 +60,13 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         return private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
     if (flat := subclass_inputs.flatten(gm, example_inputs)) is not None:  # torchao's quantized weights
         return flat.wrap(dynashard_backend(flat.gm, flat.inputs, options, mode, source))
+    with progress.compiling():
+        return _compile_sharded(gm, example_inputs, opts, group, world, rank, source, started)
+
+
+def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options, group: dist.ProcessGroup,
+                     world: int, rank: int, source: Source | None, started: float):
+    """The backend for a graph on a group of more than one rank (``progress.stage`` names each step)."""
     check_data_parallel()
     dtensor_params.refuse_strays(gm, example_inputs)
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
@@ -68,7 +75,9 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     drain_gloo_at_exit(group)
     check = CallCheck.for_graph(gm, opts)
     if agree and check is not None:
+        progress.stage("waiting for the other ranks to reach this compile")
         check(COMPILE, example_inputs, group)
+    progress.stage("tracing the graph to aten ops")
     fake_args = private.backend_fakes(gm)
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
     planned = time.perf_counter()
@@ -78,6 +87,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in analysis.params]
     fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
     if agree:
+        progress.stage("agreeing on the plan and weights with the other ranks")
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
     elif error is not None:
         raise error
@@ -88,10 +98,12 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     live = dtensor_params.live_slots(example_inputs)
     if not sharded:  # left whole: compiled as it is (gradients included)
+        progress.stage(f"compiling the unsharded graph ({progress.compiler_name(opts.compiler)})")
+        cache = private.inductor_cache_counts()
         compiled = private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
         if analysis is not None:
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
-        _log_compile(gm, fake_args, analysis, started, planned)
+        progress.log_compile(gm, fake_args, analysis, started, planned, cache)
         if live:
             compiled = dtensor_params.ReadLive(compiled, live)
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
@@ -99,6 +111,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     with agreed(group, "compiling", doing="rewriting and compiling"):
         if train:
             check_trainable(analysis, example_inputs, opts.compiler)
+        progress.stage("rewriting the graph for this rank")
         new_fakes = shard_fakes(analysis, fake_args)
         sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group),
                              train=train)
@@ -113,6 +126,8 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         compiler = opts.compiler
         if train and compiler == "eager" and private.recomputes(sharded_gm):
             compiler = "aot_eager"  # (AOTAutograd's partitioner recomputes a checkpointed region; eager keeps all)
+        progress.stage(f"compiling the sharded graph ({progress.compiler_name(compiler)})")
+        cache = private.inductor_cache_counts()
         with grad_guard:
             compiled = private.compile_graph(compiler, sharded_gm, new_fakes, opts.mode,
                                              on_backward_error=_name_dead_peers(group) if train and agree else None)
@@ -120,6 +135,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
         i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
         for i, (fqn, dim, split) in sharded.items()
     }
+    progress.stage("cutting the weights" if source is None else "loading the shards")
     if source is None:
         cut_and_free(specs, example_inputs, group)
     else:  # dynashard.parallelize reads the shards from a checkpoint: a failed read fails every rank
@@ -128,7 +144,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
     held = {i: ShardSpec(dim, split, world, rank, group_name(group))
             for i, (dim, split) in analysis.held_outputs().items()}
-    _log_compile(gm, fake_args, analysis, started, planned)
+    progress.log_compile(gm, fake_args, analysis, started, planned, cache)
     program = ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
                              gate=gate_slot)
     program.live = live
@@ -151,30 +167,6 @@ def _refuse_fsdp_managed(gm: torch.fx.GraphModule, sharded: dict[int, Any], exam
             "composes with dynashard's parameters registered as DTensors: expected dynashard.parallelize(model, x, "
             "options={'group': mesh['tp']}, dtensor=True) before fully_shard(model, mesh=mesh['dp']), or DDP over "
             "mesh['dp'] (README, 'Several machines'), or fully_shard without dynashard.")
-
-
-def _log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], analysis: Analysis | None, started: float,
-                 planned: float) -> None:
-    """One INFO line per compile Dynamo asks for: which graph, its inputs, why it was compiled (a
-    frame's first compile, or the guard of an earlier compile that failed), the plan and the time."""
-    if not log.isEnabledFor(logging.INFO):
-        return
-    name, compile_id, reason = private.compile_info()
-    slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = [a for n, a in zip(slots, fake_args)
-              if isinstance(a, torch.Tensor) and private.placeholder_source_fqn(n) is None]
-    shapes = ", ".join(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}" for a in inputs) or "none"
-    dynamic = any(isinstance(d, torch.SymInt) for a in inputs for d in a.shape)
-    why = "first compile of this frame"
-    if reason is not None:  # (Dynamo's text: "<earlier compile's id>: <guard>  # <user code>", a line per guard)
-        first, *more = reason.splitlines()
-        failed, found, guard = first.partition(": ")
-        why = f"recompiled: a guard of {failed} failed: {guard.split('  # ')[0]}" if found else f"recompiled: {first}"
-        why += f" (and {len(more)} more lines)" if more else ""
-    plan = plan_summary(analysis.plan) if analysis is not None else "no plan"
-    log.info("dynashard: compiled graph %s of %s for inputs %s (%s shapes); %s; plan: %s; %.2f s (planning %.2f s)",
-             compile_id or "?", name, shapes, "dynamic" if dynamic else "static", why, plan,
-             time.perf_counter() - started, planned - started)
 
 
 def _name_dead_peers(group: dist.ProcessGroup) -> Callable[[BaseException], None]:
@@ -295,9 +287,8 @@ def _plan(
     """This rank's analysis, or the error it raised (to be shared with every rank)."""
     try:
         analysis = analyse(gm, fake_args, opts, world, rank, STORE.earlier_cuts(example_inputs))
-        if log.isEnabledFor(logging.INFO):
-            table = format_table([GraphReport.build(analysis, example_inputs)])
-            log.info("dynashard plan (rank %d of %d):\n%s", rank, world, table)
+        if log.isEnabledFor(logging.DEBUG) or (log.isEnabledFor(logging.INFO) and progress.speaks()):
+            progress.log_plan_table(GraphReport.build(analysis, example_inputs), rank, world)
             log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
         _check_weights(analysis, example_inputs, analysis.sharded_inputs())
         return analysis, None

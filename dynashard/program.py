@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import dtensor_params, gradients
+from dynashard import dtensor_params, gradients, progress
 from dynashard.errors import SetupError, UsageError
 from dynashard.facades import is_facade
 from dynashard.gate import Opened
@@ -122,8 +122,9 @@ class ShardedProgram:
         # (STORE.hold)
         self.held = held or {}
         if self.held:
-            log.info("dynashard: graph outputs %s are caches the graph allocates or grows, returned as this rank's "
-                     "shards (storage-less full-shape tensors outside the compiled model)", sorted(self.held))
+            log.log(progress.level(), "dynashard: graph outputs %s are caches the graph allocates or grows, returned "
+                    "as this rank's shards (storage-less full-shape tensors outside the compiled model)",
+                    sorted(self.held))
         # compiled with gradients: shards are passed as the leaves the gradients land in (the
         # parameters parallelize registered), and the call runs with autograd on
         self.train = train
@@ -321,7 +322,7 @@ def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], gro
         freed += STORE.free([inputs[i]], keep + later)
     freed += STORE.free([inputs[i] for i, _ in order], keep)
     FREED.add([inputs[i] for i, _ in order])  # (an optimizer over them is refused while they live)
-    if freed:
-        log.info("dynashard: cut %d weights, freed %s of full weights", len(order), human_bytes(freed))
+    if freed:  # (rank 0 says it at INFO; the compile's summary line follows)
+        log.log(progress.level(), "dynashard: cut %d weights, freed %s of full weights", len(order), human_bytes(freed))
     elif order:  # (a model built on meta, loaded a slice at a time, or shards already held)
-        log.info("dynashard: cut %d weights; no full copy was in memory, nothing to free", len(order))
+        log.debug("dynashard: cut %d weights; no full copy was in memory, nothing to free", len(order))
