@@ -2,7 +2,9 @@
 # tools/compat.sh VERSION [TIER]: dynashard's tests on torch VERSION (e.g. 2.11.0), in a venv of its own.
 #
 # TIER (default full):
-#   full     `pytest -m unit`, then the gloo smoke below: what a release must pass to be listed as supported
+#   full     `pytest -m "unit and not slow"` (the default run's unit tier; `-m unit` alone adds the slow
+#            tier's unit tests: an hour here), then the gloo smoke below: what a release must pass to be
+#            listed as supported
 #            (README's support table, benchmarks/results/compat.md)
 #   smoke    the gloo smoke and a few unit files (UNIT_FILES below): minutes, what .ci/run runs on a second release
 #   install  build the venv only
@@ -30,8 +32,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TRANSFORMERS=${TRANSFORMERS:-5.23.0}
 VENV=${COMPAT_DIR:-$HOME/.cache/dynashard-compat}/$VERSION
 PY=$VENV/bin/python
-# (a few unit files for the smoke tier: the private-API checks, the graph goldens, planning, HF models' plans)
-UNIT_FILES=(tests/test_torch_private.py tests/test_graphs.py tests/test_planning.py tests/test_hf_models.py)
+# (a few unit files for the smoke tier: the private-API checks, the graph goldens, planning, the lowering check)
+UNIT_FILES=(tests/test_torch_private.py tests/test_graphs.py tests/test_planning.py tests/test_lowering.py)
 GLOO_TESTS=(
   "tests/test_serving.py::test_hf_generate_matches_the_unsharded_model[world2-gpt2-dynamic-parallelize]"
   "tests/test_training.py::test_sgd_steps_match_the_unsharded_twin[world2-llama]"
@@ -75,9 +77,9 @@ stage "install torch $VERSION" install
 [ -x "$PY" ] || { echo "compat: no venv at $VENV"; exit 1; }
 if [ "$TIER" != install ]; then
   if [ "$TIER" = full ]; then
-    stage "unit tier (pytest -m unit)" tests -m unit
+    stage "unit tier (pytest -m \"unit and not slow\")" tests -m "unit and not slow"
   else
-    stage "unit files (${UNIT_FILES[*]})" tests -m unit "${UNIT_FILES[@]}"
+    stage "unit files (${UNIT_FILES[*]})" tests -m "unit and not slow" "${UNIT_FILES[@]}"
   fi
   stage "demo on 2 gloo ranks" demo
   stage "HF generate and SGD steps against the unsharded model on 2 gloo ranks" tests -m "not slow" "${GLOO_TESTS[@]}"
