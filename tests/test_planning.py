@@ -175,7 +175,8 @@ def test_in_place_writes_are_followed_or_kept_whole(cls, up_style):
 
 
 def test_in_place_write_a_user_plan_cannot_keep_is_refused():
-    with pytest.raises(Exception, match="in-place op aten.fill_.Tensor writes into the output of \\['up'\\]"):
+    # (the overload is the release's: torch 2.13 traces the write as fill_.Tensor, 2.15 as fill_.Scalar)
+    with pytest.raises(Exception, match="in-place op aten.fill_.(Tensor|Scalar) writes into the output of \\['up'\\]"):
         dynashard.explain(_WritesThroughSlice(), torch.randn(4, 64), world_size=2,
                           options={"plan": {"up": "colwise", "down": "rowwise"}})
 
