@@ -212,8 +212,8 @@ def _per_group(split: Split, outer: list, size: object, unit: int) -> Split | No
         return None
     groups = math.prod(outer)
     n = len(split.parts) // groups
-    if groups < 2 or n * groups != len(split.parts) or split.parts[:n] * groups != split.parts:
-        return None
+    if groups < 2 or n < 2 or n * groups != len(split.parts) or split.parts[:n] * groups != split.parts:
+        return None  # (one component a group: q, k, v as a dim of their own, ``_components``)
     if sum(split.parts[:n]) * unit != size:
         return None
     first = split.sub(0, n)
