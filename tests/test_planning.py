@@ -526,10 +526,10 @@ def test_a_deep_model_is_cut_in_a_few_rounds_whatever_its_depth(caplog):
     assert gathering == ["m.lm_head"], str(report)
 
 
-@pytest.mark.parametrize("world,heads,kv_heads,held,cache", [(2, 8, 2, 0, False), (4, 8, 4, 0, False),
-                                                             (2, 8, 4, 0, True), (4, 8, 2, 4, False),
-                                                             (4, 4, 2, None, False)])
-def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, heads, kv_heads, held, cache):
+@pytest.mark.parametrize("world,heads,kv_heads,held,cache,dynamic", [
+    (2, 8, 2, 0, False, False), (4, 8, 4, 0, False, False), (2, 8, 4, 0, True, False), (4, 8, 2, 4, False, False),
+    (4, 8, 2, 4, False, True), (4, 4, 2, None, False, False)])
+def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, heads, kv_heads, held, cache, dynamic):
     """HF Falcon's new decoder architecture: q, k and v are taken out of each KV group of the fused
     output by a slice and by ``qkv[:, :, :, [-2]]`` (aten.index on a dim that is not cut). Each rank
     holds whole groups (its query heads with their k and v): one all_reduce, no gather. With fewer
@@ -538,11 +538,12 @@ def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, heads, kv_he
     attention and ``dense`` stay cut (one all_reduce). With fewer query heads a group than ranks too
     (2 on 4) the fused projection is kept whole, saying so (and the small output projection, left
     without a sharded input, with it). K/V appended to an empty cache (HF's DynamicCache) stay on
-    each rank's heads: ``cat`` skips the 1-D empty operand."""
+    each rank's heads: ``cat`` skips the 1-D empty operand. Under dynamic shapes the same plan (Dynamo
+    keeps full slices of the dims in front of the one taken apart)."""
     torch.manual_seed(0)
     model = models.FalconStyleAttention(128, heads, kv_heads, cache=cache)
     report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
-                               options={"min_shard_numel": 0})
+                               options={"min_shard_numel": 0}, dynamic=dynamic)
     qkv, dense = (next(r for r in report.rows if r.fqn == n) for n in ("query_key_value", "dense"))
     if held is None:
         assert qkv.style == "replicate" and "2 heads of 128 cannot be cut over 4 ranks" in qkv.reason, str(report)

@@ -250,13 +250,21 @@ def _components_in_groups(lm: LayoutMap, node: torch.fx.Node, src: Shard, outer:
     return True
 
 
-def _taken_apart_at(node: torch.fx.Node, d: int, size: int) -> list[int] | None:
+def _taken_apart_at(node: torch.fx.Node, d: int, size: int, depth: int = 4) -> list[int] | None:
     """Inner edges (positions) at which the readers of ``node`` take dim ``d`` apart by slices and
     constant indices of consecutive positions (``qkv[..., :-2, :]``, ``qkv[..., [-2], :]``); None if
-    any reader does anything else with the value."""
+    any reader does anything else with the value. NOTE: under dynamic shapes Dynamo keeps the
+    full slices of the dims in front (``qkv[:, :, :, [-2]]`` starts with ``slice(qkv, 0, 0, max)``):
+    a slice of another dim is followed to its readers."""
     edges: set[int] = set()
     ndim = val(node).dim()
     for user in node.users:
+        if user.target is aten.slice.Tensor and norm_dim(user.args[1], ndim) != d and depth:
+            inner = _taken_apart_at(user, d, size, depth - 1)
+            if inner is None:
+                return None
+            edges.update(inner)
+            continue
         if user.target is aten.slice.Tensor and norm_dim(user.args[1], ndim) == d:
             args = list(user.args) + [None] * (5 - len(user.args))
             start, end, step = args[2] or 0, args[3], args[4] or 1
