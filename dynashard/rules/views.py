@@ -13,7 +13,10 @@ regrouped. One function, :func:`follow`, moves the cut through it:
   * in a regrouped group the cut must land on a dim whose inner dims fit inside one unit
     (``[H*Dh] -> [H, Dh]`` with units of ``Dh``; ``[B, H] -> [B*H]``; ``[Hkv, n] -> [Hkv*n]``
     makes units of ``n`` heads). When it does not only because the origins are cut too finely, a
-    wish asks for coarser units (or, for fewer KV heads than ranks, for the projection whole).
+    wish asks for coarser units (or, for fewer KV heads than ranks, for the projection whole);
+  * a fused output whose components repeat once per group (HF Falcon's ``[q heads | k | v]`` per KV
+    group, viewed ``[.., KV, n + 2, Dh]``) with fewer groups than ranks is cut inside every group:
+    each rank holds its part of every group's query heads, k and v whole (``_per_group``).
 A new view-like op needs a dim-map function in ``_DIM_MAPS`` and nothing else.
 """
 
