@@ -286,16 +286,18 @@ def test_auto_plan_finds_megatron_for_whole_decoders():
 def test_inputs_sharded_off_their_features_are_gathered_not_used(world):
     """Found by review: a linear fed a shard on another dim (a per-head linear, a merged token dim)
     was made rowwise on it and crashed. Auto plans now treat such an input as replicated; a plan
-    that insists on rowwise gathers it and takes this rank's features."""
+    that insists on rowwise gathers it and takes this rank's features. A shard of every token's
+    features merged into one feature dim (static sizes) is the same cut repeated per token: the
+    rowwise weight is cut so, nothing gathered (as HF Falcon's query heads of every KV group)."""
     torch.manual_seed(0)
-    for model, x, plan in (
-        (models.PerHeadLinear(), torch.randn(2, 3, 16), {"q": "colwise", "head": "rowwise", "o": "rowwise"}),
-        (models.MergedTokens(), torch.randn(2, 5, 48), {"up": "colwise", "down": "rowwise"}),
+    for model, x, plan, gathered in (
+        (models.PerHeadLinear(), torch.randn(2, 3, 16), {"q": "colwise", "head": "rowwise", "o": "rowwise"}, True),
+        (models.MergedTokens(), torch.randn(2, 5, 48), {"up": "colwise", "down": "rowwise"}, False),
     ):
         dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0})
         options = {"min_shard_numel": 0, "plan": plan}
         report = dynashard.explain(model, x, world_size=world, verify=True, options=options)
-        assert report.rows[0].collectives.startswith("all_gather")
+        assert report.rows[0].collectives.startswith("all_gather") == gathered, str(report)
 
 
 @pytest.mark.parametrize("n_kv,world,kv_style", [(4, 2, "colwise"), (4, 4, "colwise"), (2, 4, "replicate"),
