@@ -74,6 +74,9 @@ CASES = {
     "bloom_alibi": ("bloom_alibi", 64, 4, [(2, 5, 64), (3, 7, 64)], {}),
     # HF Falcon (new decoder architecture): qkv grouped per KV head, k/v taken by qkv[..., [-2], :]
     "falcon_gqa": ("falcon_gqa", 128, 4, [(2, 5, 128), (3, 7, 128)], {}),
+    # the same with 2 KV groups of 4 query heads: on 4 ranks each group is cut into its components, every
+    # rank holding one query head of each group (heads r and 4 + r) and every group's k and v whole
+    "falcon_few_groups": ("falcon_gqa", 128, 2, [(2, 5, 128), (3, 7, 128)], {}),
     # Falcon-7B multi-query: k and v held whole inside the fused weight, 6 query heads (2/2/1/1 on 4 ranks)
     "falcon_mqa": ("falcon_mqa", 96, 6, [(2, 5, 96), (3, 7, 96)], {}),
     # two colwise outputs concatenated along their features into one rowwise linear (a dealt cut)

@@ -35,6 +35,10 @@ CONFIGS = {
                                    eos_token_id=2, pad_token_id=0),  # ALiBi through baddbmm
     "falcon": lambda: T.FalconConfig(hidden_size=64, num_attention_heads=4, new_decoder_architecture=True,
                                      num_kv_heads=2, **_IDS),  # qkv grouped per KV head, qkv[..., [-2]]
+    # 4 query heads a KV group: at 4 ranks each group is cut into its components (its query heads dealt
+    # out, one to each rank; its k and v held whole), where "falcon" (2 a group) stays whole
+    "falcon_groups": lambda: T.FalconConfig(hidden_size=64, num_attention_heads=8, new_decoder_architecture=True,
+                                            num_kv_heads=2, **_IDS),
     # Falcon-7B's multi-query form: [q heads | k | v] viewed into heads, k and v taken by list indexing
     "falcon_mqa": lambda: T.FalconConfig(hidden_size=64, num_attention_heads=4, new_decoder_architecture=False,
                                          multi_query=True, **_IDS),
@@ -70,6 +74,9 @@ EXPECTED = {
     "bloom": {2: (set(), {"word_embeddings": TIED}), 4: (set(), {"word_embeddings": TIED})},
     "falcon": {2: (set(), {"word_embeddings": TIED}),
                4: ({"query_key_value", "dense"}, {"word_embeddings": TIED})},
+    # 2 query heads a group on 4 ranks: no cut deals every rank a query head of every group (holding one
+    # group per pair of ranks needs a cut on two dims, groups and heads in a group: not expressible yet)
+    "falcon_groups": {2: (set(), {"word_embeddings": TIED}), 4: (set(), {"word_embeddings": TIED})},
     "falcon_mqa": {2: (set(), {"word_embeddings": TIED}), 4: (set(), {"word_embeddings": TIED})},
     # Head h is paired with head h + H/2 and V's two halves of K/V heads are repeated: q, k and v are each
     # cut as two components of heads (rank r holds its block of either half, as of a fused [q | k | v]),

@@ -8,9 +8,10 @@ which checks that the plan stays the same with it (the cache is held by heads, n
 
 Why layers stay whole here: ``lm_head`` has ``in_features`` 64 < 256 and no rowwise partner, so a
 gather would not pay; k/v projections with 2 KV heads cannot be cut over 4 ranks (each rank narrows
-them to its query heads); Falcon's 2 KV groups cannot be cut over 4 ranks (the fused projection stays
-whole, and the small ``dense`` with it); an MoE router (4 x 64) has no partner. A tied LM head follows
-its vocab-parallel embedding: its logits are gathered at the output.
+them to its query heads); Falcon's 2 KV groups of 2 query heads cannot be cut over 4 ranks (the fused
+projection stays whole, and the small ``dense`` with it; with 4 query heads a group, ``falcon_groups``, each
+rank holds one of every group's and every group's k and v); an MoE router (4 x 64) has no partner. A tied
+LM head follows its vocab-parallel embedding: its logits are gathered at the output.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ pytestmark = pytest.mark.unit
 
 # At 4 ranks: the forms whose plan changes with the world size (KV heads or groups fewer than ranks,
 # fused projections) and one of each other attention family; the rest run at 2 ranks only.
-AT_FOUR = {"llama", "olmo2", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "falcon", "falcon_mqa", "mixtral",
-           "diffllama"}
+AT_FOUR = {"llama", "olmo2", "qwen3", "gemma2", "phi3", "stablelm", "gpt2", "bloom", "falcon", "falcon_groups",
+           "falcon_mqa", "mixtral", "diffllama"}
 
 
 @pytest.mark.parametrize("arch,world", [(a, 2) for a in sorted(CONFIGS)] + [(a, 4) for a in sorted(AT_FOUR)])
@@ -69,6 +70,21 @@ def test_hf_architecture_with_its_default_cache_holds_it_by_heads(arch):
         assert (whole, gathers) == EXPECTED[arch][2], str(report)
     held = [r for g in report.graphs for r in g.caches]
     assert len(held) == (0 if arch == "falcon_mqa" else 2), str(report)
+
+
+def test_falcon_kv_groups_fewer_than_ranks_are_cut_into_their_components():
+    # HF Falcon (new decoder architecture), 8 query heads in 2 KV groups at world 4: the fused query_key_value
+    # ([4 q | k | v] per group, 96 x 64) is cut in every group's components, each rank holding one query head
+    # of every group and both groups' k and v (6 of 12 heads: half the bytes, where it was kept whole), and
+    # dense is rowwise over those heads: one all_reduce for the attention, nothing gathered, every rank verified.
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS["falcon_groups"]()).eval()
+    report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=4, verify=True,
+                               options={"min_shard_numel": 0}, use_cache=False)
+    rows = {r.fqn.rsplit(".", 1)[-1]: (r.style, r.collectives, r.weight_bytes) for r in report.rows
+            if ".self_attention." in r.fqn}
+    assert rows == {"query_key_value": ("colwise", "-", 96 * 64 * 4 // 2),
+                    "dense": ("rowwise", "all_reduce", 64 * 64 * 4 // 4)}, str(report)
 
 
 def test_diffllama_costs_two_all_reduces_per_layer():

@@ -67,7 +67,8 @@ CONFIGS = {
     # (moe_loop's partial sums take the same runtime path as moe's; its planning is simulated at worlds 2-4)
     (2, "eager", "float32"): [c for c in CASES if c not in ("llama_few_kv", "moe_loop", *W2_INDUCTOR_DEFAULT)],
     (4, "eager", "float32"): [c for c in ["tiny_lm", "pr_seed", "fused_gqa", "fused_gqa_heads", "per_head_scale",
-                                          "falcon_gqa", "falcon_mqa", *W4_INDUCTOR] if c not in W4_EAGER_SLOW],
+                                          "falcon_gqa", "falcon_few_groups", "falcon_mqa", *W4_INDUCTOR]
+                              if c not in W4_EAGER_SLOW],
     (2, "inductor", "float32"): W2_INDUCTOR_DEFAULT,
     (1, "eager", "float32"): ["mlp_3d", "residual"],
     # (per_head_scale was once wrong under aot_eager alone; matmul and conv1d under aot_eager are `slow`)

@@ -286,16 +286,18 @@ def test_auto_plan_finds_megatron_for_whole_decoders():
 def test_inputs_sharded_off_their_features_are_gathered_not_used(world):
     """Found by review: a linear fed a shard on another dim (a per-head linear, a merged token dim)
     was made rowwise on it and crashed. Auto plans now treat such an input as replicated; a plan
-    that insists on rowwise gathers it and takes this rank's features."""
+    that insists on rowwise gathers it and takes this rank's features. A shard of every token's
+    features merged into one feature dim (static sizes) is the same cut repeated per token: the
+    rowwise weight is cut so, nothing gathered (as HF Falcon's query heads of every KV group)."""
     torch.manual_seed(0)
-    for model, x, plan in (
-        (models.PerHeadLinear(), torch.randn(2, 3, 16), {"q": "colwise", "head": "rowwise", "o": "rowwise"}),
-        (models.MergedTokens(), torch.randn(2, 5, 48), {"up": "colwise", "down": "rowwise"}),
+    for model, x, plan, gathered in (
+        (models.PerHeadLinear(), torch.randn(2, 3, 16), {"q": "colwise", "head": "rowwise", "o": "rowwise"}, True),
+        (models.MergedTokens(), torch.randn(2, 5, 48), {"up": "colwise", "down": "rowwise"}, False),
     ):
         dynashard.explain(model, x, world_size=world, verify=True, options={"min_shard_numel": 0})
         options = {"min_shard_numel": 0, "plan": plan}
         report = dynashard.explain(model, x, world_size=world, verify=True, options=options)
-        assert report.rows[0].collectives.startswith("all_gather")
+        assert report.rows[0].collectives.startswith("all_gather") == gathered, str(report)
 
 
 @pytest.mark.parametrize("n_kv,world,kv_style", [(4, 2, "colwise"), (4, 4, "colwise"), (2, 4, "replicate"),
@@ -526,26 +528,51 @@ def test_a_deep_model_is_cut_in_a_few_rounds_whatever_its_depth(caplog):
     assert gathering == ["m.lm_head"], str(report)
 
 
-@pytest.mark.parametrize("world,kv_heads,kept_whole,cache", [(2, 2, False, False), (4, 4, False, False),
-                                                        (2, 4, False, True), (4, 2, True, False)])
-def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, kv_heads, kept_whole, cache):
+@pytest.mark.parametrize("world,heads,kv_heads,held,cache,dynamic", [
+    (2, 8, 2, 0, False, False), (4, 8, 4, 0, False, False), (2, 8, 4, 0, True, False), (4, 8, 2, 4, False, False),
+    (4, 8, 2, 4, False, True), (4, 4, 2, None, False, False)])
+def test_falcon_grouped_qkv_keeps_each_rank_on_its_kv_groups(world, heads, kv_heads, held, cache, dynamic):
     """HF Falcon's new decoder architecture: q, k and v are taken out of each KV group of the fused
     output by a slice and by ``qkv[:, :, :, [-2]]`` (aten.index on a dim that is not cut). Each rank
     holds whole groups (its query heads with their k and v): one all_reduce, no gather. With fewer
-    groups than ranks the fused projection is kept whole, saying so (and the small output
-    projection, left without a sharded input, with it). K/V appended to an empty cache (HF's
-    DynamicCache) stay on each rank's heads: ``cat`` skips the 1-D empty operand."""
+    groups than ranks (2 on 4) each group is cut into its components: every rank holds its part of
+    every group's query heads and all groups' k and v (``held``: K/V heads held whole), so the
+    attention and ``dense`` stay cut (one all_reduce). With fewer query heads a group than ranks too
+    (2 on 4) the fused projection is kept whole, saying so (and the small output projection, left
+    without a sharded input, with it). K/V appended to an empty cache (HF's DynamicCache) stay on
+    each rank's heads: ``cat`` skips the 1-D empty operand. Under dynamic shapes the same plan (Dynamo
+    keeps full slices of the dims in front of the one taken apart)."""
     torch.manual_seed(0)
-    model = models.FalconStyleAttention(128, 8, kv_heads, cache=cache)
+    model = models.FalconStyleAttention(128, heads, kv_heads, cache=cache)
     report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
-                               options={"min_shard_numel": 0})
+                               options={"min_shard_numel": 0}, dynamic=dynamic)
     qkv, dense = (next(r for r in report.rows if r.fqn == n) for n in ("query_key_value", "dense"))
-    if kept_whole:
-        assert qkv.style == "replicate" and "2 heads of 96 cannot be cut over 4 ranks" in qkv.reason, str(report)
+    if held is None:
+        assert qkv.style == "replicate" and "2 heads of 128 cannot be cut over 4 ranks" in qkv.reason, str(report)
     else:
         assert dense.style == "rowwise" and dense.collectives == "all_reduce", str(report)
         assert qkv.style == "colwise" and qkv.collectives == "-", str(report)
-        assert qkv.weight_bytes == 128 * (8 + 2 * kv_heads) * 16 * 4 // world
+        dh = 128 // heads
+        assert qkv.weight_bytes == 128 * dh * 4 * ((heads + 2 * kv_heads - held) // world + held), str(report)
+
+
+def test_falcon_groups_cut_into_components_refuse_training():
+    """The cut above at world 4 holds every group's k and v whole on every rank: each rank's gradient
+    of them would be partial, so a backward is refused at compile time (as for any fused output with
+    whole parts), naming why. (Planned on one rank of a fake group: the refusal comes before any
+    collective runs.)"""
+    from dynashard import _torch_private as private
+
+    torch.manual_seed(0)
+    model = models.FalconStyleAttention(128, 8, 2)
+    torch._dynamo.reset()
+    private.init_fake_process_group(4, 0)
+    try:
+        # (Dynamo wraps the backend's error: matched by its name and message)
+        with pytest.raises(Exception, match="NotSupportedError: dynashard: training .* held whole on every rank"):
+            torch.compile(model, backend="dynashard", options={"min_shard_numel": 0})(torch.randn(2, 5, 128))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_roll_call_keys_follow_each_point_not_every_failure(monkeypatch):

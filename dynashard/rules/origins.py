@@ -39,9 +39,24 @@ aten = torch.ops.aten
 def feeds_features(lm: LayoutMap, match: LinearMatch) -> bool:
     """The linear's input is sharded on exactly its input features (a rowwise input as it is);
     a shard on another dim (heads fed to a per-head linear, a merged dim) must be gathered."""
+    return features_split(lm, match) is not None
+
+
+def features_split(lm: LayoutMap, match: LinearMatch) -> Split | None:
+    """How the linear's input is cut on its input features, if it is. A cut repeated over groups
+    merged in front of it (HF Falcon's query heads of every KV group, each rank holding its part of
+    each group: a Shard of one group's heads on the dim of all of them) is the same cut spelled out
+    per group, so that the weight is cut to match."""
     src = lm.layouts.get(match.input)
-    return (src is not None and src.dim == match.input_dim and not src.split.whole
-            and src.size == match.in_features == size_at(match.input, match.input_dim))
+    full = size_at(match.input, match.input_dim)
+    if src is None or src.dim != match.input_dim or src.split.whole or match.in_features != full:
+        return None
+    if src.size == full:
+        return src.split
+    if not isinstance(full, int) or full % src.size:
+        return None
+    k, s = full // src.size, src.split
+    return Split(s.parts * k, s.unit, deals=None if s.deals is None else s.deals * k)
 
 
 def linear(lm: LayoutMap, match: LinearMatch, style: Style) -> Record:
@@ -133,7 +148,7 @@ def _experts_colwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Recor
 def _experts_rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
     """Every expert's own rowwise linear: this rank's partial sums."""
     node, src = match.node, lm.layouts.get(match.input)
-    usable = feeds_features(lm, match)
+    usable = feeds_features(lm, match) and src.size == match.in_features
     unit = _alignment(match)
     split = even(match.in_features)
     if usable:
@@ -163,7 +178,7 @@ def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
             f"{match.in_features} input features; found it sharded on dim {src.dim}. Mark it 'colwise' or "
             "'replicate' in the plan."
         )
-    record.weight_split = src.split if usable else even(match.in_features)
+    record.weight_split = features_split(lm, match) if usable else even(match.in_features)
     # an input sharded some other way is gathered, then this rank's features taken (lowerings.py)
     if usable:
         how = Read.LOCAL

@@ -13,7 +13,10 @@ regrouped. One function, :func:`follow`, moves the cut through it:
   * in a regrouped group the cut must land on a dim whose inner dims fit inside one unit
     (``[H*Dh] -> [H, Dh]`` with units of ``Dh``; ``[B, H] -> [B*H]``; ``[Hkv, n] -> [Hkv*n]``
     makes units of ``n`` heads). When it does not only because the origins are cut too finely, a
-    wish asks for coarser units (or, for fewer KV heads than ranks, for the projection whole).
+    wish asks for coarser units (or, for fewer KV heads than ranks, for the projection whole);
+  * a fused output whose components repeat once per group (HF Falcon's ``[q heads | k | v]`` per KV
+    group, viewed ``[.., KV, n + 2, Dh]``) with fewer groups than ranks is cut inside every group:
+    each rank holds its part of every group's query heads, k and v whole (``_per_group``).
 A new view-like op needs a dim-map function in ``_DIM_MAPS`` and nothing else.
 """
 
@@ -176,6 +179,9 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
                 return fused[0] if fused[0] is None else fused[0].moved(dims.kept_out[out_start + fused[1]] - out_ndim)
         if elems % inner_out == 0:
             new_unit = elems // inner_out
+            per_group = _per_group(src.split, mid_out[:o], mid_out[o], new_unit) if p == in_start else None
+            if per_group is not None:  # the same components in every group: cut inside each one
+                return src.moved(dims.kept_out[out_start + o] - out_ndim, per_group)
             if private_aten.known_multiple(mid_out[o], units * new_unit):
                 out = src.moved(dims.kept_out[out_start + o] - out_ndim, src.split.regrouped(new_unit))
                 merged = not private_aten.known_equal(mid_out[o], units * new_unit)
@@ -189,12 +195,99 @@ def _regroup(lm: LayoutMap, node: torch.fx.Node, src: Shard, dims: DimMap, p: in
         coarser = src.split.coarsen(k)
         if coarser is not None and coarser.fewest_units(lm.world) >= 1:
             lm.wish(src.origins, WishKind.COARSEN, k, f"{op_name(node)} into dims of {inner_out} elements")
+        elif coarser is not None and _components_in_groups(lm, node, src, mid_out[: o + 1], inner_out,
+                                                           dims.kept_out[out_start + o + 1]):
+            pass  # (a wish to cut every group into its components, each rank holding a part of each group)
         elif coarser is not None:  # e.g. fewer KV heads than ranks: keep the projection whole
             lm.wish(src.origins, WishKind.REPLICATE, k,
                     f"{'/'.join(map(str, coarser.parts))} heads of {inner_out} cannot be cut over {lm.world} "
                     "ranks, so every rank computes them (narrowed where they meet sharded heads)")
         return None
     return None
+
+
+def _per_group(split: Split, outer: list, size: object, unit: int) -> Split | None:
+    """The cut of one group when ``split`` repeats the same components (and deal) once per group
+    (``prod(outer)`` groups of ``size`` positions of ``unit`` units each): HF Falcon's fused
+    ``[q heads | k | v]`` per KV group viewed as ``[.., KV, n + 2, head_dim]`` with each group's query
+    heads dealt out and its k and v whole. None for anything else (one component: the heads rules)."""
+    if not outer or not all(isinstance(d, int) for d in (*outer, size)) or len(split.parts) < 2:
+        return None
+    groups = math.prod(outer)
+    n = len(split.parts) // groups
+    if groups < 2 or n < 2 or n * groups != len(split.parts) or split.parts[:n] * groups != split.parts:
+        return None  # (one component a group: q, k, v as a dim of their own, ``_components``)
+    if sum(split.parts[:n]) * unit != size:
+        return None
+    first = split.sub(0, n)
+    if first is None or any(split.sub(g * n, (g + 1) * n) != first for g in range(groups)):
+        return None  # (all whole: a replicated value, not a cut one)
+    return first.regrouped(unit)
+
+
+def _components_in_groups(lm: LayoutMap, node: torch.fx.Node, src: Shard, outer: list, inner: int,
+                          d: int) -> bool:
+    """Groups fewer than ranks (HF Falcon's 2 KV groups on 4 ranks), each group taken apart on the
+    dim after it (``d``: slices and indices of its query heads, its k, its v): wish the origin cut
+    into every group's components, so that each rank holds its part of every group's query heads
+    (the small components, k and v, are then held whole: ``rules/shapes._taken``). Only where every
+    rank gets a query head of every group, else False (the projection is kept whole)."""
+    split = src.split
+    if len(split.parts) != 1 or split.whole or split.deals is not None or not all(isinstance(x, int) for x in outer):
+        return False
+    groups, size = math.prod(outer), val(node).shape[d]
+    if not isinstance(size, int) or inner % size or (inner // size) % split.unit or inner % split.unit:
+        return False
+    per_pos, period = inner // size // split.unit, inner // split.unit  # units per position, per group
+    if period * groups != split.parts[0]:
+        return False
+    edges = _taken_apart_at(node, d, size)
+    if not edges:
+        return False
+    cuts = {g * period + e * per_pos for g in range(groups) for e in (0, *edges) if g or e}
+    new = split.cut(cuts)
+    if max(new.parts[: len(edges) + 1]) < lm.world or split.empties_a_rank(new, lm.world):
+        return False
+    lm.wish(src.origins, WishKind.CUT, frozenset(cuts),
+            f"{op_name(node)} views {groups} groups of components, each taken apart")
+    return True
+
+
+def _taken_apart_at(node: torch.fx.Node, d: int, size: int, depth: int = 4) -> list[int] | None:
+    """Inner edges (positions) at which the readers of ``node`` take dim ``d`` apart by slices and
+    constant indices of consecutive positions (``qkv[..., :-2, :]``, ``qkv[..., [-2], :]``); None if
+    any reader does anything else with the value. NOTE: under dynamic shapes Dynamo keeps the
+    full slices of the dims in front (``qkv[:, :, :, [-2]]`` starts with ``slice(qkv, 0, 0, max)``):
+    a slice of another dim is followed to its readers."""
+    edges: set[int] = set()
+    ndim = val(node).dim()
+    for user in node.users:
+        if user.target is aten.slice.Tensor and norm_dim(user.args[1], ndim) != d and depth:
+            inner = _taken_apart_at(user, d, size, depth - 1)
+            if inner is None:
+                return None
+            edges.update(inner)
+            continue
+        if user.target is aten.slice.Tensor and norm_dim(user.args[1], ndim) == d:
+            args = list(user.args) + [None] * (5 - len(user.args))
+            start, end, step = args[2] or 0, args[3], args[4] or 1
+            if step != 1 or not isinstance(start, int) or not isinstance(end, (int, type(None))):
+                return None
+            end = size if end is None or end > size else end
+            bounds = [start % size if start < 0 else start, end % size if end < 0 else end]
+        elif user.target is aten.index.Tensor:
+            given = [(i, x) for i, x in enumerate(user.args[1]) if x is not None]
+            values = private_aten.constant_value(given[0][1]) if len(given) == 1 and given[0][0] == d else None
+            if values is None or values.dim() != 1 or not values.numel():
+                return None
+            positions = [int(v) % size for v in values.tolist()]
+            if positions != list(range(positions[0], positions[-1] + 1)):
+                return None
+            bounds = [positions[0], positions[-1] + 1]
+        else:
+            return None
+        edges.update(b for b in bounds if 0 < b < size)
+    return sorted(edges)
 
 
 # ops that take a dim apart -> the index of their dim argument (default 0)
