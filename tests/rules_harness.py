@@ -251,11 +251,16 @@ def _decide(lm: LayoutMap, node: torch.fx.Node) -> tuple[Record | None, frozense
 
 
 def rule_of(op: Any, *args: Any, world: int = 2, rank: int = 0, target: Any = None, per_rank: bool = False,
-            sequence: bool = False, stacked: bool = False, **kwargs: Any) -> Got:
+            sequence: bool = False, stacked: bool = False, traced_as: Any = None, **kwargs: Any) -> Got:
     """The record the rule of ``target`` (default ``op``) gives its first node in ``op(*args)``;
-    nodes before it (constants, a block mask) get their own rules' records, or a gather."""
+    nodes before it (constants, a block mask) get their own rules' records, or a gather.
+    ``traced_as``: the op that tracing turns ``op`` into (``aten.reshape`` becomes ``aten.view``), its
+    node given back ``op`` as target (graphs traced before dispatch keep it)."""
     target = op if target is None else target
     gm, specs = trace(op, args, kwargs)
+    for node in gm.graph.nodes:
+        if traced_as is not None and node.target is traced_as:
+            node.target = op
     lm = seeded(gm, specs, world, rank, per_rank=per_rank, sequence=sequence, stacked=stacked)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in lm.records:
@@ -324,6 +329,9 @@ def linear_of(x: T, out_features: int, style: Style, bias: bool = False, embeddi
 
 # Numerics: what the record says, run on real tensors for every rank.
 
+_CUDA_ONLY = (torch.ops.aten._scaled_dot_product_flash_attention.default,
+              torch.ops.aten._scaled_dot_product_efficient_attention.default,
+              torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 _CONVERSIONS = ("local", "narrow", "gather", "narrow_groups", "-")
 
 
@@ -333,13 +341,20 @@ def supports_numerics(got: Got) -> str | None:
         return "declined: the driver gathers (nothing of the rule's to run)"
     if got.lowering is not None:
         return f"emitted by its lowering {got.lowering} (the rewrite's, checked by goldens and verify)"
+    if got.node.target in _CUDA_ONLY:
+        return "a CUDA kernel (no CPU one to run here)"
     if got.lm.per_rank or got.lm.sequence or got.lm.stacked:
         return "a mode whose values mean other rows or blocks (checked by verify)"
     if any(r not in _CONVERSIONS for r in got.reads):
         return f"reads {got.reads}: conversions the rewrite owns"
-    if any(a.op == "call_function" and got.lm.layouts.get(a) is not None for a in all_args(got.node)):
+    if any(a.op == "call_function" and _held_cut(got.lm, a) for a in all_args(got.node)):
         return "an operand computed in the graph is cut"
     return None
+
+
+def _held_cut(lm: LayoutMap, node: torch.fx.Node) -> bool:
+    record = lm.records[node]
+    return record.layout is not None or record.partial is not None or any(record.outputs or ())
 
 
 def _full_values(gm: torch.fx.GraphModule, node: torch.fx.Node, fulls: list[torch.Tensor]) -> dict:
@@ -378,7 +393,7 @@ def _local(got: Got, node: torch.fx.Node, full: torch.Tensor, term: list | None,
 
 
 def check_numerics(op: Any, *args: Any, world: int = 2, target: Any = None, tol: float = 1e-5,
-                   **kwargs: Any) -> None:
+                   traced_as: Any = None, **kwargs: Any) -> None:
     """For every rank: the op on its operands as the rule reads them (a shard as held, a replicated
     value narrowed or whole, a gathered shard whole, partial sums as this rank's term or all-reduced)
     equals this rank's part of the op on whole tensors (for partial sums: every rank's terms add up
@@ -389,7 +404,7 @@ def check_numerics(op: Any, *args: Any, world: int = 2, target: Any = None, tol:
     fulls = [sum(tm) if tm is not None else _random(s) for s, tm in zip(specs, terms)]
     outs, gots = [], []
     for rank in range(world):
-        got = rule_of(op, *args, world=world, rank=rank, target=target, **kwargs)
+        got = rule_of(op, *args, world=world, rank=rank, target=target, traced_as=traced_as, **kwargs)
         why = supports_numerics(got)
         assert why is None, why
         env = _full_values(got.gm, got.node, fulls)
