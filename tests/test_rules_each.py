@@ -40,7 +40,8 @@ from tests.rules_harness import (
     whole,
 )
 
-pytestmark = pytest.mark.unit
+# (make_fx traces flex_attention eagerly, which warns that it is not compiled: only its graph is used here)
+pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 aten = torch.ops.aten
 MAX = 9223372036854775807  # what ``x[a:]`` traces to as slice's end
 q4 = t(1, 4, 8, 16, cut=1)  # [B, H, T, Dh] cut by heads: 2 of 4 on each of 2 ranks
@@ -228,6 +229,8 @@ CASES = [
     case("index-put-cut-dim", aten.index_put_.default, [t(4, 8, cut=-1), [None, k(3, 5)], t(4, 2)], gather()),
     case("index-put-mask-narrowed", aten.index_put_.default, [t(4, 8, cut=-1), [t(4, 8, dtype=torch.bool)], t()],
          keep(S(-1, 8), reads="LNL")),
+    case("index-put-rows-mask", aten.index_put_.default, [t(4, 8, cut=-1), [t(4, dtype=torch.bool)], t(8)],
+         keep(S(-1, 8), reads="LLN")),
     case("index-copy-cache", aten.index_copy_.default, [t(1, 4, 16, 8, cut=1), 2, k(3, 5), t(1, 4, 2, 8, cut=1)],
          keep(S(-3, 4))),
     case("index-copy-cut-dim", aten.index_copy_.default, [t(1, 4, 16, 8, cut=1), 1, k(0, 1), t(1, 2, 16, 8)],
