@@ -60,7 +60,7 @@ def wrap(error: BaseException, stage: str) -> BaseException:
     is an error like any other. Dynamo's own request to re-trace (``RestartAnalysis``) is not an
     error: it goes back to Dynamo as it is (see ``_torch_private.is_dynamo_restart``).
     """
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     if isinstance(error, DynashardError) or private.is_dynamo_restart(error):
         return error

@@ -235,7 +235,7 @@ def with_mode(options: Options, mode: str | None) -> Options:
 
 def _check_mode(mode: Any, compiler: str) -> str:
     """One of the modes torch.compile accepts (Inductor's own list); a warning where it has no effect."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     modes = private.inductor_modes()
     if not isinstance(mode, str):

@@ -1,4 +1,4 @@
-"""Checkpoints and exports that cannot mix (dynashard/integrity.py), in one process.
+"""Checkpoints and exports that cannot mix (dynashard/load/integrity.py), in one process.
 
 A directory export swapped in whole (and killed between its two renames: both siblings whole, a load
 names them), an earlier export's files never left beside a new one's, a DCP directory whose files
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dynashard import integrity
-from dynashard.checkpoint import SafetensorsCheckpoint, _keys_of, open_checkpoint, owning
 from dynashard.errors import UsageError
+from dynashard.load import integrity
+from dynashard.load.checkpoint import SafetensorsCheckpoint, _keys_of, open_checkpoint, owning
 
 pytestmark = pytest.mark.unit
 

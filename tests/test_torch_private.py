@@ -152,8 +152,8 @@ def test_the_functional_collectives_chosen_emit_the_same_ops_on_this_torch():
     import torch.distributed as dist
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dynashard import _torch_private as private
-    from dynashard import _torch_private_funcol as private_funcol
+    from dynashard import _torch as private
+    from dynashard._torch import funcol as private_funcol
 
     private.init_fake_process_group(2)
     try:
@@ -175,7 +175,7 @@ def test_compiling_is_true_in_dynamo_and_in_a_backend_and_false_when_compiled_co
     backend runs (dynashard's analysis and rewrite read facades as plain tensors there), False when the
     compiled code runs and in eager code. torch 2.11 and 2.12's ``torch.compiler.is_compiling()`` is False
     inside a backend: HF's recipe then failed at parallelize with "this tensor's storage was freed"."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     seen = {}
 
