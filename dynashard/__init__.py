@@ -21,7 +21,7 @@ def explain(model, *args, world_size=None, options=None, **kwargs):
     """Plan ``model`` on example inputs and return a report (``str()`` is a table); ``verify=True``
     checks every simulated rank against the model (``train=True``: the graph a training compile
     emits), ``dynamic=True`` captures with symbolic sizes."""
-    from dynashard.report.explainer import explain as _explain
+    from dynashard.explainer import explain as _explain
 
     return _explain(model, *args, world_size=world_size, options=options, **kwargs)
 

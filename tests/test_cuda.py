@@ -188,7 +188,7 @@ def _output_magnitudes(model, ids, fqns) -> tuple[dict[str, float], float]:
 
 
 def check_hf_kernel(arch: str, kernel: str, form: str, device: str = DEVICE, dtype: torch.dtype = torch.bfloat16,
-                    world: int = 2) -> dynashard.report.explainer.Report:
+                    world: int = 2) -> dynashard.explainer.Report:
     """One architecture under one SDPA kernel: the kernel really traced, every simulated rank equal to the
     unsharded model within ``BF16_RTOL`` of each layer's magnitude, and the plan the CPU tier pins."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
