@@ -15,7 +15,8 @@ import torch.fx
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
 from dynashard.capture.linear_forms import normalise
-from dynashard.capture.match import ParamInfo, find_linears
+from dynashard.capture.match import find_linears
+from dynashard.capture.records import ParamInfo
 from dynashard.capture.subclass_inputs import INNER
 from dynashard.errors import InternalError
 from dynashard.layout.nodes import PARAMETER, val

@@ -27,8 +27,8 @@ from dynashard import _torch as private
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.capture import subclass_inputs
 from dynashard.comm.collectives import BACKWARD, group_name, reduce_scatter_is_slow
-from dynashard.comm.protocol import COMPILE, agreed, peer_failure, resolve_group
-from dynashard.errors import NotSupportedError, UsageError, wrap
+from dynashard.comm.protocol import COMPILE, agreed, peer_failure, resolve_group, wrap
+from dynashard.errors import NotSupportedError, UsageError
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.report import progress
 from dynashard.report.table import GraphReport
@@ -38,12 +38,14 @@ from dynashard.runtime import gate
 from dynashard.runtime.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.runtime.uncompiled_calls import watch
 from dynashard.training import fsdp
+from dynashard.weights.freed import materialize
 from dynashard.weights.store import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
 # A model torch.compile wraps with this backend and then runs around the wrapper (model.generate) is
 # warned about: torch.compile looks the backend up, importing this module, before it wraps the model.
-watch()
+# (Both names are looked up when a module is registered, after this module has run.)
+watch(lambda backend: backend is dynashard_backend or isinstance(backend, BoundBackend))
 
 
 def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None,
@@ -96,7 +98,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         raise error
     if analysis is not None and source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
         with agreed(group, "reading the weights left whole from the checkpoint"):
-            STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
+            materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     live = fsdp.live_slots(example_inputs)
@@ -276,7 +278,7 @@ def _untrainable_partial(lm: Any) -> str | None:
     """Partial sums whose backward is not built: an expert's (the router weights scale it and pick
     its rows). Others are right: the all_reduce's backward is the identity (Megatron's g), and every
     replicated tensor an op keeping partial sums reads (a LoRA's whole B) goes through f
-    (rewrite.py), so its gradient is every rank's term summed. A sum or mean of a Shard over its cut
+    (rewrite/interpreter.py), so its gradient is every rank's term summed. A sum or mean of a Shard over its cut
     dim (a norm over every head) reads only the shard: its gradient is each rank's own."""
     for record in lm.records.values():
         if record.partial is not None and isinstance(record.lowering, RowwiseExperts):

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import dynashard
-from dynashard.load.integrity import checksum, close
+from dynashard.weights.checksum import checksum, close
 from tests import models
 
 pytestmark = pytest.mark.unit

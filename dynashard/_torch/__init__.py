@@ -1,6 +1,6 @@
 """Every use of a private or semi-private torch API lives in a ``_torch_private*`` module, so a torch
 upgrade breaks those files only: this one for Dynamo, AOTAutograd and Inductor,
-``_torch_private_aten.py`` for reading aten graphs and their symbolic sizes, ``_torch_private_c10d.py``
+``_torch/aten.py`` for reading aten graphs and their symbolic sizes, ``_torch/c10d.py``
 for process groups.
 
 Each function says which torch behaviour it depends on; docs/design.md has the measurements.
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from dynashard.errors import DynashardError
 
 # (a module's _modules / _parameters / _buffers entry, or a facade dynashard.parallelize keeps in its __dict__)
 _SOURCE_PART = re.compile(r"(?:_modules|_parameters|_buffers|__dict__\['_dynashard_facades'\])\['([^']+)'\]")
@@ -384,8 +386,6 @@ def backend_error(error: BaseException) -> BaseException | None:
     """The dynashard error a compile raised, unwrapped from Dynamo's ``BackendCompilerFailed``."""
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from dynashard.errors import DynashardError
-
     inner = getattr(error, "inner_exception", None) if isinstance(error, BackendCompilerFailed) else None
     return inner if isinstance(inner, DynashardError) else None
 
@@ -521,7 +521,7 @@ def weak_id_dict() -> Any:
     return WeakIdKeyDictionary()
 
 
-# Process groups: _torch_private_c10d.py, re-exported here.
+# Process groups: _torch/c10d.py, re-exported here.
 from dynashard._torch.c10d import default_store as default_store  # noqa: E402
 from dynashard._torch.c10d import group_by_name as group_by_name  # noqa: E402
 from dynashard._torch.c10d import group_count as group_count  # noqa: E402

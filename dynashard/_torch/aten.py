@@ -2,7 +2,7 @@
 tensor constants, and the ops a traced function dispatches.
 
 What the propagation rules, the rewrite, the lowering check and the report read of an aten graph
-(``_torch_private.py`` holds the rest: Dynamo, AOTAutograd, Inductor, process groups). Each function
+(``_torch/__init__.py`` holds the rest: Dynamo, AOTAutograd, Inductor, process groups). Each function
 says which torch behaviour it depends on.
 """
 

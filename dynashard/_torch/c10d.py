@@ -1,5 +1,5 @@
 """Private torch APIs for process groups (``torch.distributed.distributed_c10d`` internals); see
-``_torch_private.py``, which re-exports these."""
+``_torch/__init__.py``, which re-exports these."""
 
 from __future__ import annotations
 

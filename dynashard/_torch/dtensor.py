@@ -1,5 +1,5 @@
 """Private torch APIs for DTensor (``_StridedShard``, a DTensor's local tensor object); see
-``_torch_private.py``, which re-exports these."""
+``_torch/__init__.py``, which re-exports these."""
 
 from __future__ import annotations
 
@@ -36,12 +36,11 @@ def follow_placements_in_dcp(gather: Any, cut: Any) -> None:
     ``_gather_state_dict``); their ``set_*`` twins hand the whole tensors on (``_distribute_state_dict``,
     ``_broadcast_state_dict``). A tensor carrying dynashard's placement (placement.py) is one rank's pieces:
     each of those module functions, as ``state_dict.py`` names it, is wrapped once for the process so
-    that ``gather(t)`` makes it whole first (a collective: DCP's gather already is) and ``cut(full, local)``
-    makes a whole value this rank's pieces again. NOTE: relies on ``state_dict.py`` calling these three
+    that ``gather(state_dict)`` makes such tensors whole first (a collective: DCP's gather already is) and
+    ``cut(loaded, local)`` makes the whole values in ``loaded`` this rank's pieces again, as the tensors in
+    ``local`` (the state dict before the load) were. NOTE: relies on ``state_dict.py`` calling these three
     by their module-level names (torch 2.11 to 2.15)."""
     import torch.distributed.checkpoint.state_dict as dsd
-
-    from dynashard.layout.placement import cut_placed, gather_placed
 
     if _FOLLOWING:
         _FOLLOWING[:] = [(gather, cut)]
@@ -51,18 +50,18 @@ def follow_placements_in_dcp(gather: Any, cut: Any) -> None:
         dsd._broadcast_state_dict
 
     def _gather_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        return gather_state(gather_placed(state_dict, _FOLLOWING[0][0]), *args, **kwargs)
+        return gather_state(_FOLLOWING[0][0](state_dict), *args, **kwargs)
 
     def _distribute_state_dict(full: Any, local: Any, *args: Any, **kwargs: Any) -> Any:
         before = dict(local)
         out = distribute(full, local, *args, **kwargs)
-        cut_placed(local, before, _FOLLOWING[0][1])
+        _FOLLOWING[0][1](local, before)
         return out
 
     def _broadcast_state_dict(full: Any, local: Any, *args: Any, **kwargs: Any) -> Any:
         before = dict(local)
         out = broadcast(full, local, *args, **kwargs)
-        cut_placed(local, before, _FOLLOWING[0][1])
+        _FOLLOWING[0][1](local, before)
         return out
 
     dsd._gather_state_dict = _gather_state_dict

@@ -1,5 +1,5 @@
 """The functional collectives whose names changed between the supported torch releases (see
-``_torch_private.py``): ``collectives.py`` calls the rest of ``torch.distributed._functional_collectives``
+``_torch/__init__.py``): ``collectives.py`` calls the rest of ``torch.distributed._functional_collectives``
 directly.
 
 NOTE: torch 2.13 added ``all_gather_single`` / ``reduce_scatter_single`` and deprecated

@@ -1,7 +1,7 @@
 """Private torch APIs for tensor-subclass inputs (torchao's quantized weights): which tensors are
 traceable wrapper subclasses, and what Dynamo's placeholders say of where an input comes from.
 
-(``_torch_private.py`` holds the rest: Dynamo, AOTAutograd, Inductor, process groups.)
+(``_torch/__init__.py`` holds the rest: Dynamo, AOTAutograd, Inductor, process groups.)
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ vocab-parallel embedding and a weight tied to a colwise LM head is split on the 
 (``embedding_renorm_(detach(W), ids, m, p)``); that renorm belongs to the match.
 
 Experts (mixture-of-experts weights stacked in one 3-D parameter, one ``[out, in]`` or ``[in, out]``
-weight per expert) are matched in :mod:`dynashard.capture.match_experts`, as records of the same kind.
+weight per expert) are matched in :mod:`dynashard.capture.match_experts`, as records of the same kind
+(:mod:`dynashard.capture.records`).
 
 Invariants: matching never mutates the graph; every weight placeholder's other uses are
 recorded so the plan can refuse to shard a weight it cannot account for.
@@ -26,194 +27,27 @@ recorded so the plan can refuse to shard a weight it cannot account for.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.fx
 
-from dynashard.capture.linear_forms import converted_source as _converted_source
-from dynashard.capture.linear_forms import squeezed_source
-from dynashard.capture.match_normed import Spectral, normed_source, plan_name, spectral_source
+from dynashard.capture.linear_forms import converted_source, squeezed_source
+from dynashard.capture.match_experts import find_experts
+from dynashard.capture.match_normed import normed_source, plan_name, spectral_source
 from dynashard.capture.match_quantized import dequantized_source
+from dynashard.capture.records import (
+    DENSE,
+    EMBEDDING,
+    GroupQuantized,
+    LinearMatch,
+    ParamInfo,
+    SpectralNormed,
+    WeightNormed,
+    plan_name_of,
+)
 from dynashard.layout.nodes import val
 
 aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.addmm.default)
-
-
-class LinearKind:
-    """What a matched computation is: the plan, the rules and the checks ask it, never its name.
-    A dense linear (``nn.Linear``, ``x @ W.t()``, Conv1D) is the base kind."""
-
-    name = "linear"
-    weight_dims = 0  # weight dims in front of [out, in] (experts: one per expert)
-    cuts_bias = True  # a colwise bias only colwise layers read is held cut with the weight
-    experts = False  # one weight per expert: a loop's uses W[e] are re-cut together
-
-    def __str__(self) -> str:
-        return self.name
-
-    def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        """Why this kind stays whole under weights="per_rank" (``stacked``) or inputs="per_rank"."""
-        return None
-
-    def auto_style(self, reduce: str) -> tuple[str, str] | None:
-        """The auto plan's style and reason for this kind whatever its input (None: by pairing)."""
-        return None
-
-    def sparse(self, node: torch.fx.Node) -> bool:
-        """Its backward makes sparse gradients (``embedding(..., sparse=True)``)."""
-        return False
-
-    def refused_dim(self, dim: int, per_rank: bool = False) -> str | None:
-        """Why this kind's weight may not be cut on its ``dim`` (None: it may); ``per_rank``: under
-        inputs="per_rank"."""
-        return None
-
-    def cuts_companions(self, dim: int) -> bool:
-        """Whether the parameters its path reads besides the weight (``companions``) are cut with the
-        weight when it is cut on ``dim``."""
-        return True
-
-
-class Embedding(LinearKind):
-    """A lookup is ``one_hot(ids) @ W``, W stored ``[in=vocab, out]``: rowwise is vocab-parallel."""
-
-    name = "embedding"
-    cuts_bias = False
-
-    def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        return "with weights='per_rank' every rank's own embedding stays whole" if stacked else None
-
-    def auto_style(self, reduce: str) -> tuple[str, str] | None:
-        return "rowwise", f"vocab-parallel embedding: masked local lookup, one {reduce}"
-
-    def sparse(self, node: torch.fx.Node) -> bool:
-        return embedding_options(node)[2]
-
-
-class Experts(LinearKind):
-    """One ``[out, in]`` weight per expert in a 3-D parameter, cut alike in every expert."""
-
-    name = "experts"
-    weight_dims = 1
-    cuts_bias = False
-    experts = True
-
-    def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        if stacked or per_rank:
-            return f"experts do not support {'weights' if stacked else 'inputs'}='per_rank' yet"
-        return None
-
-
-class WeightNormed(LinearKind):
-    """``weight_norm``'s v and g (match_normed.py): v and g cut alike on the dim its norms are per slice
-    of; v cut on the other dim (across the norms), g whole, and each norm's sum of squares all-reduced."""
-
-    name = "weight_norm"
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-
-    def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        return "weight_norm's v and g stay whole under weights='per_rank'" if stacked else None
-
-    def refused_dim(self, dim: int, per_rank: bool = False) -> str | None:
-        if dim == self.dim or not per_rank:
-            return None
-        return (f"weight_norm(dim={self.dim}) divides each slice by a norm summed over weight dim {dim}, "
-                f"and a cut there sums the norms over the ranks, which inputs='per_rank' does not support "
-                f"(a cut on dim {self.dim} is exact)")
-
-    def cuts_companions(self, dim: int) -> bool:
-        return dim == self.dim  # (g is [out, 1] or [1, in]: nothing of it lies along the other dim)
-
-
-class SpectralNormed(LinearKind):
-    """``spectral_norm``'s W (match_normed.py): cut either way, sigma and the power steps on the cut."""
-
-    name = "spectral_norm"
-
-    def __init__(self, reads: Spectral) -> None:
-        self.reads = reads
-
-    def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        if stacked or per_rank:
-            return f"spectral_norm's W stays whole under {'weights' if stacked else 'inputs'}='per_rank'"
-        return None
-
-
-class GroupQuantized(LinearKind):
-    """An integer weight dequantized by groups of input columns (match_quantized.py): held whole for now."""
-
-    name = "group-quantized"
-
-    def __init__(self, group: int) -> None:
-        self.group = group
-
-    def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        return (f"quantized by groups of {self.group} input columns, dequantized before the matmul through views of "
-                "the whole weight's shape: no cut of it is lowered yet (per-row int8 is cut)")
-
-
-DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamInfo:
-    """A parameter placeholder: its FQN as in the compiled module's ``named_parameters()``."""
-
-    fqn: str
-    module_fqn: str
-    is_parameter: bool
-    inner: str = ""  # an inner tensor of a subclass parameter (torchao's "qdata", "scale"): fqn ends with it
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearMatch:
-    """One linear computation ``y = x @ W' (+ b)`` normalised from whatever the model wrote."""
-
-    node: torch.fx.Node  # the aten.mm / aten.addmm
-    fqn: str  # the name plans use: the owning module's FQN (or the parameter's, if not "weight")
-    weight: torch.fx.Node  # the weight placeholder
-    weight_form: str  # "out_in" (used transposed, nn.Linear) or "in_out" (used as is, Conv1D)
-    transpose: torch.fx.Node | None
-    input: torch.fx.Node
-    bias: torch.fx.Node | None
-    in_features: int
-    out_features: int
-    kind: LinearKind = DENSE
-    # experts: the nodes from the 3-D weight to the matmul (expert selection, transposes), the dim of
-    # ``input`` that is contracted and the output dim that holds output features (from the end)
-    chain: tuple[torch.fx.Node, ...] = ()
-    experts: int = 0
-    input_dim: int = -1
-    output_dim: int = -1
-    # embedding with max_norm: the in-place ``embedding_renorm_`` of the looked-up rows, on ``detach(W)``
-    renorm: torch.fx.Node | None = None
-    # linear: the nodes from the weight to the matmul, in order (a dtype conversion, the transpose)
-    operand_path: tuple[torch.fx.Node, ...] = ()
-    # parameters the path reads besides the weight, cut with it on the same dim where the kind
-    # cuts them (weight_norm's g: cut on its norm dim, whole on the other)
-    companions: tuple[torch.fx.Node, ...] = ()
-
-    @property
-    def operand(self) -> torch.fx.Node:
-        """What the matmul reads: the weight, or the last node of its path (this rank's part, once cut)."""
-        return self.operand_path[-1] if self.operand_path else self.weight
-
-    @property
-    def out_dim(self) -> int:
-        """The weight dim that holds output features (sharded by colwise)."""
-        return (0 if self.weight_form == "out_in" else 1) + self.kind.weight_dims
-
-    @property
-    def in_dim(self) -> int:
-        return (1 if self.weight_form == "out_in" else 0) + self.kind.weight_dims
-
-    @property
-    def numel(self) -> int:
-        return self.in_features * self.out_features * max(1, self.experts)
 
 
 def _transposed_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -236,7 +70,7 @@ def _weight_path(mat2: torch.fx.Node) -> tuple[torch.fx.Node, tuple[torch.fx.Nod
     weight_norm's ``getitem(_weight_norm_interface(v, g), 0)`` of v, spectral_norm's ``div(W, sigma)`` of W."""
     path, node, transpose, converted, squeezed, normed = [], mat2, None, False, False, False
     while True:
-        source = _converted_source(node) if not converted else None
+        source = converted_source(node) if not converted else None
         if source is not None:
             converted = True
         elif transpose is None and (source := _transposed_source(node)) is not None:
@@ -262,12 +96,7 @@ def _quantized(weight: torch.fx.Node, path: tuple[torch.fx.Node, ...]) -> bool:
     per-channel scales are a pointwise op on the output). Other buffers (tables, masks) are no weight."""
     v = val(weight)
     return (v is not None and not v.dtype.is_floating_point and not v.dtype.is_complex and v.dtype != torch.bool
-            and any(_converted_source(n) is weight for n in path))
-
-
-def _plan_name(info: ParamInfo) -> str:
-    fqn = info.fqn.removesuffix(f".{info.inner}") if info.inner else info.fqn  # (a quantized weight's qdata)
-    return info.module_fqn if fqn.endswith(".weight") or fqn == "weight" else fqn
+            and any(converted_source(n) is weight for n in path))
 
 
 def find_linears(
@@ -303,7 +132,7 @@ def find_linears(
             LinearMatch(
                 node=node,
                 fqn=(plan_name(params[weight].module_fqn, params[weight].fqn) if normed or spectral
-                     else _plan_name(params[weight])),
+                     else plan_name_of(params[weight])),
                 weight=weight,
                 weight_form=form,
                 transpose=transpose,
@@ -317,8 +146,6 @@ def find_linears(
                 companions=(normed[1],) if normed else (),
             )
         )
-    from dynashard.capture.match_experts import find_experts  # (it builds this module's records)
-
     order = {n: i for i, n in enumerate(graph.nodes)}
     matches = sorted(matches + _embeddings(graph, params) + find_experts(graph, params), key=lambda m: order[m.node])
     return matches, _other_uses(matches)
@@ -335,7 +162,7 @@ def _embeddings(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -
             continue
         vocab, dim = weight.meta["val"].shape
         found.append(
-            LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form="in_out",
+            LinearMatch(node=node, fqn=plan_name_of(params[weight]), weight=weight, weight_form="in_out",
                         transpose=None, input=ids, bias=None, in_features=int(vocab), out_features=int(dim),
                         kind=EMBEDDING, renorm=_renorm_before(weight, ids))
         )
@@ -354,15 +181,6 @@ def _renorm_before(weight: torch.fx.Node, ids: torch.fx.Node) -> torch.fx.Node |
             if renorm.target is aten.embedding_renorm_.default and renorm.args[0] is user and renorm.args[1] is ids:
                 return renorm
     return None
-
-
-def embedding_options(node: torch.fx.Node) -> tuple[int, bool, bool]:
-    """``(padding_idx, scale_grad_by_freq, sparse)`` of an ``aten.embedding`` node (-1: no padding;
-    ``F.embedding`` already turned a negative padding index into its row)."""
-    names, defaults = ("padding_idx", "scale_grad_by_freq", "sparse"), (-1, False, False)
-    given = node.args[2:5]
-    out = [given[i] if i < len(given) else node.kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
-    return int(out[0]), bool(out[1]), bool(out[2])
 
 
 def _other_uses(matches: list[LinearMatch]) -> dict[torch.fx.Node, list[str]]:

@@ -7,7 +7,7 @@ Before (PEFT's ``lora.Linear``, one adapter; views around each mm elided)::
     u = mm(h, t(B))                      B: [out, r]
     z = add(y, mul(u, s))
 After: a :class:`LowRankUpdate` per adapter, keyed by each of its three linears' nodes. The plan
-cuts A and B by the base's style so that the adapter adds no collective (auto_plan.py):
+cuts A and B by the base's style so that the adapter adds no collective (plan/auto.py):
 
 - colwise base: A whole (its input is replicated), B cut on its output rows like the base; the two
   shards are added locally;
@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx
 
-from dynashard.capture.match import LinearMatch
+from dynashard.capture.records import LinearMatch
 from dynashard.layout.nodes import val
 
 aten = torch.ops.aten

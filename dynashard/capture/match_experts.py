@@ -6,7 +6,7 @@ Before (the forms transformers 5.x and hand-written MoE code trace)::
     bmm(x.view(E, -1, hidden), W)                                # Llama4: W [E, in, out] whole, a batch per expert
     grouped_mm(x, W.transpose(-2, -1), offs)                     # HF grouped_mm (aten or transformers' fallback)
     mm(x, W[e].t())                                              # F.linear(x, W[e]) in a python loop
-After: one :class:`~dynashard.capture.match.LinearMatch` of kind ``experts`` per matmul: the weight, the
+After: one :class:`~dynashard.capture.records.LinearMatch` of kind ``experts`` per matmul: the weight, the
 nodes from it to the matmul (``chain``: the expert selection, a swap of the last two dims, a
 dtype conversion under autocast, each at most once), the input and the dims of input and output
 that hold the features. Every expert is cut alike: its own colwise / rowwise linear.
@@ -22,7 +22,8 @@ import torch
 import torch.fx
 
 from dynashard._torch import aten as private_aten
-from dynashard.capture.match import EXPERTS, LinearMatch, ParamInfo, _converted_source, _plan_name
+from dynashard.capture.linear_forms import converted_source
+from dynashard.capture.records import EXPERTS, LinearMatch, ParamInfo, plan_name_of
 from dynashard.layout.nodes import val
 
 aten = torch.ops.aten
@@ -62,7 +63,7 @@ def _expert_source(node: object, params: dict[torch.fx.Node, ParamInfo]):
     while isinstance(node, torch.fx.Node) and node not in params:
         if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node) or val(node.args[0]) is None:
             return None
-        if not converted and _converted_source(node) is not None:
+        if not converted and converted_source(node) is not None:
             converted = True
         elif not transposed and _swaps_last_two(node, val(node.args[0]).dim()):
             transposed = True
@@ -109,7 +110,7 @@ def find_experts(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) 
         experts, d1, d2 = (int(s) for s in weight.meta["val"].shape)
         out_f, in_f = (d1, d2) if form == "out_in" else (d2, d1)
         found.append(
-            LinearMatch(node=node, fqn=_plan_name(params[weight]), weight=weight, weight_form=form, transpose=None,
+            LinearMatch(node=node, fqn=plan_name_of(params[weight]), weight=weight, weight_form=form, transpose=None,
                         input=x, bias=None, in_features=in_f, out_features=out_f, kind=EXPERTS, chain=chain,
                         experts=experts, input_dim=in_dim, output_dim=out_dim)
         )

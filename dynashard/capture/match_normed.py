@@ -6,7 +6,7 @@ float32; ``v`` stored ``[out, in]``, the gain ``g`` of v's shape with size 1 on 
     wn = aten._weight_norm_interface(v, g, d)     # v * g / ||v|| over every dim but d
     w = getitem(wn, 0); t = aten.t(w); y = aten.addmm(b, x, t)
 
-After: one :class:`~dynashard.capture.match.LinearMatch` on ``v`` (its path: wn, getitem, t) of kind
+After: one :class:`~dynashard.capture.records.LinearMatch` on ``v`` (its path: wn, getitem, t) of kind
 :class:`WeightNormed`, whose ``companions`` hold ``g``, cut with v on the same dim and split.
 
 On ``d`` (d=0 colwise, d=1 rowwise): the norm of each slice along ``d`` sums over the other dim, so

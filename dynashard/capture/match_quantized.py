@@ -8,7 +8,7 @@ scale and zero_point ``[out, in / g]``)::
     w = aten.view(aten.mul(aten.sub(q3.to(f32), z3.to(f32)), s3), [out, in])    # (no sub: symmetric)
     y = aten.mm(x, aten.t(w))
 
-After: one :class:`~dynashard.capture.match.LinearMatch` on ``qdata`` (its path: the dequantization, then ``t``) of
+After: one :class:`~dynashard.capture.records.LinearMatch` on ``qdata`` (its path: the dequantization, then ``t``) of
 kind :class:`GroupQuantized`, held whole on every rank with the reason in ``explain``: the dequantization's
 views name the whole weight's shape, and no lowering re-emits them for a cut yet (a cut on group boundaries,
 rows with their scales, or whole groups of columns, is the next step). Never cut with a wrong shape.

@@ -1,7 +1,7 @@
 """The collectives inside the sharded graph: funcol ops, and Megatron's conversions for training.
 
 They are plain functions over ``torch.distributed._functional_collectives`` (the two whose names changed
-between torch releases through ``_torch_private_funcol``); the rewrite calls them
+between torch releases through ``_torch.funcol``); the rewrite calls them
 while tracing, so the graph holds ``_c10d_functional.*`` + ``wait_tensor`` with symbolic batch sizes.
 What runs outside the graph is elsewhere: the ranks' agreement in ``protocol`` (host-side), data
 moves (rank 0's deal, gathers) in ``transport``.
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from dynashard import _torch as private
 from dynashard._torch import funcol as private_funcol
 from dynashard.comm.protocol import peer_guard
 
@@ -292,8 +293,6 @@ BACKWARD = "the backward of the sharded program"
 
 
 def _group_named(name: str) -> dist.ProcessGroup:
-    from dynashard import _torch as private
-
     return private.group_by_name(name)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch as private
-from dynashard.errors import PeerError, SetupError, UsageError, wrap
+from dynashard.errors import DynashardError, InternalError, PeerError, SetupError, UsageError
 
 # ``DYNASHARD_HOST_GROUP=companion``: use a gloo companion even where the group has a CPU backend
 # (how the CPU tests run the path an NCCL group takes).
@@ -36,6 +36,22 @@ HOST_GROUP_ENV = "DYNASHARD_HOST_GROUP"
 # threads, alive past destroy_process_group(): see program.drain_gloo_at_exit)
 _HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ITSELF = object()
+
+
+def wrap(error: BaseException, stage: str) -> BaseException:
+    """Our own errors as they are; anything else wrapped in an :class:`InternalError` naming the stage.
+
+    NOTE: Dynamo turns some backend exceptions (e.g. fake-tensor ``DataDependentOutputException``)
+    into a graph break and runs the frame eagerly -- unsharded, with only a warning. Wrapped, it
+    is an error like any other. Dynamo's own request to re-trace (``RestartAnalysis``) is not an
+    error: it goes back to Dynamo as it is (see ``_torch.is_dynamo_restart``).
+    """
+    if isinstance(error, DynashardError) or private.is_dynamo_restart(error):
+        return error
+    wrapped = InternalError(f"dynashard: internal error while {stage}: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
 
 
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -347,7 +363,7 @@ class Agreement:
 def agreed(group: dist.ProcessGroup, stage: str, doing: str | None = None) -> Iterator[Agreement]:
     """``with agreed(group, stage) as point:`` around work every rank does before they go on together.
 
-    An exception in the body becomes ``errors.wrap(e, doing or stage)`` (our own errors as they are);
+    An exception in the body becomes ``wrap(e, doing or stage)`` (our own errors as they are);
     then every rank meets in one :func:`exchange_status` at ``stage``, failed or not, and if any rank
     failed every rank raises: its own error, or a PeerError naming the rank that failed. A fake group
     moves no data: its error is raised here, and ``everyone`` is this rank's payload once per rank.

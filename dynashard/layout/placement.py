@@ -16,7 +16,7 @@ such tensor carries its placement, as a DTensor carries its spec::
   holds cannot be told);
 - DCP's ``get_state_dict(..., full_state_dict=True)`` gathers such tensors whole, and its
   ``set_state_dict(..., full_state_dict=True)`` cuts whole ones into this rank's pieces
-  (``_torch_private.follow_placements_in_dcp``, with :func:`gather_placed` and :func:`cut_placed`).
+  (``_torch.follow_placements_in_dcp``, with :func:`gather_placed` and :func:`cut_placed`).
 """
 
 from __future__ import annotations

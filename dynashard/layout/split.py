@@ -4,7 +4,7 @@ A ``Split`` is arithmetic on sizes alone, the same on every rank: which elements
 (:meth:`Split.pieces`, :meth:`Split.owned`), how a cut changes when a rule asks for coarser units or
 more components (:meth:`Split.coarsen`, :meth:`Split.cut`, :meth:`Split.keep_whole`), and the cut of a
 concatenation (:func:`joined`). The plan chooses splits, the layout map carries them (``shard.py``),
-the store cuts weights by them (``weights.py``), checkpoints read by them.
+the store cuts weights by them (``weights/store.py``), checkpoints read by them.
 
 Invariants: a ``Split`` never changes (frozen); every rank computes the same pieces from it; origins
 (the colwise linears' outputs) are always dealt balanced, only pieces carved out of them have ``deals``.

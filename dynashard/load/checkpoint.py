@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dynashard.errors import UsageError
+from dynashard.load.integrity import check_dcp, fingerprint_dcp, fingerprint_files, leftovers
 from dynashard.weights.dcp_planners import SlicePlanner
 
 Pieces = list[tuple[int, int]]  # (start, length) along one dim
@@ -50,6 +51,10 @@ class Checkpoint:
 
     def keys(self) -> set[str]:
         raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """A short digest of what the files hold, cheap on every rank (integrity.py); "" for tensors in memory."""
+        return ""
 
     def shape(self, fqn: str) -> tuple[int, ...]:
         raise NotImplementedError
@@ -139,6 +144,9 @@ class SafetensorsCheckpoint(Checkpoint):
     def keys(self) -> set[str]:
         return set(self._meta)
 
+    def fingerprint(self) -> str:
+        return fingerprint_files(self._where.values())
+
     def shape(self, fqn: str) -> tuple[int, ...]:
         return self._meta[fqn][0]
 
@@ -181,14 +189,15 @@ class DCPCheckpoint(Checkpoint):
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"dynashard: cannot read the DCP metadata of {path}: {e}. Expected a directory "
                              "written by torch.distributed.checkpoint.save.") from e
-        from dynashard.load.integrity import check_dcp
-
         check_dcp(path, metadata)  # (files another save left, or a save that did not finish: refused)
         self._metadata = metadata
         self._tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def keys(self) -> set[str]:
         return set(self._tensors)
+
+    def fingerprint(self) -> str:
+        return fingerprint_dcp(self.path, self._metadata)
 
     def shape(self, fqn: str) -> tuple[int, ...]:
         return tuple(self._tensors[fqn].size)
@@ -242,8 +251,6 @@ class TensorsCheckpoint(Checkpoint):
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at ``path``: a ``.safetensors`` file, a directory holding safetensors files
     (with or without ``model.safetensors.index.json``), or a DCP directory (``.metadata``)."""
-    from dynashard.load.integrity import leftovers
-
     path = os.fspath(path)
     if not os.path.exists(path):
         left = leftovers(path)

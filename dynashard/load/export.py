@@ -23,9 +23,13 @@ from typing import Any
 
 import torch
 
+from dynashard.comm.protocol import first_rank_status, peer_guard, resolve_group
+from dynashard.comm.transport import gather_to_first
 from dynashard.errors import UsageError
 from dynashard.load import integrity
 from dynashard.load.checkpoint import _INDEX, _SAFETENSORS_DTYPES
+from dynashard.load.parallelize import FACADES
+from dynashard.weights.store import STORE
 
 
 def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shard_size: int | str | None = None,
@@ -46,9 +50,6 @@ def export_safetensors(model: torch.nn.Module, path: str | os.PathLike, max_shar
     partial checkpoint.
     """
     import torch.distributed as dist
-
-    from dynashard.comm.protocol import peer_guard, resolve_group
-    from dynashard.weights.store import STORE
 
     group = resolve_group(group)
     rank = dist.get_rank(group)
@@ -84,10 +85,6 @@ def _write_all(entries: list, files: list, sizes: list, writers: list, error: Ex
     """Rank 0 writes, every rank sends its pieces: each tensor gathered and streamed into its file
     (``into``: a directory export's temporary sibling, swapped in for ``path`` when complete)."""
     import torch.distributed as dist
-
-    from dynashard.comm.protocol import first_rank_status
-    from dynashard.comm.transport import gather_to_first
-    from dynashard.weights.store import STORE
 
     rank = dist.get_rank(group)
     by_name = {n: w for w in writers for n in w.names}
@@ -141,8 +138,6 @@ def _check_meshes(entries: list, group: Any) -> None:
     exporting too (else the gather would wait for ranks that never come). Raised before any collective."""
     import torch.distributed as dist
 
-    from dynashard.weights.store import STORE
-
     members = set(dist.get_process_group_ranks(group))
     for name, value, full in entries:
         spec = STORE.spec_of(full) if full is not value else None
@@ -164,8 +159,6 @@ def _check_meshes(entries: list, group: Any) -> None:
 def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(name, value this rank holds, full-shape tensor)`` for each distinct state_dict tensor: for a
     sharded weight the value is this rank's shard and the full tensor its storage-less facade."""
-    from dynashard.load.parallelize import FACADES
-
     facade_of: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for facade in module.__dict__.get(FACADES, {}).values():

@@ -5,29 +5,27 @@ node: a mix of two models that ran); an export into a directory left an earlier 
 beside the new ones; a killed ``dcp.save`` over an old checkpoint loaded half old, half new.
 After:
 
-- :func:`fingerprint`: a checkpoint's identity, cheap to take on every rank: each file's name, size
-  and header (safetensors) or DCP's ``.metadata``, and 32 bytes at both ends of every tensor's (or
-  saved chunk's) data. Two checkpoints of the same shapes differ there unless their values agree
-  at both ends of every tensor. ``parallelize`` compares it across ranks before reading, and a
-  digest of every tensor read whole after.
+- :func:`fingerprint_files`, :func:`fingerprint_dcp`: a checkpoint's identity (``Checkpoint.fingerprint``),
+  cheap to take on every rank: each file's name, size and header (safetensors) or DCP's ``.metadata``,
+  and 32 bytes at both ends of every tensor's (or saved chunk's) data. Two checkpoints of the same shapes
+  differ there unless their values agree at both ends of every tensor. ``parallelize`` compares it across
+  ranks before reading, and a digest of every tensor read whole after.
 - :func:`check_dcp`: a DCP directory whose files disagree with its ``.metadata`` (a file missing or
   short, a data file the metadata does not name, a data file written after it: DCP writes the
   metadata last) is refused.
 - :func:`replace_directory`: a directory export is written into a sibling temporary directory and
   swapped in, the files an earlier export did not write (a tokenizer, a README) carried over: a
   killed export leaves the old export or the new one, never a mix.
-- :func:`checksum`: replicated weights compared across ranks before they are cut, tolerant of
-  summation order but not of values moved (a row swapped).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import shutil
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -41,18 +39,18 @@ _TMP, _OLD = ".dynashard-writing-", ".dynashard-replaced-"
 _MTIME_SLACK_S = 2.0
 
 
-def fingerprint(ck: Any) -> str:
-    """A short digest of what ``ck`` (a :class:`dynashard.load.checkpoint.Checkpoint`) holds (module docstring)."""
-    from dynashard.load.checkpoint import DCPCheckpoint, SafetensorsCheckpoint
-
+def fingerprint_files(files: Iterable[str]) -> str:
+    """A short digest of safetensors ``files`` (module docstring)."""
     h = hashlib.sha256()
-    if isinstance(ck, SafetensorsCheckpoint):
-        for file in sorted(set(ck._where.values())):
-            _safetensors_file(h, file)
-    elif isinstance(ck, DCPCheckpoint):
-        _dcp_directory(h, ck.path, ck._metadata)
-    else:
-        return ""
+    for file in sorted(set(files)):
+        _safetensors_file(h, file)
+    return h.hexdigest()[:16]
+
+
+def fingerprint_dcp(path: str, metadata: Any) -> str:
+    """A short digest of the DCP directory ``path`` whose ``.metadata`` reads ``metadata`` (module docstring)."""
+    h = hashlib.sha256()
+    _dcp_directory(h, path, metadata)
     return h.hexdigest()[:16]
 
 
@@ -171,41 +169,3 @@ def leftovers(target: str) -> list[str]:
         return []
     return sorted(os.path.join(parent, n) for n in os.listdir(parent)
                   if n.startswith(base + _TMP) or n.startswith(base + _OLD))
-
-
-def checksum(t: torch.Tensor) -> tuple[float, float, float]:
-    """Sum, absolute sum and a position-weighted sum of ``t``, in float64.
-
-    Each element is weighted by a hash of its flat index, the same on every rank, so moving values
-    (two rows swapped, a permuted head) changes the third sum. A plain strided sum (the seed's) is
-    blind to swapped rows whose length is a multiple of the stride. Chunked, so the float64 copy
-    stays small for a large weight; about the cost of the two plain sums.
-    """
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bool:  # (a mask buffer: abs has no bool kernel)
-        flat = flat.to(torch.int64)
-    total = absolute = weighted = 0.0
-    for k, start in enumerate(range(0, flat.numel(), _CHUNK)):
-        part = flat[start : start + _CHUNK].to(torch.float64)
-        mix = _mix(part.device)[: part.numel()]
-        if k:  # another chunk, other weights (else swapping i and i + _CHUNK would cancel)
-            mix = torch.frac(mix + k * 0.6180339887498949)
-        total += float(part.sum())
-        absolute += float(part.abs().sum())
-        weighted += float(torch.dot(part, mix))
-    return total, absolute, weighted
-
-
-_CHUNK = 1 << 20
-
-
-@functools.lru_cache(maxsize=2)
-def _mix(device: torch.device) -> torch.Tensor:
-    """Knuth's multiplicative hash of 0.._CHUNK-1, scaled to [0, 1)."""
-    index = torch.arange(_CHUNK, dtype=torch.int64, device=device)
-    return ((index * 2654435761) % 4294967296).to(torch.float64) / 4294967296.0
-
-
-def close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    # Same data summed with another thread count may differ in the last bits only.
-    return all(abs(x - y) <= 1e-12 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))

@@ -21,8 +21,8 @@ from dynashard import _torch as private
 from dynashard.comm.protocol import agreed
 from dynashard.comm.transport import deal_from_first
 from dynashard.errors import UsageError
-from dynashard.load.checkpoint import owning
-from dynashard.load.integrity import digest, disagreement, fingerprint
+from dynashard.load.checkpoint import TensorsCheckpoint, open_checkpoint, owning
+from dynashard.load.integrity import digest, disagreement
 from dynashard.weights.freed import mark_storage_less
 from dynashard.weights.store import STORE, ShardSpec
 
@@ -38,8 +38,6 @@ class Loader:
 
     def __init__(self, model: nn.Module, path: Any, device: torch.device, group: dist.ProcessGroup,
                  from_first: bool) -> None:
-        from dynashard.load.checkpoint import TensorsCheckpoint, open_checkpoint
-
         self.model, self.device, self.group, self.from_first = model, device, group, from_first
         self.rank = dist.get_rank(group)
         reads = not from_first or self.rank == 0
@@ -49,7 +47,7 @@ class Loader:
             try:
                 if reads and path is not None:
                     self.ck = open_checkpoint(path)
-                    identity = fingerprint(self.ck)
+                    identity = self.ck.fingerprint()
                 elif reads:  # weights="rank0", rank 0 holding the model: its own tensors are the source
                     named = [*model.named_parameters(remove_duplicate=False),
                              *model.named_buffers(remove_duplicate=False)]

@@ -1,7 +1,7 @@
 """Shards as first-class parameters: ``dynashard.parallelize``.
 
 Before: a model whose every rank holds all of every weight; compiling it shards the weights into a
-private store at the first call (``weights.STORE``), where nothing else can see them.
+private store at the first call (``store.STORE``), where nothing else can see them.
 After ``parallelize(model, *example_args)``:
 
 - each planned weight's shard on this rank is the module's parameter: ``parameters()``,
@@ -39,9 +39,10 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch as private
 from dynashard.comm.protocol import agreed, resolve_group
+from dynashard.comm.transport import gather_pieces
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
-from dynashard.layout.placement import check_loadable, words
+from dynashard.layout.placement import check_loadable, cut_placed, gather_placed, words
 from dynashard.layout.placement import of as placement_of
 from dynashard.load import adapters
 from dynashard.load.loader import Loader
@@ -49,6 +50,7 @@ from dynashard.options import parse_options
 from dynashard.training import fsdp
 from dynashard.training.gradients import average_over_ranks
 from dynashard.weights.facades import storage_less
+from dynashard.weights.freed import materialize
 from dynashard.weights.store import STORE, cut
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
@@ -104,7 +106,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
         if source is not None:
-            STORE.materialize([p for p in model.parameters()], source)  # read by no graph (eager code): whole
+            materialize([p for p in model.parameters()], source)  # read by no graph (eager code): whole
             source.agree_on_what_was_read_whole()
     except Exception as e:
         ours = private.backend_error(e) or e
@@ -123,7 +125,9 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
     _register(model)
-    private.follow_placements_in_dcp(_gather_placed, _cut_placed)  # (DCP's full_state_dict: whole tensors)
+    # (DCP's full_state_dict: whole tensors)
+    private.follow_placements_in_dcp(functools.partial(gather_placed, gather=_gather_placed),
+                                     functools.partial(cut_placed, cut=_cut_placed))
     if mesh is not None:
         fsdp.register(model, mesh, group, FACADES, _install)
     _run_calls_through_dynashard(model, opts)
@@ -413,8 +417,6 @@ def check_loads(module: nn.Module, state_dict: dict, prefix: str = "", recurse: 
 def _gather_placed(t: torch.Tensor) -> torch.Tensor:
     """The whole value of ``t``, a tensor carrying the placement of this rank's pieces of a parallelized weight
     (a state_dict() value, an optimizer state): every rank's pieces gathered (a collective)."""
-    from dynashard.comm.transport import gather_pieces
-
     facade = STORE.placed_facade(t)
     facade = STORE.facade_sharing_memory(t) if facade is None else facade
     entry = STORE.entry(facade) if facade is not None else None

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from dynashard.capture.match import LinearMatch
 from dynashard.capture.match_adapters import LowRankUpdate, find_low_rank_updates
+from dynashard.capture.records import LinearMatch
 from dynashard.layout.shard import LayoutMap, Shard, Wish
 from dynashard.options import Options, Style
 from dynashard.plan.decision import Decision, shared_conflicts, split_dim, style_along

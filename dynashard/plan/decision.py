@@ -1,7 +1,7 @@
 """What the plan decides for one linear (a :class:`Decision`: style and reason), and what the
 several uses of one weight must agree on: one split of it for all of them.
 
-Shared by the auto plan (``auto_plan.py``), the user plan (``user_plan.py``) and the re-cut
+Shared by the auto plan (``plan/auto.py``), the user plan (``plan/user.py``) and the re-cut
 fixpoint (``recut.py``); it decides nothing itself.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 
 import torch.fx
 
-from dynashard.capture.match import LinearMatch
+from dynashard.capture.records import LinearMatch
 from dynashard.options import Style
 
 

@@ -3,7 +3,7 @@
 Before: the matched linears of one graph. After: a :class:`Plan` (style + reason per linear)
 and the :class:`~dynashard.layout.shard.LayoutMap` the rewrite will follow::
 
-    styles    auto_plan.auto_decisions (plan="auto") or user_plan.user_decisions (a dict)
+    styles    auto.auto_decisions (plan="auto") or user.user_decisions (a dict)
     fixpoint  recut.recut_until_stable: re-cut colwise outputs until the rules' wishes are granted
     finish    in-place writes the layout cannot follow keep the written-to layers whole (auto) or
               raise (user plan); colwise biases held cut; with a sharded KV cache, the plan that
@@ -24,7 +24,7 @@ import hashlib
 import torch.fx
 
 from dynashard.capture.linear_forms import converted_source
-from dynashard.capture.match import LinearMatch
+from dynashard.capture.records import LinearMatch
 from dynashard.errors import UsageError
 from dynashard.layout.shard import LayoutMap, Wish
 from dynashard.layout.split import Split, even

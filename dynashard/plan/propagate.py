@@ -27,15 +27,16 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from dynashard.capture.match import LinearMatch, SpectralNormed, WeightNormed
+from dynashard.capture.aliases import alias_roots, mutated_roots
 from dynashard.capture.match_adapters import find_low_rank_updates
+from dynashard.capture.records import LinearMatch, SpectralNormed, WeightNormed
 from dynashard.layout.nodes import all_args
 from dynashard.layout.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard
 from dynashard.layout.split import Split
 from dynashard.options import Style
 from dynashard.plan import rules
 from dynashard.plan.decision import split_dim
-from dynashard.plan.rules.inplace import SIZE_ARG, alias_roots, grows_cache, mutated_roots
+from dynashard.plan.rules.inplace import SIZE_ARG, grows_cache
 from dynashard.plan.rules.origins import feeds_features, linear
 from dynashard.plan.rules.partial import keeps_partial, whole_linear_of_partial
 from dynashard.rewrite.lowerings import (

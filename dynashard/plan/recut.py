@@ -31,7 +31,7 @@ import math
 
 import torch.fx
 
-from dynashard.capture.match import LinearMatch
+from dynashard.capture.records import LinearMatch
 from dynashard.layout.shard import Wish, WishKind
 from dynashard.layout.split import Split, even
 from dynashard.options import Style

@@ -1,7 +1,7 @@
 """``explain(..., verify=True)``: run every rank's sharded program in one process and compare.
 
 Each simulated rank is a thread that interprets its own rewritten graph (the same
-``rewrite._Sharder`` the backend traces, so the same conversions) on real tensors: this
+``interpreter._Sharder`` the backend traces, so the same conversions) on real tensors: this
 rank's cut of the real weights, and collectives replaced by :class:`SimulatedCollectives`,
 which meet at a barrier and combine every rank's tensor exactly as the real collective would.
 No process group is used. The unsharded graph runs alongside; each linear's output (colwise
@@ -26,10 +26,10 @@ import torch
 import torch.fx
 
 from dynashard._torch import aten as private_aten
+from dynashard.capture.aliases import alias_roots
 from dynashard.errors import InternalError
 from dynashard.layout.nodes import written_args
 from dynashard.options import Style
-from dynashard.plan.rules.inplace import alias_roots
 from dynashard.rewrite.interpreter import _Sharder
 from dynashard.weights.store import cut
 
@@ -166,7 +166,7 @@ class _Reference(_RecordsLinears, torch.fx.Interpreter):
 
 
 def _cut(full: torch.Tensor, dim: int, split, world: int, rank: int, stacked: bool) -> torch.Tensor:
-    # Contiguous, as the store holds a shard (weights.py) and the program passes one: some CPU kernels
+    # Contiguous, as the store holds a shard (weights/store.py) and the program passes one: some CPU kernels
     # read a strided view as if it were contiguous (_weight_norm_interface on v cut on dim 1, torch 2.13)
     block = cut(full.detach(), dim, split, world, rank).contiguous()
     return torch.stack([block] * world) if stacked else block  # replicated model: every rank's block alike

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from dynashard._torch import aten as private_aten
+from dynashard.capture.aliases import alias_roots
 from dynashard.layout.nodes import mutates_self, op_name
 from dynashard.layout.shard import CollectiveKind
 from dynashard.options import Style
 from dynashard.plan.decision import split_dim
-from dynashard.plan.rules.inplace import alias_roots
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,13 +34,13 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
+from dynashard.capture.aliases import alias_roots, aliases_input, mutated_roots
 from dynashard.comm import collectives
 from dynashard.errors import InternalError, UsageError
 from dynashard.layout.nodes import is_size
 from dynashard.layout.shard import LayoutMap, Read, Shard
 from dynashard.options import Style
 from dynashard.plan.plan import Plan
-from dynashard.plan.rules.inplace import alias_roots, aliases_input, mutated_roots
 from dynashard.rewrite.argument_check import check as lowering_check
 from dynashard.rewrite.local_conversions import as_traced, take, take_groups
 

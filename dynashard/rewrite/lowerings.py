@@ -13,7 +13,7 @@ After::
 
     mm = aten.mm(g_local, t_1_shard); ar = all_reduce(mm); down = aten.add(ar, b_down)
 
-Every emitted op is checked against its source node's arguments (``lowering.py``): a lowering
+Every emitted op is checked against its source node's arguments (``argument_check.py``): a lowering
 that drops one (``padding_idx``) fails at compile time.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynashard.capture.match import LinearMatch
+from dynashard.capture.records import LinearMatch
 from dynashard.layout.shard import Lowering, Read, Shard
 from dynashard.rewrite import vocab
 from dynashard.rewrite.local_conversions import as_traced, take

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynashard.capture.match import embedding_options
+from dynashard.capture.records import embedding_options
 from dynashard.errors import NotSupportedError
 from dynashard.layout.shard import Shard
 

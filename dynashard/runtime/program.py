@@ -24,16 +24,17 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch as private
+from dynashard.capture.aliases import mutated_roots
 from dynashard.comm.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
 from dynashard.errors import SetupError, UsageError
 from dynashard.options import Options
-from dynashard.plan.rules.inplace import mutated_roots
 from dynashard.report import progress
 from dynashard.report.table import human_bytes
 from dynashard.runtime.gate import Opened
 from dynashard.training import fsdp, gradients
 from dynashard.training.optimizers import FREED
 from dynashard.weights.facades import is_facade
+from dynashard.weights.freed import free, hold
 from dynashard.weights.store import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class ShardedProgram:
         # collective; None: the handshake is finished before the graph runs
         self.gate = gate
         # output slot -> how a cache the program allocates (or grows by cat) is cut: handed back as a facade
-        # (STORE.hold)
+        # (freed.hold)
         self.held = held or {}
         if self.held:
             log.log(progress.level(), "dynashard: graph outputs %s are caches the graph allocates or grows, returned "
@@ -206,7 +207,7 @@ class ShardedProgram:
                 local = local.clone()
             shape = list(local.shape)
             shape[spec.dim] = spec.split.size
-            out[i] = STORE.hold(local, torch.Size(shape), spec, f"KV cache returned by the graph (output {i})")
+            out[i] = hold(local, torch.Size(shape), spec, f"KV cache returned by the graph (output {i})")
         return out
 
 
@@ -320,8 +321,8 @@ def cut_and_free(specs: dict[int, tuple[str, ShardSpec]], inputs: list[Any], gro
     for n, (i, (fqn, spec)) in enumerate(order):
         STORE.shard(inputs[i], spec, fqn, group, source)
         later = [inputs[j] for j, _ in order[n + 1 :]]  # may share this one's storage: cut them first
-        freed += STORE.free([inputs[i]], keep + later)
-    freed += STORE.free([inputs[i] for i, _ in order], keep)
+        freed += free([inputs[i]], keep + later)
+    freed += free([inputs[i] for i, _ in order], keep)
     FREED.add([inputs[i] for i, _ in order])  # (an optimizer over them is refused while they live)
     if freed:  # (rank 0 says it at INFO; the compile's summary line follows)
         log.log(progress.level(), "dynashard: cut %d weights, freed %s of full weights", len(order), human_bytes(freed))

@@ -13,8 +13,10 @@ Invariants: never an error (the eager run is correct, only not sharded); one war
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,16 +26,18 @@ from dynashard import _torch as private
 _HOOK: Any = None
 
 
-def watch() -> None:
-    """Install the registration hook once per process (the backend's import does)."""
+def watch(is_dynashard: Callable[[Any], bool]) -> None:
+    """Install the registration hook once per process (the backend's import does); ``is_dynashard(backend)``
+    tells a torch.compile backend of dynashard's from any other."""
     global _HOOK
     if _HOOK is None:
-        _HOOK = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+        _HOOK = torch.nn.modules.module.register_module_module_registration_hook(
+            functools.partial(_on_register, is_dynashard))
         private.never_a_frame_of_its_own(_FirstEagerCall.__call__)
 
 
-def _on_register(parent: torch.nn.Module, name: str, child: Any) -> None:
-    if isinstance(child, torch.nn.Module) and _is_dynashard(private.backend_wrapping(parent, name)):
+def _on_register(is_dynashard: Callable[[Any], bool], parent: torch.nn.Module, name: str, child: Any) -> None:
+    if isinstance(child, torch.nn.Module) and is_dynashard(private.backend_wrapping(parent, name)):
         hook = _FirstEagerCall(weakref.ref(parent))
         child.register_forward_pre_hook(hook)
 
@@ -73,8 +77,3 @@ def _inert() -> Any:
 def _no_check(module: torch.nn.Module, args: Any) -> None:
     return None
 
-
-def _is_dynashard(backend: Any) -> bool:
-    from dynashard.dynamo_backend import BoundBackend, dynashard_backend
-
-    return backend is dynashard_backend or isinstance(backend, BoundBackend)

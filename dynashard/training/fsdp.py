@@ -37,12 +37,11 @@ from dynashard import _torch as private
 from dynashard.comm.protocol import agreed
 from dynashard.errors import UsageError
 from dynashard.weights.facades import storage_less
+from dynashard.weights.freed import free
 from dynashard.weights.store import STORE
 
-# full-shape facade -> (weak reference to the module holding the live parameter, its attribute, its FQN, the
-# local shape every call must find: a parameter FSDP has not gathered yet has another; for a 1-D fused one held
-# whole, (this rank's pieces, the tp group) to cut it by at every call, else None)
-_LIVE = private.weak_id_dict()
+# full-shape facade -> its live parameter, kept by the store (STORE.live) that facades ask
+_LIVE = STORE.live
 
 
 def mesh_of(options: Any) -> Any:
@@ -95,7 +94,7 @@ def register(model: nn.Module, mesh: Any, group: dist.ProcessGroup, facades_key:
                     local = p.detach().clone(memory_format=torch.contiguous_format)
                     dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
                     STORE.trust([facade])  # (checked when parallelize ran; its bytes are about to go)
-                    STORE.free([facade], keep=[])
+                    free([facade], keep=[])
                 made[id(p)] = checkpointable(nn.Parameter(dt, requires_grad=p.requires_grad))
                 fqn = f"{prefix}.{attr}" if prefix else attr
                 _LIVE[facade] = (weakref.ref(module), attr, fqn, tuple(dt.to_local().shape), cut_per_call)
@@ -185,7 +184,7 @@ def checkpointable(value: Any) -> Any:
     chunks", ``dcp.load`` fills it with other rows, silently)."""
     from torch.distributed.tensor import DTensor
 
-    from dynashard.weights.dcp_planners import make_checkpointable_blocks
+    from dynashard.weights.dcp_planners import make_checkpointable_blocks  # lazy: imports DCP, only to checkpoint
 
     if not isinstance(value, DTensor) or not is_fused(value):
         return value
@@ -231,7 +230,7 @@ def held_ranges(dt: Any) -> list[list[tuple[int, int]]]:
 
 
 def is_live(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t in _LIVE
+    return STORE.is_live(t)
 
 
 def live_slots(inputs: list[Any]) -> frozenset[int]:

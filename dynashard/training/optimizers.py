@@ -105,12 +105,10 @@ def _check_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, facade: torc
 def describe_state(optimizer: torch.optim.Optimizer) -> None:
     """Each shard's optimizer state gets the shard's DCP protocol (a plain local tensor would be saved
     as if it were the whole state)."""
-    from dynashard.training.fsdp import checkpointable, is_fused
-
     for p, state in optimizer.state.items():
-        if is_fused(p):  # (parallelize(dtensor=True): exp_avg is a DTensor of the parameter's layout)
+        if fsdp.is_fused(p):  # (parallelize(dtensor=True): exp_avg is a DTensor of the parameter's layout)
             for value in state.values():
-                checkpointable(value)
+                fsdp.checkpointable(value)
             continue
         facade = STORE.facade_of(p)
         if facade is None:

@@ -20,7 +20,7 @@ every call through while Dynamo traces (the graph sees a plain tensor) and other
 - anything else reads values this rank does not hold: a :class:`UsageError` naming the tensor, its
   cut and the fix (``dynashard.full_tensor`` on every rank gathers the whole value).
 
-Invariants: a facade holds no bytes; its shard lives in ``weights.STORE`` under the facade (or an
+Invariants: a facade holds no bytes; its shard lives in ``store.STORE`` under the facade (or an
 alias of it); nothing here runs a collective except :func:`full_tensor`, which every rank calls.
 """
 
@@ -32,7 +32,9 @@ import torch
 import torch.nn as nn
 
 from dynashard import _torch as private
+from dynashard.comm.transport import gather_pieces
 from dynashard.errors import UsageError
+from dynashard.weights.store import STORE
 
 # Read-only attributes and methods that only look at metadata (no values).
 _GETTERS = frozenset({
@@ -63,7 +65,7 @@ class _Answers:
             return _plain(func, args, kwargs)
         kind, name = _name_of(func)
         if (kind, name) == ("get", "requires_grad"):  # the shard's: the one gradients follow (it may be frozen)
-            shard = _store().shard_of(args[0])
+            shard = STORE.shard_of(args[0])
             return shard.requires_grad if isinstance(shard, nn.Parameter) else _plain(func, args, kwargs)
         if kind == "get" and name in _GETTERS or kind == "call" and name in _METHODS:
             return _plain(func, args, kwargs)
@@ -81,12 +83,12 @@ class _Answers:
 
     # (nn.Parameter defines both itself, without __torch_function__: a copy would be a facade of nothing)
     def __deepcopy__(self, memo):
-        entry = _store().entry(self)
+        entry = STORE.entry(self)
         if entry is None or not entry.held:  # a weight: the model's copy is made before compiling
             _refuse_copy(None, (), {})
         # a cache a graph returned (HF's prompt-cache reuse: copy.deepcopy(past_key_values)): a facade of a
         # copy of this rank's part
-        memo[id(self)] = copied = _store().derived(self, lambda shard: shard.clone(), "a copy")
+        memo[id(self)] = copied = _derived(self, lambda shard: shard.clone(), "a copy")
         return copied
 
     def __reduce_ex__(self, protocol):
@@ -118,7 +120,7 @@ def become(t: torch.Tensor) -> None:
 
 
 def unbecome(t: torch.Tensor) -> None:
-    """A facade whose tensor holds its whole value again (``STORE.materialize``): a plain tensor."""
+    """A facade whose tensor holds its whole value again (``freed.materialize``): a plain tensor."""
     if isinstance(t, FacadeParameter):
         t.__class__ = nn.Parameter
     elif isinstance(t, Facade):
@@ -153,15 +155,19 @@ def _name_of(func: Any) -> tuple[str, str]:
 
 
 def _live(args: tuple) -> bool:
-    from dynashard.training.fsdp import is_live
-
-    return bool(args) and is_live(args[0])
+    return bool(args) and STORE.is_live(args[0])
 
 
-def _store():
-    from dynashard.weights.store import STORE
-
-    return STORE
+def _derived(facade: torch.Tensor, make: Any, what: str) -> torch.Tensor:
+    """A facade of ``make(shard)``, a tensor cut like ``facade`` (a clone, a selection along an uncut dim)."""
+    entry = STORE.entry_of(facade)
+    with torch.no_grad():
+        local = make(entry.shard)
+    shape = list(local.shape)
+    shape[entry.spec.dim] = facade.shape[entry.spec.dim]
+    out = storage_less(shape, local.dtype, local.device)
+    STORE.add_held(out, entry.spec, local, f"{what} of {entry.fqn}")
+    return out
 
 
 # ---------------------------------------------------------------- what a facade does eagerly
@@ -169,7 +175,7 @@ def _store():
 
 def _repr(func, args, kwargs) -> str:
     t = args[0]
-    entry = _store().entry(t)
+    entry = STORE.entry(t)
     cut = "" if entry is None else f", {_cut_of(entry)}"
     name = "" if entry is None else f" {entry.fqn!r}"
     grad = ", requires_grad=True" if t.requires_grad else ""
@@ -188,7 +194,7 @@ def _requires_grad(func, args, kwargs) -> Any:
     t = args[0]
     flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
     _plain(func, args, kwargs)
-    shard = _store().shard_of(t)
+    shard = STORE.shard_of(t)
     if isinstance(shard, nn.Parameter):  # (the leaf gradients land in; a plain shard takes the facade's when made one)
         shard.requires_grad_(bool(flag))
     return t if func.__name__ == "requires_grad_" else None
@@ -198,10 +204,9 @@ def _hook(func, args, kwargs) -> Any:
     """On the shard gradients land in (the parameter parallelize registered, or the one a training
     call passes): the hook sees this rank's part of the gradient."""
     t, hook = args[0], args[1] if len(args) > 1 else kwargs["hook"]
-    store = _store()
-    if store.entry(t) is None:
+    if STORE.entry(t) is None:
         raise _refusal(func.__name__, args, kwargs)
-    shard = store.as_parameter(t)
+    shard = STORE.as_parameter(t)
     return getattr(shard, func.__name__)(hook)
 
 
@@ -209,7 +214,7 @@ def _alias(func, args, kwargs) -> torch.Tensor:
     """``detach()`` / ``.data``: another facade of the same shard (``state_dict()`` detaches)."""
     t = args[0]
     out = storage_less(t.shape, t.dtype, t.device)
-    _store().alias(out, t)
+    STORE.alias(out, t)
     return out
 
 
@@ -217,8 +222,7 @@ def _set_data(func, args, kwargs) -> None:
     """``facade.data = value`` (``nn.Module._apply``, after ``model.to(...)`` made ``value``): a facade
     takes over the value's shard; a full-size tensor is cut into this rank's shard."""
     t, value = args
-    store = _store()
-    store.rebind(t, value)
+    STORE.rebind(t, value)
     with private.plain_torch_functions():
         t.data = storage_less(t.shape, value.dtype, value.device)
 
@@ -226,7 +230,7 @@ def _set_data(func, args, kwargs) -> None:
 def _copy(func, args, kwargs) -> torch.Tensor:
     """``copy_`` of a full-size tensor (this rank's pieces of it) or of a facade cut alike, into the shard."""
     t, src = args[0], args[1]
-    _store().copy_into(t, src, non_blocking=bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+    STORE.copy_into(t, src, non_blocking=bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
     return t
 
 
@@ -235,7 +239,7 @@ def _in_place(func, args, kwargs) -> torch.Tensor:
     t = args[0]
     if any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args[1:]):
         raise _refusal(func.__name__, args, kwargs)
-    shard = _store().local_of(t)
+    shard = STORE.local_of(t)
     with torch.no_grad():
         getattr(shard, func.__name__)(*args[1:], **kwargs)
     return t
@@ -266,7 +270,7 @@ def _convert(func, args, kwargs) -> torch.Tensor:
         copy = bool(kwargs.get("copy", False))
     if device == t.device and dtype == t.dtype and not copy:
         return t
-    return _store().converted(t, device, dtype)
+    return _derived(t, lambda shard: shard.to(device=device, dtype=dtype), "a conversion")
 
 
 def _dtype_of(spec: Any) -> torch.dtype:
@@ -280,7 +284,7 @@ def _dtype_of(spec: Any) -> torch.dtype:
 
 
 def _clone(func, args, kwargs) -> torch.Tensor:
-    return _store().derived(args[0], lambda shard: shard.clone(), "a clone")
+    return _derived(args[0], lambda shard: shard.clone(), "a clone")
 
 
 def _index_select(func, args, kwargs) -> torch.Tensor:
@@ -289,10 +293,10 @@ def _index_select(func, args, kwargs) -> torch.Tensor:
     t = args[0]
     dim = args[1] if len(args) > 1 else kwargs["dim"]
     index = args[2] if len(args) > 2 else kwargs["index"]
-    spec = _store().spec_of_any(t)
+    spec = STORE.spec_of_any(t)
     if spec is None or is_facade(index) or dim % t.dim() == spec.dim % t.dim():
         raise _refusal("index_select", args, kwargs)
-    return _store().derived(t, lambda shard: shard.index_select(dim, index), "a selection")
+    return _derived(t, lambda shard: shard.index_select(dim, index), "a selection")
 
 
 def _getitem(func, args, kwargs) -> torch.Tensor:
@@ -300,7 +304,7 @@ def _getitem(func, args, kwargs) -> torch.Tensor:
     index that keeps the cut dim whole and in place (slices, one 1-D index tensor before it) acts on
     each rank's part: a facade of that. Anything else needs values this rank does not hold."""
     t, index = args[0], args[1]
-    spec = _store().spec_of_any(t)
+    spec = STORE.spec_of_any(t)
     items = list(index) if isinstance(index, tuple) else [index]
     ellipses = [at for at, i in enumerate(items) if i is Ellipsis]  # (by identity: == on a tensor is elementwise)
     if spec is None or len(ellipses) > 1:
@@ -314,7 +318,7 @@ def _getitem(func, args, kwargs) -> torch.Tensor:
     whole = isinstance(items[cut], slice) and items[cut] == slice(None)  # the cut dim untouched
     if not keeps or len(tensors) > 1 or not whole or any(torch.is_tensor(i) for i in items[cut:]):
         raise _refusal("__getitem__", args, kwargs)
-    return _store().derived(t, lambda shard: shard[tuple(items)], "a selection")
+    return _derived(t, lambda shard: shard[tuple(items)], "a selection")
 
 
 def _refuse_copy(func, args, kwargs):
@@ -324,9 +328,15 @@ def _refuse_copy(func, args, kwargs):
         "first.")
 
 
-def _refuse_save(func, args, kwargs):
-    from dynashard.weights.freed import SAVE_REFUSED
+SAVE_REFUSED = (
+    "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
+    "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
+    "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
+    "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
+    "dynashard.export_safetensors(model, path), which works after a plain compile too.")
 
+
+def _refuse_save(func, args, kwargs):
     raise UsageError(SAVE_REFUSED)
 
 
@@ -344,11 +354,10 @@ _EAGER = {
 
 def _refusal(name: str, args: tuple, kwargs: dict) -> UsageError:
     """What a use that needs values this rank does not hold is told: which tensor, its cut, the fix."""
-    store = _store()
     facade = next((a for a in (*args, *kwargs.values()) if is_facade(a)), None)
-    entry = store.entry(facade) if facade is not None else None
+    entry = STORE.entry(facade) if facade is not None else None
     what = "a tensor dynashard sharded" if entry is None else f"{entry.fqn!r} ({_cut_of(entry)})"
-    if entry is not None and store.facade_of(entry.shard) is not None:
+    if entry is not None and STORE.facade_of(entry.shard) is not None:
         fix = ("dynashard.parallelize registered this rank's shard as the module's parameter (model.named_parameters() "
                "lists it); a submodule cannot run on its own: call the parallelized model (it runs through dynashard) "
                "or torch.compile(model, backend='dynashard')")
@@ -371,22 +380,19 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     parameter's ``.grad``), gathered
     from every rank of its group: every rank must call it, in the same order. Any other tensor is returned
     as it is."""
-    store = _store()
-    facade = store.facade_of(t) if not is_facade(t) else t
+    facade = STORE.facade_of(t) if not is_facade(t) else t
     owner = getattr(t, "_dynashard_param", None)  # a sharded parameter's gradient (gradients.ShardGrad)
     piece = None
     if facade is None and owner is not None and owner() is not None:
-        facade, piece = store.facade_of(owner()), t  # (without it: this rank's piece, returned as if whole)
+        facade, piece = STORE.facade_of(owner()), t  # (without it: this rank's piece, returned as if whole)
     if facade is None and not is_facade(t) and isinstance(t, torch.Tensor):
-        facade = store.facade_sharing_memory(t)  # (without it: this rank's piece, returned as if whole)
-    entry = store.entry(facade) if facade is not None else None
+        facade = STORE.facade_sharing_memory(t)  # (without it: this rank's piece, returned as if whole)
+    entry = STORE.entry(facade) if facade is not None else None
     if entry is None:
         return t
     if entry.spec.stacked:
         raise UsageError("dynashard.full_tensor: a weight of weights='per_rank' is every rank's own; there is no "
                          "one whole value to gather.")
-    from dynashard.comm.transport import gather_pieces
-
     group = private.group_by_name(entry.spec.group_name)
     shard = entry.shard if piece is None else piece.as_subclass(torch.Tensor)
     return gather_pieces(shard.detach(), list(facade.shape), entry.spec, group)

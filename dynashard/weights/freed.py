@@ -1,24 +1,24 @@
-"""Storages dynashard freed: copies and saves of them refused (a facade answers everything else).
+"""Storages dynashard frees and fills: a cut weight's full tensor made a facade, and back.
 
-Before: a full-shape tensor whose storage dynashard freed (a cut weight) or never filled (a
-parameter ``parallelize`` reads later). After :func:`mark_storage_less`: a facade, whose
-``copy.deepcopy`` and ``torch.save`` raise a UsageError naming the fix.
+Before: a full-shape tensor whose storage dynashard freed (a cut weight: :func:`free`), never filled (a
+parameter ``parallelize`` reads later) or made for a shard a program allocated (:func:`hold`). After
+:func:`mark_storage_less`: a facade (facades.py), whose ``copy.deepcopy`` and ``torch.save`` raise a
+UsageError naming the fix. :func:`materialize` fills one a graph reads whole and makes it a plain tensor.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from dynashard import _torch as private
 from dynashard.errors import UsageError
+from dynashard.weights.facades import SAVE_REFUSED, become, is_facade, storage_less, unbecome
+from dynashard.weights.store import STORE, ShardSpec, Source, is_storage_less
 
-
-def is_storage_less(t: torch.Tensor) -> bool:
-    """A tensor with elements and no bytes: a facade, or a parameter parallelize has not read yet."""
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
-
-
+log = logging.getLogger(__name__)
 FREED = "_dynashard_freed"  # set on the (preserved) Python object of a storage dynashard freed
 _SAVE_REFUSAL: list[bool] = []  # the tagger refusing such storages is registered (on the first one, not on import)
 
@@ -31,8 +31,6 @@ def mark_storage_less(t: torch.Tensor) -> None:
     refused by ``t`` itself; the save by its storage, which every view and ``detach()`` shares, through
     a storage tagger registered here the first time (``torch.serialization``'s are process-wide). Eager
     math on ``t`` cannot be refused this way (the table in docs/facades.md)."""
-    from dynashard.weights.facades import become, is_facade
-
     become(t)  # a Facade: eager use answered
     if not is_facade(t):  # (a subclass of the model's own keeps its class: copies and saves refused at least)
         t.__deepcopy__ = _refuse_deepcopy
@@ -40,14 +38,6 @@ def mark_storage_less(t: torch.Tensor) -> None:
     if not _SAVE_REFUSAL:
         torch.serialization.register_package(-100, _refuse_saving, _no_location)
         _SAVE_REFUSAL.append(True)
-
-
-SAVE_REFUSED = (
-    "dynashard: cannot save this tensor: dynashard sharded it and freed its full values (this rank holds "
-    "only its shard), so torch.save would write an empty storage. Expected a checkpoint of the shards: "
-    "dynashard.parallelize(model, ...), then dcp.save(model.state_dict(), checkpoint_id=path) "
-    "(torch.distributed.checkpoint, loadable at any world size); or the whole weights in one file with "
-    "dynashard.export_safetensors(model, path), which works after a plain compile too.")
 
 
 def _refuse_saving(storage: Any) -> None:
@@ -67,3 +57,50 @@ def _refuse_deepcopy(memo: dict) -> None:
         "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values (copying "
         "a tensor without storage would kill the process). Expected the copy made before torch.compile or "
         "dynashard.parallelize, e.g. reference = copy.deepcopy(model) first.")
+
+
+def free(params: list[torch.Tensor], keep: list[torch.Tensor]) -> int:
+    """Release the storage of sharded ``params`` unless something in ``keep`` shares it."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    freed = 0
+    for p in params:
+        storage = p.untyped_storage()
+        if storage.nbytes() == 0:
+            mark_storage_less(p)  # (a facade made storage-less by parallelize)
+            continue
+        if storage.data_ptr() in kept:
+            log.debug("not freeing a sharded weight: its storage is shared with an unsharded tensor")
+            continue
+        freed += storage.nbytes()
+        if storage.resizable():
+            storage.resize_(0)
+        else:  # memory-mapped (HF from_pretrained maps safetensors files): let go of the mapping instead
+            with private.real_tensors():
+                empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+            empty.untyped_storage().resize_(0)  # (its pages never touched)
+            p.data = empty  # the same Parameter object (Dynamo's guards, the user's references), no storage
+        mark_storage_less(p)
+    return freed
+
+
+def hold(local: torch.Tensor, shape: torch.Size, spec: ShardSpec, name: str) -> torch.Tensor:
+    """A shard a compiled program made (a cache it allocated at this rank's size): a storage-less
+    full-shape facade, by which later graphs find the shard as they find a cut weight's."""
+    facade = storage_less(shape, local.dtype, local.device)
+    mark_storage_less(facade)
+    STORE.add_held(facade, spec, local, name)
+    STORE.trust([facade])  # every rank made it by one program
+    return facade
+
+
+def materialize(params: list[torch.Tensor], source: Source) -> None:
+    """Storage-less ``params`` a graph reads whole (replicated), filled from ``source``."""
+    for p in params:
+        if is_storage_less(p) and not STORE.is_sharded(p):
+            value = source(p, None)
+            p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
+            with torch.no_grad():
+                p.copy_(value)
+            p.__dict__.pop("__deepcopy__", None)  # whole again: copies and saves like any tensor
+            p.untyped_storage().__dict__.pop(FREED, None)
+            unbecome(p)

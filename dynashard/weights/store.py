@@ -9,7 +9,6 @@ memory"). Shards are keyed by parameter identity, so later graphs and recompiles
 from __future__ import annotations
 
 import dataclasses
-import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,16 +17,13 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch as private
+from dynashard.capture.subclass_inputs import inner_tensors
 from dynashard.comm.protocol import exchange_status
 from dynashard.comm.transport import broadcast_from_first, exchange_blocks
 from dynashard.errors import PeerError, UsageError
 from dynashard.layout import placement
 from dynashard.layout.split import Split
-from dynashard.load.integrity import checksum, close
-from dynashard.weights.facades import unbecome
-from dynashard.weights.freed import FREED, is_storage_less, mark_storage_less
-
-log = logging.getLogger(__name__)
+from dynashard.weights.checksum import checksum, close
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +66,11 @@ class _Entry:
     held: bool = False  # a shard a compiled program made (a cache it allocated), or one derived from such
 
 
+def is_storage_less(t: torch.Tensor) -> bool:
+    """A tensor with elements and no bytes: a facade, or a parameter parallelize has not read yet."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 class WeightStore:
     """This process's shards, and which parameters were already checked across ranks."""
 
@@ -79,6 +80,11 @@ class WeightStore:
         # registered shard Parameter -> a weak reference to its full-shape facade (a strong one would keep the
         # facade, whose entry above keeps the shard, alive for the life of the process: a model never freed)
         self._facade_of = private.weak_id_dict()
+        # parallelize(dtensor=True)'s facades -> (weak reference to the module holding the live parameter, its
+        # attribute, its FQN, the local shape every call must find: a parameter FSDP has not gathered yet has
+        # another; for a 1-D fused one held whole, (this rank's pieces, the tp group) to cut it by at every call,
+        # else None): their values are the module's DTensor, not a shard here (training/fsdp.py)
+        self.live = private.weak_id_dict()
         # parameters a compiled program reads whole: a later graph must not cut (and free) them
         self._read_whole = private.weak_id_dict()
         # a tensor given a shard's placement (a state_dict() value, an optimizer state) -> weak reference to the
@@ -91,6 +97,14 @@ class WeightStore:
 
     def entry(self, t: torch.Tensor) -> _Entry | None:
         return self._shards.get(t)
+
+    def is_live(self, t: Any) -> bool:
+        """A facade of parallelize(dtensor=True): its values are the module's DTensor parameter."""
+        return isinstance(t, torch.Tensor) and t in self.live
+
+    def add_held(self, facade: torch.Tensor, spec: ShardSpec, local: torch.Tensor, name: str) -> None:
+        """``local``, a shard made by a program or derived from another, filed under its new ``facade``."""
+        self._shards[facade] = _Entry(spec, local, name, held=True)
 
     def spec_of_any(self, t: torch.Tensor) -> ShardSpec | None:
         entry = self._shards.get(t)
@@ -107,29 +121,12 @@ class WeightStore:
 
     def alias(self, new: torch.Tensor, facade: torch.Tensor) -> None:
         """``new`` (``facade.detach()``, ``facade.data``) stands for the same shard."""
-        self._shards[new] = self._entry_of(facade)
-
-    def derived(self, facade: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor], what: str) -> torch.Tensor:
-        """A facade of ``make(shard)``, a tensor cut like ``facade`` (a clone, a selection along an uncut dim)."""
-        from dynashard.weights.facades import storage_less
-
-        entry = self._entry_of(facade)
-        with torch.no_grad():
-            local = make(entry.shard)
-        shape = list(local.shape)
-        shape[entry.spec.dim] = facade.shape[entry.spec.dim]
-        out = storage_less(shape, local.dtype, local.device)
-        self._shards[out] = _Entry(entry.spec, local, f"{what} of {entry.fqn}", held=True)
-        return out
-
-    def converted(self, facade: torch.Tensor, device: Any, dtype: torch.dtype) -> torch.Tensor:
-        """A facade of the shard on ``device`` in ``dtype`` (``facade.to(...)``)."""
-        return self.derived(facade, lambda shard: shard.to(device=device, dtype=dtype), "a conversion")
+        self._shards[new] = self.entry_of(facade)
 
     def rebind(self, facade: torch.Tensor, value: torch.Tensor) -> None:
         """``facade.data = value``: the shard takes the value's shard (a facade, ``model.to(...)``), or this
         rank's pieces of a full-size tensor. The shard object stays (an optimizer, parallelize hold it)."""
-        entry = self._entry_of(facade)
+        entry = self.entry_of(facade)
         if value in self._shards:
             local = self._shards[value].shard
         elif list(value.shape) == list(facade.shape):
@@ -142,7 +139,7 @@ class WeightStore:
 
     def copy_into(self, facade: torch.Tensor, src: Any, non_blocking: bool = False) -> None:
         """``facade.copy_(src)``: this rank's pieces of a full-size ``src`` (or a facade cut alike) into the shard."""
-        entry = self._entry_of(facade)
+        entry = self.entry_of(facade)
         other = self._shards.get(src) if isinstance(src, torch.Tensor) else None
         if other is not None and other.spec.same_cut(entry.spec):
             piece = other.shard
@@ -163,7 +160,7 @@ class WeightStore:
                              "(weights='per_rank'); a full-size tensor has no single piece for it.")
         return cut(full.detach(), spec.dim, spec.split, spec.world, spec.rank)
 
-    def _entry_of(self, facade: torch.Tensor) -> _Entry:
+    def entry_of(self, facade: torch.Tensor) -> _Entry:
         self.local_of(facade)  # (a clear error for an orphan)
         return self._shards[facade]
 
@@ -223,7 +220,7 @@ class WeightStore:
         """``local`` (``param``'s shard, a view of it, or a state of it of its shape) with DCP's checkpoint
         protocol (its pieces as chunks of ``param``'s global shape: dcp_planners.make_checkpointable) and
         its placement (placement.py), which torch.save keeps and a load checks."""
-        from dynashard.weights.dcp_planners import make_checkpointable
+        from dynashard.weights.dcp_planners import make_checkpointable  # lazy: imports DCP, only to checkpoint
 
         spec = self._shards[param].spec
         pieces = spec.split.pieces(spec.world, spec.rank)
@@ -238,7 +235,7 @@ class WeightStore:
 
     def placement(self, facade: torch.Tensor) -> dict:
         """This rank's placement of ``facade``'s pieces (placement.py)."""
-        spec = self._entry_of(facade).spec
+        spec = self.entry_of(facade).spec
         return placement.describe(facade.shape, spec.dim, spec.split.pieces(spec.world, spec.rank), spec.world,
                                   spec.rank)
 
@@ -293,56 +290,10 @@ class WeightStore:
         self._shards[param] = _Entry(spec, shard, fqn)
         return shard
 
-    def hold(self, local: torch.Tensor, shape: torch.Size, spec: ShardSpec, name: str) -> torch.Tensor:
-        """A shard a compiled program made (a cache it allocated at this rank's size): a storage-less
-        full-shape facade, by which later graphs find the shard as they find a cut weight's."""
-        from dynashard.weights.facades import storage_less
-
-        facade = storage_less(shape, local.dtype, local.device)
-        mark_storage_less(facade)
-        self._shards[facade] = _Entry(spec, local, name, held=True)
-        self._agreed[facade] = True  # every rank made it by one program
-        return facade
-
-    def materialize(self, params: list[torch.Tensor], source: Source) -> None:
-        """Storage-less ``params`` a graph reads whole (replicated), filled from ``source``."""
-        for p in params:
-            if is_storage_less(p) and not self.is_sharded(p):
-                value = source(p, None)
-                p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
-                with torch.no_grad():
-                    p.copy_(value)
-                p.__dict__.pop("__deepcopy__", None)  # whole again: copies and saves like any tensor
-                p.untyped_storage().__dict__.pop(FREED, None)
-                unbecome(p)
-
     def trust(self, params: list[torch.Tensor]) -> None:
         """Values every rank read from one checkpoint: not compared across ranks again."""
         for p in params:
             self._agreed[p] = True
-
-    def free(self, params: list[torch.Tensor], keep: list[torch.Tensor]) -> int:
-        """Release the storage of sharded ``params`` unless something in ``keep`` shares it."""
-        kept = {t.untyped_storage().data_ptr() for t in keep}
-        freed = 0
-        for p in params:
-            storage = p.untyped_storage()
-            if storage.nbytes() == 0:
-                mark_storage_less(p)  # (a facade made storage-less by parallelize)
-                continue
-            if storage.data_ptr() in kept:
-                log.debug("not freeing a sharded weight: its storage is shared with an unsharded tensor")
-                continue
-            freed += storage.nbytes()
-            if storage.resizable():
-                storage.resize_(0)
-            else:  # memory-mapped (HF from_pretrained maps safetensors files): let go of the mapping instead
-                with private.real_tensors():
-                    empty = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
-                empty.untyped_storage().resize_(0)  # (its pages never touched)
-                p.data = empty  # the same Parameter object (Dynamo's guards, the user's references), no storage
-            mark_storage_less(p)
-        return freed
 
     def agree(
         self,
@@ -416,8 +367,6 @@ def held_bytes(model: torch.nn.Module) -> int:
     its own bytes. Shared tensors are counted once.
     """
     from torch.distributed.tensor import DTensor
-
-    from dynashard.capture.subclass_inputs import inner_tensors
 
     total = 0
     # (a quantized weight, torchao's Int8Tensor: its inner int8 data and scales, each cut or whole)

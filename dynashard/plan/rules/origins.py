@@ -23,8 +23,8 @@ import math
 import torch
 
 from dynashard._torch import aten as private_aten
-from dynashard.capture.match import Embedding, Experts, LinearKind, LinearMatch, SpectralNormed, WeightNormed
 from dynashard.capture.match_adapters import joins_update
+from dynashard.capture.records import Embedding, Experts, LinearKind, LinearMatch, SpectralNormed, WeightNormed
 from dynashard.errors import UsageError
 from dynashard.layout.nodes import size_at, val
 from dynashard.layout.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard, WishKind

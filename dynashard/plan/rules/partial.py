@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dynashard.capture.match import LinearMatch
+from dynashard.capture.aliases import aliases_input
+from dynashard.capture.records import LinearMatch
 from dynashard.layout.nodes import mutates_self, tensor_args, val
 from dynashard.layout.shard import LayoutMap, Record
-from dynashard.plan.rules.inplace import aliases_input
 from dynashard.rewrite.lowerings import AddOnce
 
 aten = torch.ops.aten
