@@ -1,7 +1,7 @@
-"""Every use of a private or semi-private torch API lives in a ``_torch_private*`` module, so a torch
-upgrade breaks those files only: this one for Dynamo, AOTAutograd and Inductor,
-``_torch/aten.py`` for reading aten graphs and their symbolic sizes, ``_torch/c10d.py``
-for process groups.
+"""Every use of a private or semi-private torch API lives in ``dynashard/_torch/``, so a torch upgrade
+breaks those files only: this one for Dynamo, AOTAutograd and Inductor, ``aten.py`` for reading aten
+graphs and their symbolic sizes, ``c10d.py`` for process groups, ``dtensor.py``, ``funcol.py`` and
+``subclass.py`` for DTensor, the renamed functional collectives and tensor-subclass inputs.
 
 Each function says which torch behaviour it depends on; docs/design.md has the measurements.
 """

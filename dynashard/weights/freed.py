@@ -51,7 +51,6 @@ def _no_location(storage: Any, location: str) -> None:
     return None  # (loading: never ours, the next deserializer restores it)
 
 
-
 def _refuse_deepcopy(memo: dict) -> None:
     raise UsageError(
         "dynashard: cannot copy this model: dynashard sharded its weights and freed their full values (copying "
