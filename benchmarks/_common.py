@@ -45,7 +45,7 @@ def init(threads: int = 1) -> tuple[int, int]:
 
 def gather(obj: Any) -> list[Any]:
     """``obj`` from every rank, in rank order (on every rank)."""
-    from dynashard.protocol import all_gather_objects  # needs no NumPy, unlike dist.all_gather_object
+    from dynashard.comm.protocol import all_gather_objects  # needs no NumPy, unlike dist.all_gather_object
 
     return all_gather_objects(obj, dist.group.WORLD)
 

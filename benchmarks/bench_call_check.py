@@ -8,7 +8,7 @@ input every call; ``"off"`` skips the collective.
 Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_call_check [--hidden 1024 --ffn 4096]
 
 The handshake is started when the call starts and finished inside the graph, just before its first
-collective (``dynashard/gate.py``), so the computation up to there overlaps it; "ids, waited before
+collective (``dynashard/runtime/gate.py``), so the computation up to there overlaps it; "ids, waited before
 the call" is the default with that gate removed (the handshake finished before the graph runs, as
 before the gate), compiled and timed beside the others.
 
@@ -38,7 +38,9 @@ SYSTEMS = (*CHECKS, BLOCKING)
 
 def compiling(system: str):
     """Where ``system`` compiles: the blocking baseline's graphs get no gate."""
-    return mock.patch("dynashard.gate.insert", lambda gm: None) if system == BLOCKING else contextlib.nullcontext()
+    if system != BLOCKING:
+        return contextlib.nullcontext()
+    return mock.patch("dynashard.runtime.gate.insert", lambda gm: None)
 
 
 class TokenModel(torch.nn.Module):

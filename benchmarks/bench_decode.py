@@ -412,7 +412,7 @@ def held(t: torch.Tensor) -> int:
     shard (plus the full tensor if its storage could not be freed); anything else its own bytes."""
     from torch.distributed.tensor import DTensor
 
-    from dynashard.weights import STORE
+    from dynashard.weights.store import STORE
 
     if isinstance(t, DTensor):
         return t.to_local().nbytes

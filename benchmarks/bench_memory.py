@@ -98,7 +98,7 @@ def phase(args: argparse.Namespace, compiler: str, world: int) -> dict:
 
     # NOTE: the one look into dynashard's private weight store: a weak reference to a shard shows
     # whether deleting the model releases it (RSS alone cannot tell a leak from glibc keeping pages).
-    from dynashard.weights import STORE
+    from dynashard.weights.store import STORE
 
     shard = STORE.shard_of(linears[0].weight)
     shard_ref = weakref.ref(shard) if shard is not None else None

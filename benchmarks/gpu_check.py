@@ -212,7 +212,7 @@ def s0_facts(st: Stage, args: argparse.Namespace) -> None:
         import torch.distributed as dist
 
         import dynashard
-        from dynashard import _torch_private as private
+        from dynashard import _torch as private
         from tests import models
 
         device = "cpu" if args.dry_run else "cuda"

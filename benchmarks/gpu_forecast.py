@@ -101,7 +101,7 @@ def measure(n: int, s: Any, device: str, dry: bool, plain: bool = False) -> dict
 
     import dynashard
     from benchmarks.bench_decode import Llama
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     torch.compiler.reset()
     torch.manual_seed(0)

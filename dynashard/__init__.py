@@ -12,7 +12,7 @@ __all__ = ["LoadPlanner", "backend", "empty_weights", "explain", "export_safeten
 def backend(mode=None, **options):
     """Return the dynashard backend with ``options`` and torch.compile's ``mode`` bound (see the README's
     options table)."""
-    from dynashard.dynamo_backend import backend as _backend
+    from dynashard.dynamo_backend import backend as _backend  # lazy: import-free package
 
     return _backend(mode=mode, **options)
 
@@ -21,7 +21,7 @@ def explain(model, *args, world_size=None, options=None, **kwargs):
     """Plan ``model`` on example inputs and return a report (``str()`` is a table); ``verify=True``
     checks every simulated rank against the model (``train=True``: the graph a training compile
     emits), ``dynamic=True`` captures with symbolic sizes."""
-    from dynashard.explainer import explain as _explain
+    from dynashard.explainer import explain as _explain  # lazy: import-free package
 
     return _explain(model, *args, world_size=world_size, options=options, **kwargs)
 
@@ -29,7 +29,7 @@ def explain(model, *args, world_size=None, options=None, **kwargs):
 def held_bytes(model) -> int:
     """Bytes of ``model``'s parameters and buffers this rank holds: its shards of the weights
     dynashard sharded (their full tensors are freed), everything else whole."""
-    from dynashard.weights import held_bytes as _held_bytes
+    from dynashard.weights.store import held_bytes as _held_bytes  # lazy: import-free package
 
     return _held_bytes(model)
 
@@ -38,7 +38,7 @@ def full_tensor(t):
     """The whole value of a tensor dynashard sharded (a weight left on a compiled module, a shard
     ``parallelize`` registered, a cache a compiled graph returned), gathered from every rank: a
     collective, every rank calls it. Any other tensor is returned as it is."""
-    from dynashard.facades import full_tensor as _full_tensor
+    from dynashard.weights.facades import full_tensor as _full_tensor  # lazy: import-free package
 
     return _full_tensor(t)
 
@@ -49,7 +49,7 @@ def parallelize(model, *args, options=None, checkpoint=None, device=None, dtenso
     (a meta model) each rank reads only its slices from it, onto ``device`` (default: the inputs').
     ``dtensor=True``: the parameters as DTensors on ``options["group"]``, a DeviceMesh's tp dim, for
     FSDP2's ``fully_shard`` over its dp dim afterwards. Returns ``model``."""
-    from dynashard.parameters import parallelize as _parallelize
+    from dynashard.load.parallelize import parallelize as _parallelize  # lazy: import-free package
 
     return _parallelize(model, *args, options=options, checkpoint=checkpoint, device=device, dtensor=dtensor,
                         **kwargs)
@@ -60,14 +60,14 @@ def fsdp_shard_placement(param):
     ``parallelize(..., dtensor=True)``: a fused weight (nanoGPT's ``[q | k | v]``, gate/up: each tp rank holds
     its block of every component) sharded over dp on another dim, every other parameter on dim 0. FSDP2's
     default shards it on the fused dim, a layout no DTensor placement describes: refused there."""
-    from dynashard.dtensor_params import fsdp_shard_placement as _placement
+    from dynashard.training.fsdp import fsdp_shard_placement as _placement  # lazy: import-free package
 
     return _placement(param)
 
 
 def empty_weights():
     """Context manager: parameters built on the meta device, buffers real (for ``parallelize(checkpoint=...)``)."""
-    from dynashard.parameters import empty_weights as _empty_weights
+    from dynashard.load.parallelize import empty_weights as _empty_weights  # lazy: import-free package
 
     return _empty_weights()
 
@@ -76,14 +76,14 @@ def export_safetensors(model, path, max_shard_size=None, group=None):
     """Write a sharded model's whole weights as one ``.safetensors`` file, or an HF directory (files
     of at most ``max_shard_size`` and their index). Every rank calls it; rank 0 gathers and writes
     one tensor at a time."""
-    from dynashard.export import export_safetensors as _export
+    from dynashard.load.export import export_safetensors as _export  # lazy: import-free package
 
     return _export(model, path, max_shard_size=max_shard_size, group=group)
 
 
 def __getattr__(name):
     if name == "LoadPlanner":  # (a DCP planner class: imported when first asked for, keeping import light)
-        from dynashard.dcp_planners import LoadPlanner
+        from dynashard.weights.dcp_planners import LoadPlanner  # lazy: import-free package
 
         return LoadPlanner
     raise AttributeError(f"module 'dynashard' has no attribute {name!r}")

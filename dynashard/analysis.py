@@ -1,7 +1,7 @@
 """Analysis: trace a captured graph to aten, match its linears and plan it; nothing is touched.
 
 Before: the Dynamo graph and its fake inputs. After: an :class:`Analysis` (the aten graph, which
-inputs are parameters, the :class:`~dynashard.plan.Plan`), shared by the backend and ``explain``.
+inputs are parameters, the :class:`~dynashard.plan.plan.Plan`), shared by the backend and ``explain``.
 """
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynashard import _torch_private as private
-from dynashard import _torch_private_aten as private_aten
-from dynashard import progress
-from dynashard.decision import split_dim
+from dynashard import _torch as private
+from dynashard._torch import aten as private_aten
+from dynashard.capture.linear_forms import normalise
+from dynashard.capture.match import find_linears
+from dynashard.capture.records import ParamInfo
+from dynashard.capture.subclass_inputs import INNER
 from dynashard.errors import InternalError
-from dynashard.linear_forms import normalise
-from dynashard.match import ParamInfo, find_linears
-from dynashard.nodes import PARAMETER, val
+from dynashard.layout.nodes import PARAMETER, val
+from dynashard.layout.split import Split
 from dynashard.options import Options, Style
-from dynashard.plan import Plan, make_plan
-from dynashard.split import Split
-from dynashard.subclass_inputs import INNER
-from dynashard.weights import EarlierCuts
+from dynashard.plan.decision import split_dim
+from dynashard.plan.plan import Plan, make_plan
+from dynashard.report import progress
+from dynashard.weights.store import EarlierCuts
 
 
 @dataclasses.dataclass

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import dynashard
+
 
 class Block(nn.Module):
     HEADS = 8  # hard-coded, as models are written: dynashard gives each rank its share of heads
@@ -54,9 +56,6 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager", "eager"])
     args = parser.parse_args()
-
-    import dynashard
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if torch.cuda.is_available():  # one GPU per rank, NCCL (dynashard's host-side checks run on gloo beside it)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

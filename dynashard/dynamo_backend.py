@@ -2,7 +2,7 @@
 
 Registered through the ``torch_dynamo_backends`` entry point as ``"dynashard"``; Dynamo calls
 ``dynashard_backend(gm, example_inputs, options={...})`` once per captured graph and shape, and
-then the :class:`~dynashard.program.ShardedProgram` it returns on every call.
+then the :class:`~dynashard.runtime.program.ShardedProgram` it returns on every call.
 
 Every rank reaches each agreement point, failed or not, so a failure on one rank is an error on
 all of them instead of a hang in the next collective; the full weights are cut and freed only
@@ -23,24 +23,29 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from dynashard import _torch_private as private
-from dynashard import dtensor_params, gate, progress, subclass_inputs
+from dynashard import _torch as private
 from dynashard.analysis import Analysis, analyse, shard_fakes
-from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
-from dynashard.errors import NotSupportedError, UsageError, wrap
-from dynashard.lowerings import DropoutOfCut, RowwiseExperts
+from dynashard.capture import subclass_inputs
+from dynashard.comm.collectives import BACKWARD, group_name, reduce_scatter_is_slow
+from dynashard.comm.protocol import COMPILE, agreed, peer_failure, resolve_group, wrap
+from dynashard.errors import NotSupportedError, UsageError
 from dynashard.options import Options, parse_options, with_mode
-from dynashard.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
-from dynashard.protocol import COMPILE, agreed, peer_failure, resolve_group
-from dynashard.report import GraphReport
-from dynashard.rewrite import rewrite
-from dynashard.uncompiled_calls import watch
-from dynashard.weights import STORE, ShardSpec, Source
+from dynashard.report import progress
+from dynashard.report.table import GraphReport
+from dynashard.rewrite.interpreter import rewrite
+from dynashard.rewrite.lowerings import DropoutOfCut, RowwiseExperts
+from dynashard.runtime import gate
+from dynashard.runtime.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
+from dynashard.runtime.uncompiled_calls import watch
+from dynashard.training import fsdp
+from dynashard.weights.freed import materialize
+from dynashard.weights.store import STORE, ShardSpec, Source
 
 log = logging.getLogger(__name__)
 # A model torch.compile wraps with this backend and then runs around the wrapper (model.generate) is
 # warned about: torch.compile looks the backend up, importing this module, before it wraps the model.
-watch()
+# (Both names are looked up when a module is registered, after this module has run.)
+watch(lambda backend: backend is dynashard_backend or isinstance(backend, BoundBackend))
 
 
 def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Mapping[str, Any] | None = None,
@@ -68,7 +73,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
                      world: int, rank: int, source: Source | None, started: float):
     """The backend for a graph on a group of more than one rank (``progress.stage`` names each step)."""
     check_data_parallel()
-    dtensor_params.refuse_strays(gm, example_inputs)
+    fsdp.refuse_strays(gm, example_inputs)
     # Every rank reaches each agreement point, failed or not, so a failure on one rank is an
     # error on all of them instead of a hang in the next collective. A fake group moves no data.
     agree = not private.is_fake_group(group)
@@ -93,10 +98,10 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         raise error
     if analysis is not None and source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
         with agreed(group, "reading the weights left whole from the checkpoint"):
-            STORE.materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
+            materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
     train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
-    live = dtensor_params.live_slots(example_inputs)
+    live = fsdp.live_slots(example_inputs)
     if not sharded:  # left whole: compiled as it is (gradients included)
         progress.stage(f"compiling the unsharded graph ({progress.compiler_name(opts.compiler)})")
         cache = private.inductor_cache_counts()
@@ -105,7 +110,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
             STORE.note_read_whole([example_inputs[i] for i in analysis.params])
         progress.log_compile(gm, fake_args, analysis, started, planned, cache)
         if live:
-            compiled = dtensor_params.ReadLive(compiled, live)
+            compiled = fsdp.ReadLive(compiled, live)
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
     gate_slot = None
     with agreed(group, "compiling", doing="rewriting and compiling"):
@@ -156,10 +161,10 @@ def _refuse_fsdp_managed(gm: torch.fx.GraphModule, sharded: dict[int, Any], exam
     before every forward and reduces the gradient that copy gets, so this rank's cut of the first copy would
     be read stale and its gradients lost (measured: every cut parameter ended the backward with no gradient).
     Unless it is a facade of ``parallelize(dtensor=True)``: the program reads FSDP's current parameter then
-    (dtensor_params.py). Every rank plans the same graph alike, so every rank raises here."""
+    (training/fsdp.py). Every rank plans the same graph alike, so every rank raises here."""
     slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
     managed = [sharded[i][0] for i in sorted(sharded)
-               if private.from_fsdp_module(slots[i]) and not dtensor_params.is_live(example_inputs[i])]
+               if private.from_fsdp_module(slots[i]) and not fsdp.is_live(example_inputs[i])]
     if managed:
         raise UsageError(
             f"dynashard: this graph would cut {managed[:3]}, parameters FSDP2's fully_shard manages; FSDP swaps them "
@@ -273,7 +278,7 @@ def _untrainable_partial(lm: Any) -> str | None:
     """Partial sums whose backward is not built: an expert's (the router weights scale it and pick
     its rows). Others are right: the all_reduce's backward is the identity (Megatron's g), and every
     replicated tensor an op keeping partial sums reads (a LoRA's whole B) goes through f
-    (rewrite.py), so its gradient is every rank's term summed. A sum or mean of a Shard over its cut
+    (rewrite/interpreter.py), so its gradient is every rank's term summed. A sum or mean of a Shard over its cut
     dim (a norm over every head) reads only the shard: its gradient is each rank's own."""
     for record in lm.records.values():
         if record.partial is not None and isinstance(record.lowering, RowwiseExperts):

@@ -50,20 +50,3 @@ class VerificationError(DynashardError, RuntimeError):
 
 class InternalError(DynashardError, RuntimeError):
     pass
-
-
-def wrap(error: BaseException, stage: str) -> BaseException:
-    """Our own errors as they are; anything else wrapped in an :class:`InternalError` naming the stage.
-
-    NOTE: Dynamo turns some backend exceptions (e.g. fake-tensor ``DataDependentOutputException``)
-    into a graph break and runs the frame eagerly -- unsharded, with only a warning. Wrapped, it
-    is an error like any other. Dynamo's own request to re-trace (``RestartAnalysis``) is not an
-    error: it goes back to Dynamo as it is (see ``_torch_private.is_dynamo_restart``).
-    """
-    from dynashard import _torch_private as private
-
-    if isinstance(error, DynashardError) or private.is_dynamo_restart(error):
-        return error
-    wrapped = InternalError(f"dynashard: internal error while {stage}: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dynashard import _torch_private as private
-from dynashard import simulate, subclass_inputs
+from dynashard import _torch as private
 from dynashard.analysis import analyse
+from dynashard.capture import subclass_inputs
+from dynashard.comm.protocol import resolve_group
 from dynashard.errors import UsageError, VerificationError
 from dynashard.options import parse_options
-from dynashard.protocol import resolve_group
-from dynashard.report import GraphReport, LayerRow, format_table, human_bytes
-from dynashard.weights import STORE
+from dynashard.report import simulate
+from dynashard.report.table import GraphReport, LayerRow, format_table, human_bytes
+from dynashard.weights.store import STORE
 
 
 @dataclasses.dataclass

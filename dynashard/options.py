@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from dynashard import _torch as private
 from dynashard.errors import OptionTypeError, UsageError
 
 
@@ -35,7 +36,7 @@ class ParamDim(str, enum.Enum):
     ``RowwiseParallel`` and ``packed_rowwise`` dim -1), not the layer's features. Which of
     colwise / rowwise that is depends on how the weight is stored: Mixtral's ``[E, out, in]``
     gate_up is ``packed_colwise``, Llama4's ``[E, in, out]`` is ``packed_rowwise`` ("row because
-    not linear"); user_plan.py resolves it per layer."""
+    not linear"); plan/user.py resolves it per layer."""
 
     SECOND_LAST = "dim -2"
     LAST = "dim -1"
@@ -235,8 +236,6 @@ def with_mode(options: Options, mode: str | None) -> Options:
 
 def _check_mode(mode: Any, compiler: str) -> str:
     """One of the modes torch.compile accepts (Inductor's own list); a warning where it has no effect."""
-    from dynashard import _torch_private as private
-
     modes = private.inductor_modes()
     if not isinstance(mode, str):
         raise OptionTypeError(f"dynashard: option 'mode' is a {type(mode).__name__}; expected one of {modes}.")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard.weights import STORE
+from dynashard.weights.store import STORE
 from tests import models
 
 # bfloat16: see test_cuda.BF16_RTOL (2**-5 of the output's magnitude)
@@ -30,9 +30,9 @@ BF16_RTOL = 2**-5
 
 def host_group() -> None:
     """dynashard's host-side messages (handshake, agreements: small CPU tensors) cannot travel on NCCL,
-    which has no CPU backend: ``dynashard.protocol.host_group`` gives them a gloo companion over the same
+    which has no CPU backend: ``dynashard.comm.protocol.host_group`` gives them a gloo companion over the same
     ranks, made once per group."""
-    from dynashard.protocol import host_group as host_of
+    from dynashard.comm.protocol import host_group as host_of
 
     torch.cuda.set_device(0)
     # device_id: the README's recipe; NCCL makes its communicator now (eager init), not at the first collective
@@ -88,7 +88,7 @@ def two_ranks(kind: str) -> None:
     graphs' collectives, the CPU companion group the per-call handshake. ``kind`` "cpu": a dry run on
     gloo, which checks this script, not the GPU."""
     from benchmarks.bench_decode import SMOKE, Llama
-    from dynashard.protocol import host_group as host_of
+    from dynashard.comm.protocol import host_group as host_of
 
     timeout = datetime.timedelta(minutes=3)
     if kind == "cuda":

@@ -24,7 +24,7 @@ from typing import Any
 # 2-core machine (tools/bench_spawn.py). The server runs no torch op, so no thread pool exists to be forked.
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dynashard.dynamo_backend",
-                             "dynashard.parameters", "tests.battery", "tests.scenarios", "transformers"])
+                             "dynashard.load.parallelize", "tests.battery", "tests.scenarios", "transformers"])
 
 # A torchrun or python subprocess of a test (a tiny model on 2-4 ranks) takes 3-16 s on the project's
 # quiet 2-core machine; CI has run that kind of machine 3x slower, and a second 2-process job on the

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from tests.scenarios import Scenarios
 
 SCENARIOS_DEADLINE_S = 240  # one world-2 spawn: ~25 s quiet (HF Llama, aot_eager compiles); 3x slower, 3x margin

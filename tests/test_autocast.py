@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dynashard
-from dynashard.weights import STORE, cut
+from dynashard.weights.store import STORE, cut
 from tests.hf_configs import CONFIGS, EXPECTED
 from tests.scenarios import Scenarios
 

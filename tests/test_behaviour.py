@@ -22,7 +22,7 @@ import torch.distributed as dist
 import dynashard
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.options import Options
-from dynashard.weights import STORE
+from dynashard.weights.store import STORE
 from tests import models
 from tests.multiproc import SUBPROCESS_DEADLINE_S
 from tests.scenarios import Scenarios, raised

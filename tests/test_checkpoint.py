@@ -1,4 +1,4 @@
-"""Checkpoints read a slice at a time (``dynashard.checkpoint``).
+"""Checkpoints read a slice at a time (``dynashard.load.checkpoint``).
 
 Every format the loader accepts (one safetensors file, a directory of them, an HF sharded
 checkpoint with its index, a torch.distributed.checkpoint directory) gives, for every split the
@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dynashard.checkpoint import open_checkpoint
 from dynashard.errors import UsageError
-from dynashard.split import Split
-from dynashard.weights import cut
+from dynashard.layout.split import Split
+from dynashard.load.checkpoint import open_checkpoint
+from dynashard.weights.store import cut
 from tests.scenarios import Scenarios, from_rank0
 
 # Splits the planner makes: balanced and uneven (23/23/22/22 of 90), a fused [q | k | v] cut per

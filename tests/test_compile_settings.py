@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from dynashard.errors import OptionTypeError, UsageError
 from dynashard.options import parse_options, with_mode
 from tests import models

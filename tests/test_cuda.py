@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from tests import models
 from tests.multiproc import SUBPROCESS_DEADLINE_S
 
@@ -354,7 +354,7 @@ def test_reduce_overhead_replays_the_sharded_graph_with_the_shards_read_in_place
     input slots Inductor is given; what a replay copies needs a GPU."""
     from torch._inductor import cudagraph_trees
 
-    from dynashard.weights import STORE
+    from dynashard.weights.store import STORE
 
     torch.manual_seed(0)
     plain = models.MLP(256, 512).to(DEVICE).eval()
@@ -398,7 +398,7 @@ def test_reduce_overhead_keeps_a_grown_cache_apart_from_the_next_replay():
     layer's held cache after them, equal the same model's compiled with compiler="eager" (fake group,
     both: an all_reduce keeps rank 0's term; no gather in these graphs). 1e-4: Inductor's float32
     kernels against eager aten, the same sums in another order."""
-    from dynashard.weights import STORE
+    from dynashard.weights.store import STORE
 
     torch.manual_seed(0)
     model = models.CachedDecoder(form="cat").to(DEVICE).eval()
@@ -434,7 +434,7 @@ def _python(*args: str, torchrun: int = 0) -> subprocess.CompletedProcess:
 
 
 def test_host_messages_use_a_cpu_companion_of_a_one_rank_nccl_group():
-    """In a fresh process (the NCCL group must not outlive the test): dynashard.protocol.host_group of an
+    """In a fresh process (the NCCL group must not outlive the test): dynashard.comm.protocol.host_group of an
     NCCL group is a cached gloo group over its ranks, of a gloo group the group itself; a CPU all_reduce
     travels on it; a compiled MLP on the GPU equals eager. (At world 1 dynashard compiles unsharded:
     dynamo_backend.py; the per-call handshake on NCCL is the two-GPU test's.)"""

@@ -123,7 +123,7 @@ def _train_against_the_twin(rank: int, world: int, case: str) -> None:
     import torch
 
     import dynashard
-    from dynashard.weights import STORE, cut
+    from dynashard.weights.store import STORE, cut
     from tests.test_training import _compare, _cut_args, _facades
 
     kw, style, compiler, per_rank = {**FIXED, **FUZZ}[case]
@@ -254,7 +254,7 @@ def _grad_err(model, twin) -> float:
     zero in exact arithmetic (softmax ignores a shift common to every key) and 1e-10 of float noise
     here, on both sides, which a relative error of its own would read as 100%."""
 
-    from dynashard.weights import STORE, cut
+    from dynashard.weights.store import STORE, cut
     from tests.test_training import _cut_args, _facades
 
     facades, reference = _facades(model), dict(twin.named_parameters())

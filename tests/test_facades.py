@@ -24,10 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from dynashard.errors import UsageError
-from dynashard.facades import is_facade
-from dynashard.weights import STORE, cut
+from dynashard.weights.facades import is_facade
+from dynashard.weights.store import STORE, cut
 from tests import models
 from tests.scenarios import Scenarios
 

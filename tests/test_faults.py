@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import parameters
+from dynashard.load import parallelize as parameters
 from tests import models
 from tests.battery import lose_rank1
 from tests.scenarios import Scenarios, raised

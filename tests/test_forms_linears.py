@@ -1,5 +1,5 @@
 """Linears in other clothes (issue 28): forms a model writes a linear in that are not ``nn.Linear``,
-rewritten before matching into the form match.py reads (dynashard/linear_forms.py) and then cut
+rewritten before matching into the form match.py reads (dynashard/capture/linear_forms.py) and then cut
 like one: colwise then rowwise by the auto plan, one all_reduce per pair.
 
 einsum: ``torch.einsum("bsd,hd->bsh", x, W)`` (W stored ``[out, in]``), ``"bsd,dh->bsh"`` (W stored
@@ -48,8 +48,8 @@ import torch.nn.functional as F
 
 import dynashard
 from dynashard.errors import UsageError
-from dynashard.parameters import FACADES
-from dynashard.weights import STORE, cut
+from dynashard.load.parallelize import FACADES
+from dynashard.weights.store import STORE, cut
 from tests import models
 from tests.scenarios import Scenarios
 from tests.test_graphs import _count, rewritten
@@ -461,7 +461,7 @@ def test_weight_norm_hook_form_is_left_whole_naming_the_parametrization():
 def test_weight_norm_over_all_of_v_is_left_whole_with_a_reason(world, caplog):
     """weight_norm(dim=None): one norm over all of v, each rank's term of it not summed: whole."""
     torch.manual_seed(0)
-    with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
+    with caplog.at_level("DEBUG", logger="dynashard.capture.linear_forms"):
         assert _layers(NormedMLP("weight_norm", ("whole", "whole")), torch.randn(2, 3, 16), world) == {}
     reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
     assert len(set(reasons)) == 2 and all("parametrizations.weight.original" in r for r in reasons), reasons  # up, down
@@ -555,7 +555,7 @@ def test_spectral_norm_over_another_dim_is_left_whole_with_a_reason(caplog):
     for layer in (model.up, model.down):
         nn.utils.parametrize.remove_parametrizations(layer, "weight")
         nn.utils.parametrizations.spectral_norm(layer, dim=1)
-    with caplog.at_level("DEBUG", logger="dynashard.linear_forms"):
+    with caplog.at_level("DEBUG", logger="dynashard.capture.linear_forms"):
         assert _layers(model, torch.randn(2, 3, 16), 2) == {}
     reasons = [r.getMessage() for r in caplog.records if "computed from parameters" in r.getMessage()]
     assert len(set(reasons)) == 2 and all("permute" in r for r in reasons), reasons

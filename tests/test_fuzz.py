@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import dynashard
-from dynashard.integrity import checksum, close
+from dynashard.weights.checksum import checksum, close
 from tests import models
 
 pytestmark = pytest.mark.unit
@@ -423,7 +423,7 @@ def test_random_loss_heads(world, hidden, vocab, plan_draw, form, ignore, reduct
 
 def test_verify_catches_a_wrong_shard(monkeypatch):
     """The check itself can fail: cut every rank's weights from the wrong place."""
-    import dynashard.simulate as simulate
+    import dynashard.report.simulate as simulate
 
     real_cut = simulate._cut
     monkeypatch.setattr(

@@ -1,4 +1,5 @@
-"""The per-call handshake is finished inside the graph, just before its first collective (``dynashard/gate.py``).
+"""The per-call handshake is finished inside the graph, just before its first collective
+(``dynashard/runtime/gate.py``).
 
 Unit: where ``gate.insert`` puts the gate (and where it refuses to). Gloo, 2 ranks, under Inductor: the
 handshake is finished by the gate, inside the compiled graph, after the computation before the first
@@ -14,8 +15,8 @@ import operator
 import pytest
 import torch
 
-from dynashard import gate
-from dynashard.protocol import Handshake
+from dynashard.comm.protocol import Handshake
+from dynashard.runtime import gate
 from tests import models
 from tests.scenarios import Scenarios, raised
 from tests.test_graphs import rewritten

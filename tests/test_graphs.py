@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from dynashard.dynamo_backend import dynashard_backend
 from tests import models
 
@@ -431,7 +431,7 @@ def test_kernels_get_the_layout_they_were_traced_with():
     that stride were 1 (max error 1e20 under eager). Any op input whose traced value had a
     unit-stride last dim and whose converted one does not is now made contiguous; others are
     passed as they are (no copy)."""
-    from dynashard.local_conversions import as_traced
+    from dynashard.rewrite.local_conversions import as_traced
 
     graph = torch.fx.Graph()
     q, k, v = (graph.placeholder(n) for n in "qkv")

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import dynashard
+from dynashard.comm.protocol import CALL, HOST_GROUP_ENV, exchange_status, first_rank_status, handshake, host_group
 from dynashard.errors import PeerError, SetupError, UsageError
-from dynashard.protocol import CALL, HOST_GROUP_ENV, exchange_status, first_rank_status, handshake, host_group
 from tests import models
 from tests.battery import lose_rank1
 from tests.scenarios import Scenarios, raised

@@ -1,4 +1,4 @@
-"""Checkpoints and exports that cannot mix (dynashard/integrity.py), in one process.
+"""Checkpoints and exports that cannot mix (dynashard/load/integrity.py), in one process.
 
 A directory export swapped in whole (and killed between its two renames: both siblings whole, a load
 names them), an earlier export's files never left beside a new one's, a DCP directory whose files
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dynashard import integrity
-from dynashard.checkpoint import SafetensorsCheckpoint, _keys_of, open_checkpoint, owning
 from dynashard.errors import UsageError
+from dynashard.load import integrity
+from dynashard.load.checkpoint import SafetensorsCheckpoint, _keys_of, open_checkpoint, owning
 
 pytestmark = pytest.mark.unit
 
@@ -85,14 +85,14 @@ def test_an_export_killed_between_its_renames_leaves_both_whole_and_a_load_names
 def test_the_fingerprint_tells_checkpoints_of_the_same_shapes_apart(tmp_path):
     for name, seed in (("one", 0), ("copy", 0), ("other", 1)):
         _export(str(tmp_path / name), {"model.safetensors": _tensors(seed)})
-    prints = {name: integrity.fingerprint(SafetensorsCheckpoint(str(tmp_path / name), _keys_of(
-        [str(tmp_path / name / "model.safetensors")]))) for name in ("one", "copy", "other")}
+    prints = {name: SafetensorsCheckpoint(str(tmp_path / name), _keys_of(
+        [str(tmp_path / name / "model.safetensors")])).fingerprint() for name in ("one", "copy", "other")}
     assert prints["one"] == prints["copy"] != prints["other"], prints
     # a change at the end of one tensor only (a partial fine-tune)
     changed = _tensors(0)
     changed["b"][-1] += 1
     _export(str(tmp_path / "late"), {"model.safetensors": changed})
-    late = integrity.fingerprint(open_checkpoint(str(tmp_path / "late")))
+    late = open_checkpoint(str(tmp_path / "late")).fingerprint()
     assert late != prints["one"]
 
 

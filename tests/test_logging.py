@@ -1,5 +1,5 @@
 """Logging through torch's system: silent by default, the plan with TORCH_LOGS, an artifact for tlparse;
-a long compile's progress on rank 0 (dynashard/progress.py)."""
+a long compile's progress on rank 0 (dynashard/report/progress.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from dynashard import progress
 from dynashard.errors import UsageError
+from dynashard.report import progress
 from tests.multiproc import SUBPROCESS_DEADLINE_S
 
 pytestmark = pytest.mark.unit
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
     from tests.models import MLP
     private.init_fake_process_group(2)   # single process; only graph shapes matter here
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
 RECOMPILE = textwrap.dedent(
     """
     import torch
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
     from tests.models import MLP
     private.init_fake_process_group(2)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The lowering check (dynashard/lowering.py): an op the rewrite emits itself carries every argument
+"""The lowering check (dynashard/rewrite/argument_check.py): an op the rewrite emits itself carries every argument
 its source node sets, or its lowering declares how it expresses it. It runs in every rewrite (each
 golden, fuzz case and compile); these tests show it can fail."""
 
@@ -9,8 +9,9 @@ import torch
 import torch.nn as nn
 
 import dynashard
-from dynashard import lowering, vocab
 from dynashard.errors import InternalError
+from dynashard.rewrite import argument_check as lowering
+from dynashard.rewrite import vocab
 
 pytestmark = pytest.mark.unit
 

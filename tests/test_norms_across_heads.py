@@ -128,8 +128,8 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 @on_ranks
 def test_olmo2_trains_as_its_unsharded_twin(rank, world):
-    from dynashard.parameters import FACADES
-    from dynashard.weights import STORE, cut
+    from dynashard.load.parallelize import FACADES
+    from dynashard.weights.store import STORE, cut
 
     model = _olmo2()
     twin = copy.deepcopy(model)

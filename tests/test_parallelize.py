@@ -25,11 +25,11 @@ from safetensors.torch import save_file, save_model
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import dynashard
-from dynashard.checkpoint import Checkpoint, open_checkpoint
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import DynashardError, UsageError
-from dynashard.parameters import FACADES
-from dynashard.weights import STORE
+from dynashard.load.checkpoint import Checkpoint, open_checkpoint
+from dynashard.load.parallelize import FACADES
+from dynashard.weights.store import STORE
 from tests import models
 from tests.battery import SHARDED
 from tests.multiproc import run_ranks

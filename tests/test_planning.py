@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import dynashard
+from dynashard.layout.split import Split, shard_bounds
 from dynashard.options import Options, parse_options
-from dynashard.split import Split, shard_bounds
 from tests import models
 
 pytestmark = pytest.mark.unit
@@ -194,7 +194,7 @@ class _TiedAcrossBreak(torch.nn.Module):
 
 def test_tied_weight_split_in_one_graph_is_followed_in_the_next():
     """The head alone would be replicated (in_features 128); it follows the embedding's split."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -495,16 +495,16 @@ def test_errors_are_dynashard_errors_and_the_builtins_users_catch():
 def test_the_recut_fixpoint_logs_its_round_limit_and_stays_correct(monkeypatch, caplog):
     """A fused qkv needs two re-cuts (component boundaries, then whole heads). Stopped after one,
     the plan is logged as unfinished and still verifies: the layout follows the cuts it has."""
-    import dynashard.recut as recut
+    import dynashard.plan.recut as recut
 
     model = models.build("nanogpt", 64, 90)
     ids = torch.randint(0, 90, (2, 7))
     options = {"min_shard_numel": 0}
-    with caplog.at_level("WARNING", logger="dynashard.recut"):
+    with caplog.at_level("WARNING", logger="dynashard.plan.recut"):
         dynashard.explain(model, ids, world_size=2, options=options, verify=True)
     assert not [r for r in caplog.records if "stopped re-cutting" in r.getMessage()]
     monkeypatch.setattr(recut, "_MAX_ROUNDS", 1)
-    with caplog.at_level("WARNING", logger="dynashard.recut"):
+    with caplog.at_level("WARNING", logger="dynashard.plan.recut"):
         dynashard.explain(model, ids, world_size=2, options=options, verify=True)
     assert [r for r in caplog.records if "stopped re-cutting after 1 rounds" in r.getMessage()]
 
@@ -521,7 +521,7 @@ def test_a_deep_model_is_cut_in_a_few_rounds_whatever_its_depth(caplog):
                            num_key_value_heads=4, vocab_size=1000)
     torch.manual_seed(0)
     model = models.HFLogits(T.LlamaForCausalLM(config).eval())
-    with caplog.at_level("WARNING", logger="dynashard.recut"):
+    with caplog.at_level("WARNING", logger="dynashard.plan.recut"):
         report = dynashard.explain(model, torch.randint(0, 1000, (1, 8)), world_size=2)
     assert not [r for r in caplog.records if "stopped re-cutting" in r.getMessage()]
     gathering = [r.fqn for r in report.rows if "all_gather" in r.collectives]
@@ -561,7 +561,7 @@ def test_falcon_groups_cut_into_components_refuse_training():
     of them would be partial, so a backward is refused at compile time (as for any fused output with
     whole parts), naming why. (Planned on one rank of a fake group: the refusal comes before any
     collective runs.)"""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     torch.manual_seed(0)
     model = models.FalconStyleAttention(128, 8, 2)
@@ -579,8 +579,8 @@ def test_roll_call_keys_follow_each_point_not_every_failure(monkeypatch):
     """A roll call's key must be the same on every rank. A failed call's diagnosis runs only on the
     ranks whose call failed, so it must not shift the key of the next agreement on those ranks (it
     did while one counter per group numbered every roll call)."""
-    from dynashard import _torch_private as private
-    from dynashard import protocol
+    from dynashard import _torch as private
+    from dynashard.comm import protocol
 
     monkeypatch.setattr(protocol, "_SEQUENCE", {})
     store = dist.HashStore()
@@ -605,10 +605,10 @@ def test_the_plan_follows_earlier_cuts_it_is_given_and_reads_no_store():
     """Issue 27: the plan is a function of (graph, options, earlier cuts passed in). The same graph planned
     with no earlier cuts, with ``up`` split on its input dim, and with ``up`` read whole by an earlier graph
     gives three plans; and a weight the store holds a shard of changes nothing unless it is passed in."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
     from dynashard.analysis import analyse
-    from dynashard.split import even
-    from dynashard.weights import STORE, EarlierCuts, ShardSpec
+    from dynashard.layout.split import even
+    from dynashard.weights.store import STORE, EarlierCuts, ShardSpec
 
     def _styles(plan):
         return {m.fqn.removesuffix(".weight"): plan.decisions[m.node].style for m in plan.linears}
@@ -643,7 +643,7 @@ def test_importing_dynashard_registers_nothing_with_torch_serialization():
     import sys
 
     code = (
-        "import torch, io, dynashard, dynashard.freed as w\n"
+        "import torch, io, dynashard, dynashard.weights.freed as w\n"
         "t = torch.zeros(0)\n"
         "setattr(t.untyped_storage(), w.FREED, True)\n"  # what a freed storage carries
         "torch.save(t, io.BytesIO())\n"  # no tagger yet: saved
@@ -658,7 +658,7 @@ def test_importing_dynashard_registers_nothing_with_torch_serialization():
 def test_a_sharded_weight_another_graph_needs_whole_is_refused_naming_why():
     """Issue 28: a second code path reading a cut weight another way (here its norm) was refused with
     "were the options different?" although the options were the same; the error names the reader."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
     from dynashard.errors import UsageError
 
     torch._dynamo.reset()

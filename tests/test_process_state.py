@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from tests import models
 from tests.multiproc import SUBPROCESS_DEADLINE_S
 
@@ -36,7 +36,7 @@ LIFETIME = textwrap.dedent(
     import gc, json, torch
     import torch.optim.optimizer as optimizer_hooks
     import dynashard
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
     from tests import models
 
     def hooks():

@@ -131,7 +131,7 @@ def test_int8_mlp_compiles_under_inductor():
     """The flattened inner tensors reach Inductor (the default compiler: AOTAutograd, then C++) each with a source
     of its own (``<weight>.qdata``): the parent's for all three raised "already in seen_sources". One process,
     a fake group of 2 (no data moves: the program's collectives are not run, its shards are checked)."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     private.init_fake_process_group(2)
     try:

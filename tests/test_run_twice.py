@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from tests import models
 from tests.multiproc import SUBPROCESS_DEADLINE_S, run_ranks
 

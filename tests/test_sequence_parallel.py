@@ -16,10 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
-from dynashard.weights import STORE, cut
+from dynashard.weights.store import STORE, cut
 from tests import models
 from tests.scenarios import Scenarios, raised
 from tests.test_graphs import _count, rewritten
@@ -305,7 +305,7 @@ def test_sgd_steps_match_the_unsharded_twin(rank, world, case):
 
 
 def _facades(model) -> dict:
-    from dynashard.parameters import FACADES
+    from dynashard.load.parallelize import FACADES
 
     out = {}
     for prefix, module in model.named_modules():

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import UsageError
-from dynashard.weights import STORE
+from dynashard.weights.store import STORE
 from tests import models
 from tests.scenarios import Scenarios, from_rank0, raised
 

@@ -1,7 +1,7 @@
 """What a parallelized model's state dict holds, and every way users save and resume it, on 2 gloo ranks.
 
 ``state_dict()`` after ``parallelize`` holds this rank's pieces of the weights it cut, each carrying its
-placement (dynashard/placement.py): nanoGPT's ``torch.save`` on rank 0 / ``load_state_dict`` on every
+placement (dynashard/layout/placement.py): nanoGPT's ``torch.save`` on rank 0 / ``load_state_dict`` on every
 rank is refused on the rank whose pieces differ, before anything changes; a rank's own file resumes it
 exactly; DCP's ``full_state_dict=True`` returns whole tensors (model and optimizer) and loads them back;
 a whole (unsharded) state dict still loads. Training compares SGD steps with momentum (its state is

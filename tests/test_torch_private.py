@@ -1,7 +1,7 @@
-"""Every private torch API dynashard uses is reached through ``dynashard/_torch_private*.py`` (Dynamo and
+"""Every private torch API dynashard uses is reached through ``dynashard/_torch/`` (Dynamo and
 Inductor, aten graphs, process groups: STYLE 8), so a torch upgrade breaks those files only; every torch
 name dynashard reads exists on the running torch (``tools/compat.sh`` runs this on each supported release),
-and what ``_torch_private*`` chooses by feature detection works on it.
+and what ``_torch/`` chooses by feature detection works on it.
 
 Read from the source's syntax tree (strings and comments, such as an error message naming
 ``torch._dynamo.config.optimize_ddp``, are not uses).
@@ -20,11 +20,10 @@ import torch
 pytestmark = pytest.mark.unit
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dynashard"
-PRIVATE_MODULES = {"_torch_private.py", "_torch_private_aten.py", "_torch_private_c10d.py", "_torch_private_dtensor.py",
-                   "_torch_private_funcol.py", "_torch_private_subclass.py"}
+PRIVATE_PACKAGE = "_torch"  # dynashard/_torch/: the modules that may use them
 # The functional collectives, underscore-named but the one way to emit them, are called from the module
 # whose job that is (STYLE 1: "collectives (the one module that calls funcol)").
-ALLOWED_IMPORTS = {("collectives.py", "torch.distributed._functional_collectives")}
+ALLOWED_IMPORTS = {("comm/collectives.py", "torch.distributed._functional_collectives")}
 # Underscore members of torch objects (ops, modules, frames) that are not torch's public API.
 PRIVATE_MEMBERS = {"_schema", "_parameters", "_buffers", "_modules", "_C", "_getframe"}
 
@@ -73,14 +72,14 @@ def _uses(path: pathlib.Path) -> list[str]:
 
 
 def test_private_torch_apis_only_in_the_private_modules():
-    files = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name not in PRIVATE_MODULES]
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != PRIVATE_PACKAGE]
     assert len(files) > 30, files  # (the package was found)
     uses = [u for p in files for u in _uses(p)]
     assert uses == [], "\n".join(uses)
 
 
 # A name that some supported releases lack, read only when its replacement is missing (feature detection in
-# ``_torch_private*``): required only where the replacement is. (replacement, then the older name)
+# ``_torch/``): required only where the replacement is. (replacement, then the older name)
 ALTERNATIVES = {
     "torch.distributed._functional_collectives.all_gather_tensor": "torch.distributed._functional_collectives."
                                                                    "all_gather_single",
@@ -133,7 +132,7 @@ def _resolves(dotted: str) -> bool:
 def test_every_torch_name_dynashard_reads_exists_on_this_torch():
     """A name a release lacks fails here, on that release, naming the file and line (torch 2.11 and 2.12 lack
     funcol's ``all_gather_single``, which ``collectives.py`` called directly until 2.13's name was chosen by
-    feature detection in ``_torch_private_funcol.py``)."""
+    feature detection in ``_torch/funcol.py``)."""
     # (every module imported first: its own ops, torch.ops.dynashard.*, and funcol's are registered on import)
     for path in sorted(PACKAGE.rglob("*.py")):
         importlib.import_module(".".join(("dynashard", *path.relative_to(PACKAGE).with_suffix("").parts)))
@@ -147,13 +146,13 @@ def test_every_torch_name_dynashard_reads_exists_on_this_torch():
 
 
 def test_the_functional_collectives_chosen_emit_the_same_ops_on_this_torch():
-    """``_torch_private_funcol`` picks funcol's gather and reduce-scatter by name (2.13 renamed them); both
+    """``_torch/funcol.py`` picks funcol's gather and reduce-scatter by name (2.13 renamed them); both
     names emit the ``_c10d_functional`` ops the graph goldens print, on the fake group of 2."""
     import torch.distributed as dist
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dynashard import _torch_private as private
-    from dynashard import _torch_private_funcol as private_funcol
+    from dynashard import _torch as private
+    from dynashard._torch import funcol as private_funcol
 
     private.init_fake_process_group(2)
     try:
@@ -175,7 +174,7 @@ def test_compiling_is_true_in_dynamo_and_in_a_backend_and_false_when_compiled_co
     backend runs (dynashard's analysis and rewrite read facades as plain tensors there), False when the
     compiled code runs and in eager code. torch 2.11 and 2.12's ``torch.compiler.is_compiling()`` is False
     inside a backend: HF's recipe then failed at parallelize with "this tensor's storage was freed"."""
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     seen = {}
 

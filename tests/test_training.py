@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import dynashard
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import DynashardError
-from dynashard.weights import STORE, cut
+from dynashard.weights.store import STORE, cut
 from tests import models
 from tests.multiproc import run_ranks
 from tests.scenarios import Scenarios, raised
@@ -76,7 +76,7 @@ def _loss(out, target):
 
 
 def _facades(model) -> dict:
-    from dynashard.parameters import FACADES
+    from dynashard.load.parallelize import FACADES
 
     out = {}
     for prefix, module in model.named_modules():
@@ -88,7 +88,7 @@ def _facades(model) -> dict:
 def _compare(model, twin, facades, world: int) -> tuple[float, list[str], bool]:
     """Worst relative gradient error, parameters without the twin's gradient state, and whether
     every replicated gradient is bit-identical across ranks."""
-    from dynashard.protocol import all_gather_objects
+    from dynashard.comm.protocol import all_gather_objects
 
     reference = dict(twin.named_parameters())
     worst, missing, replicated = 0.0, [], []

@@ -123,9 +123,9 @@ def test_tp_inside_ddp_trains_as_the_unsharded_model_on_both_batches(rank, world
     import torch
     import torch.distributed as dist
 
-    from dynashard.parameters import FACADES
-    from dynashard.protocol import all_gather_objects
-    from dynashard.weights import STORE, cut
+    from dynashard.comm.protocol import all_gather_objects
+    from dynashard.load.parallelize import FACADES
+    from dynashard.weights.store import STORE, cut
 
     name, hidden, ddp_inside, adamw_steps = CASES[case]
     vocab, mesh = 96, _mesh()

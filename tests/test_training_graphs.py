@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from dynashard.dynamo_backend import dynashard_backend
 from tests import models
 
@@ -150,7 +150,7 @@ def test_compiling_again_reuses_the_conversions_it_traced(monkeypatch):
     """A training compile traces each conversion (f, g, a gather) as a marker keyed in
     ``collectives._CONVERSIONS``. Compiling the same model again (a recompile, after a reset) reuses the
     entries: the table holds one per distinct conversion, not one set more per compile, never removed."""
-    from dynashard import collectives
+    from dynashard.comm import collectives
 
     monkeypatch.setattr(collectives, "_CONVERSIONS", {})
     sizes = []
@@ -166,7 +166,7 @@ def test_explain_verifies_a_training_compiles_conversions(monkeypatch):
     conversions (Megatron's f, g and gather) go through the same communicator as inference: a
     Llama with loss parallel verifies, and a wrong g (no sum) is caught only in that mode."""
     import dynashard
-    import dynashard.simulate as simulate
+    import dynashard.report.simulate as simulate
 
     torch.manual_seed(0)
     model = WithLoss(models.build("llama", 64, 96))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch_private as private
+from dynashard import _torch as private
 from tests import models
 
 pytestmark = pytest.mark.unit

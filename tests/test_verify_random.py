@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dynashard
-from dynashard import simulate
+from dynashard.report import simulate
 from tests import models
 
 pytestmark = pytest.mark.unit

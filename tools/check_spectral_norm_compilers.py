@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import dynashard
-from dynashard.parameters import FACADES
-from dynashard.weights import STORE, cut
+from dynashard.load.parallelize import FACADES
+from dynashard.weights.store import STORE, cut
 from tests.test_forms_linears import NormedMLP
 
 

@@ -38,7 +38,7 @@ def bound_probe() -> None:
 def aten_trace_modes() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dynashard import _torch_private as private
+    from dynashard import _torch as private
 
     model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=10,
                                              num_attention_heads=8, num_key_value_heads=4, vocab_size=1000)).eval()

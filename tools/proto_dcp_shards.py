@@ -1,6 +1,6 @@
 """Issue 12's measurement: plain local shards saved by ``torch.distributed.checkpoint`` at their
 global offsets, for every layout dynashard cuts (not only DTensor's ``torch.chunk`` layouts), with
-``dynashard.dcp_planners.make_checkpointable`` (what ``dynashard.parallelize`` puts on its shards).
+``dynashard.weights.dcp_planners.make_checkpointable`` (what ``dynashard.parallelize`` puts on its shards).
 
 DCP asks a state-dict value for ``__create_write_items__``,
 ``__create_chunk_list__`` and ``__get_tensor_shard__`` (DTensor's ``_Checkpointable`` protocol,
@@ -12,7 +12,7 @@ the same chunk on every rank, which DCP's save planner deduplicates.
 
 Saves, at world 2, a [96, 40] weight cut four ways (balanced; a fused [q | k | v] per component;
 k and v held whole; 93 rows dealt 47/46 and 3 held whole), then checks that (1) ``dcp.load`` into a
-plain full tensor in one process gives the original and (2) ``dynashard.checkpoint`` reads every
+plain full tensor in one process gives the original and (2) ``dynashard.load.checkpoint`` reads every
 rank's pieces back at worlds 2 and 4. Loading back *into* the plain shards through ``dcp.load``
 fails ("Size mismatch between saved [96, 40] and current [48, 40]": the default load planner
 compares a non-DTensor's own size): loading goes through dynashard's reader instead.
@@ -30,10 +30,10 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dynashard.checkpoint import open_checkpoint  # noqa: E402
-from dynashard.dcp_planners import make_checkpointable  # noqa: E402
-from dynashard.split import Split  # noqa: E402
-from dynashard.weights import cut  # noqa: E402
+from dynashard.layout.split import Split  # noqa: E402
+from dynashard.load.checkpoint import open_checkpoint  # noqa: E402
+from dynashard.weights.dcp_planners import make_checkpointable  # noqa: E402
+from dynashard.weights.store import cut  # noqa: E402
 
 
 def main() -> None:

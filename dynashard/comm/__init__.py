@@ -1,0 +1,1 @@
+"""Communication between ranks: the host-side protocol, out-of-graph transport, in-graph collectives."""

@@ -1,0 +1,87 @@
+"""PEFT adapters of a parallelized model saved whole: ``save_pretrained`` gathers, rank 0 writes.
+
+Before: after ``parallelize``, a PEFT model's ``state_dict()`` holds this rank's pieces of every cut
+adapter weight (B of a colwise layer: its rows; A of a rowwise layer: its columns), and PEFT's
+``save_pretrained`` writes them under the whole tensors' names on every main process: an adapter
+that is wrong without a word (``lora_B`` ``[32, 4]`` for ``[64, 4]`` at world 2).
+After: ``parallelize`` gives every PEFT model in the module tree its own ``save_pretrained``: called on
+every rank (a collective, like HF's save under tensor parallelism), it gathers the whole value of each
+cut tensor PEFT keeps (the adapters' weights, embedding layers it saves) and lets PEFT write them on
+rank 0 (``is_main_process`` unless given). Every other tensor is written as PEFT writes it. Anything
+PEFT would still write as a piece is refused before a file is written.
+
+PEFT is not imported here unless a PEFT model is found (it is a test dependency only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dynashard.comm.protocol import peer_guard
+from dynashard.errors import UsageError
+from dynashard.layout import placement
+from dynashard.weights.facades import full_tensor
+
+_STAGE = ("saving a PEFT adapter: PeftModel.save_pretrained of a parallelized model gathers the cut adapter weights, "
+          "so every rank calls it (rank 0 writes; is_main_process=rank == 0 by default)")
+
+
+def is_peft_model(module: nn.Module) -> bool:
+    """A ``PeftModel`` (its class defines ``save_pretrained``; PEFT's tuner models only forward it)."""
+    return type(module).__module__.startswith("peft.") and isinstance(getattr(module, "peft_config", None), dict) \
+        and callable(getattr(type(module), "save_pretrained", None))
+
+
+def install(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
+    """Every PEFT model in ``model`` (itself included) saves whole adapters; returns them."""
+    found = [m for m in model.modules() if is_peft_model(m)]
+    for m in found:
+        m.save_pretrained = _whole_saver(m, type(m).save_pretrained.__get__(m), group)
+    return found
+
+
+def _whole_saver(model: nn.Module, original: Any, group: dist.ProcessGroup) -> Any:
+    def save_pretrained(save_directory: str, *args: Any, **kwargs: Any) -> Any:
+        """PEFT's ``save_pretrained`` with every cut tensor it keeps gathered whole (on every rank: a
+        collective); written by rank 0 unless ``is_main_process`` is given."""
+        kwargs.setdefault("is_main_process", dist.get_rank(group) == 0)
+        if kwargs.get("state_dict") is None:
+            with peer_guard(group, _STAGE):
+                kwargs["state_dict"] = whole_adapter_state(model, kwargs.get("selected_adapters"),
+                                                           kwargs.get("save_embedding_layers", "auto"))
+        return original(save_directory, *args, **kwargs)
+
+    save_pretrained.__doc__ = (save_pretrained.__doc__ or "") + "\n\n" + (original.__doc__ or "")
+    return save_pretrained
+
+
+def whole_adapter_state(model: nn.Module, selected: list[str] | None = None,
+                        save_embedding_layers: Any = "auto") -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with the whole value of each cut tensor PEFT would save (every rank
+    calls it, in the same order: the gathers are collectives). Raises, before anything is written,
+    if PEFT would still save a piece of a tensor."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = model.state_dict()
+    adapters = list(selected or model.peft_config)
+
+    def kept(sd: dict) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name in adapters:
+            out.update(get_peft_model_state_dict(model, state_dict=sd, adapter_name=name,
+                                                 save_embedding_layers=save_embedding_layers))
+        return out
+
+    wanted = {id(t) for t in kept(state).values() if isinstance(t, torch.Tensor)}
+    whole = {k: full_tensor(v) if id(v) in wanted and placement.of(v) is not None else v for k, v in state.items()}
+    pieces = sorted(k for k, v in kept(whole).items() if placement.of(v) is not None)
+    if pieces:
+        raise UsageError(
+            f"dynashard: PEFT's save_pretrained would write {pieces[:3]} as this rank's pieces (found no whole value "
+            "for them). Expected adapter tensors PEFT keeps by their state_dict() names; save with "
+            "dynashard.export_safetensors(model, path) or dcp.save(model.state_dict(), checkpoint_id=path) instead.")
+    return whole

@@ -1,0 +1,443 @@
+"""Shards as first-class parameters: ``dynashard.parallelize``.
+
+Before: a model whose every rank holds all of every weight; compiling it shards the weights into a
+private store at the first call (``store.STORE``), where nothing else can see them.
+After ``parallelize(model, *example_args)``:
+
+- each planned weight's shard on this rank is the module's parameter: ``parameters()``,
+  ``named_parameters()``, ``state_dict()`` and an optimizer built afterwards see the shards;
+- the original full-shape parameter stays as a storage-less *facade* in
+  ``module.__dict__[FACADES]``, returned by a property of a subclass swapped onto the module, so
+  Dynamo (which traces ``self.weight``) still sees global shapes and guards on them, and the
+  compiled program finds the shard by the facade, as for any compiled model;
+- each shard carries DCP's checkpoint protocol (its pieces as chunks of the global tensor), so
+  ``dcp.save(model.state_dict(), ...)`` writes every layout dynashard cuts at its global offsets.
+
+How: the model runs once on the example inputs through the dynashard backend itself (``compiler=
+"eager"``: planning, cross-rank agreement, rewriting and cutting are the compile path's, so the
+plan is the one a later ``torch.compile(model, backend="dynashard", options=...)`` makes); then the
+shards the store holds for the model's parameters are registered. A later compile whose plan
+differs raises, naming the layer (the store refuses a second, different cut of a freed weight).
+
+A submodule called on its own reads a facade eagerly, which answers with a clear error naming the
+fix (facades.py); a plain call of the parallelized model runs through dynashard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from dynashard import _torch as private
+from dynashard.comm.protocol import agreed, resolve_group
+from dynashard.comm.transport import gather_pieces
+from dynashard.dynamo_backend import dynashard_backend
+from dynashard.errors import UsageError
+from dynashard.layout.placement import check_loadable, cut_placed, gather_placed, words
+from dynashard.layout.placement import of as placement_of
+from dynashard.load import adapters
+from dynashard.load.loader import Loader
+from dynashard.options import parse_options
+from dynashard.training import fsdp
+from dynashard.training.gradients import average_over_ranks
+from dynashard.weights.facades import storage_less
+from dynashard.weights.freed import materialize
+from dynashard.weights.store import STORE, cut
+
+FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
+_SWAPPED: dict[type, type] = {}  # a module class -> its subclass holding shards (_swapped_class)
+
+
+def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: Any = None, device: Any = None,
+                dtensor: bool = False, **kwargs: Any) -> nn.Module:
+    """Plan ``model`` as ``torch.compile(model, backend="dynashard", options=options)`` would for
+    these example inputs, cut every planned weight and register the shards as its parameters.
+    With ``checkpoint`` (a path: safetensors file, directory or HF index, or a DCP directory) the
+    model is one built on the meta device, and each rank reads only its pieces of each weight (and
+    the weights left whole) from it. With ``options={"weights": "rank0"}`` only rank 0 reads (its
+    ``checkpoint``, or the weights its model holds) and sends every rank its pieces: the other ranks'
+    models may be on meta, and their ``checkpoint`` is not read. ``device``: where the parameters read
+    or dealt (those on meta) are put (default: the example inputs' device, else the CPU); weights the
+    model holds are cut where they are. ``dtensor=True`` (``options["group"]`` a 1-D DeviceMesh, the tp
+    dim of a dp x tp mesh): every parameter registered as a DTensor on that mesh (shards ``Shard(dim)``,
+    the others ``Replicate()``), for FSDP2's ``fully_shard`` over the dp dim after it
+    (training/fsdp.py). Returns ``model``. Every rank of the group must call it, with the same model
+    and inputs."""
+    opts = parse_options(options)
+    mesh = fsdp.mesh_of(options) if dtensor else None
+    if dtensor and opts.inputs == "per_rank":
+        raise UsageError("dynashard.parallelize(dtensor=True) trains on replicated inputs within the tp group "
+                         "(each dp replica its own batch, FSDP2 over mesh['dp']); found inputs='per_rank'. "
+                         "Expected inputs='replicated' (the default).")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError("dynashard.parallelize: no process group is initialized. Expected "
+                         "torch.distributed.init_process_group(...) on every rank first (torchrun).")
+    group = resolve_group(opts.group)
+    from_first = opts.weights == "rank0"
+    reads = not from_first or dist.get_rank(group) == 0  # this rank reads the weights itself
+    with agreed(group, "checking parallelize's arguments"):  # every rank raises, or none
+        _check_parallelizable(model, opts, checkpoint, from_first, reads)
+    source = None
+    if checkpoint is not None or from_first:
+        where = torch.device(device) if device is not None else _device_of(args, kwargs)
+        if where.type == "cuda" and where.index is None:  # ("cuda" alone is GPU 0 to safetensors: this rank's)
+            where = torch.device("cuda", torch.cuda.current_device())
+        source = Loader(model, checkpoint if reads else None, where, group, from_first)
+    run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
+
+    def dynashard_parallelize(gm, example_inputs):  # (the loader reaches the backend here, and only here)
+        return dynashard_backend(gm, example_inputs, run_options, source=source)
+
+    # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
+    # here (eager, thrown away) never serves the user's own compile.
+    run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
+    try:
+        if source is not None:
+            source.make_facades()
+        with torch.no_grad():
+            torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
+        if source is not None:
+            materialize([p for p in model.parameters()], source)  # read by no graph (eager code): whole
+            source.agree_on_what_was_read_whole()
+    except Exception as e:
+        ours = private.backend_error(e) or e
+        if source is not None:  # a load: the model goes back to what it was (its shards are dropped)
+            source.restore()
+            raise ours from e
+        cut = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
+        if not cut:
+            raise ours from e  # nothing was cut: the model is as it was
+        # A graph before a graph break was sharded (its full weights freed) before the error: keep
+        # the model usable with what was cut, and say so.
+        _register(model)
+        raise UsageError(
+            f"dynashard.parallelize: running the example failed ({type(ours).__name__}: {ours}) after {len(cut)} "
+            f"weight(s) had been sharded (e.g. {cut[0]!r}); their full values are gone, and the model now holds "
+            "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
+            "and the same options (or rebuild the model).") from e
+    _register(model)
+    # (DCP's full_state_dict: whole tensors)
+    private.follow_placements_in_dcp(functools.partial(gather_placed, gather=_gather_placed),
+                                     functools.partial(cut_placed, cut=_cut_placed))
+    if mesh is not None:
+        fsdp.register(model, mesh, group, FACADES, _install)
+    _run_calls_through_dynashard(model, opts)
+    if mesh is not None:
+        fsdp.compile_owners(model, FACADES, functools.partial(_sharded_backend, opts=opts))
+    _refuse_save_pretrained(model)
+    adapters.install(model, group)  # a PEFT model's save_pretrained gathers its adapters whole instead
+    if opts.inputs == "per_rank" and opts.weights != "per_rank":
+        _average_gradients(model, group)
+    return model
+
+
+def _sharded_backend(gm: Any, example_inputs: Any, opts: Any) -> Any:
+    return dynashard_backend(gm, example_inputs, opts)
+
+
+def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
+    """A call of the parallelized model outside ``torch.compile`` runs it sharded: its forward,
+    compiled with the dynashard backend and ``parallelize``'s options on first use. Code that calls
+    the model both ways works unchanged (HF ``generate`` with a ``compile_config`` compiles only its
+    decode step and calls the model plainly for prefill). Inside a compile (the user's own
+    ``torch.compile``) the original forward is traced as before; a submodule called on its own
+    still raises (its facades hold no values)."""
+    original = model.forward
+    compiled = None
+
+    def sharded_backend(gm, example_inputs):
+        return dynashard_backend(gm, example_inputs, opts)
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled
+        if private.compiling():
+            return original(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(original, backend=sharded_backend)
+        return compiled(*args, **kwargs)
+
+    model.forward = forward
+
+
+def _refuse_save_pretrained(model: nn.Module) -> None:
+    """HF ``save_pretrained`` of a parallelized model (or of an HF model inside it: a PEFT model's base)
+    would write this rank's shards under the whole tensors' names (it saves ``state_dict()``, the shards,
+    on the main process only): a checkpoint that is wrong without a word. It raises instead, naming the
+    collective that writes the whole weights as an HF directory. (No collective here: it may be called on
+    rank 0 alone.) PEFT models save their adapters whole (adapters.py)."""
+
+    def save_pretrained(*args: Any, **kwargs: Any) -> None:
+        raise UsageError(
+            "dynashard: save_pretrained would write this rank's shards of the parallelized weights under the "
+            "whole tensors' names. Expected dynashard.export_safetensors(model, save_directory) on every rank "
+            "(an HF directory with config.json, the whole weights streamed by rank 0; max_shard_size= as "
+            "save_pretrained takes it), or dcp.save(model.state_dict(), checkpoint_id=path) for the shards.")
+
+    for module in model.modules():
+        if callable(getattr(module, "save_pretrained", None)) and not adapters.is_peft_model(module):
+            module.save_pretrained = save_pretrained
+
+
+def _average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """``inputs="per_rank"``: every parameter's gradient averaged over the ranks (gradients.py), and
+    the facades marked so, which a training compile checks (dynamo_backend.check_trainable)."""
+    for p in model.parameters():
+        average_over_ranks(p, group, sharded=STORE.facade_of(p) is not None)
+    for module in model.modules():
+        for facade in module.__dict__.get(FACADES, {}).values():
+            facade._dynashard_averaged = True
+
+
+def _check_parallelizable(model: nn.Module, opts: Any, checkpoint: Any, from_first: bool, reads: bool) -> None:
+    if _parallelized(model):
+        raise UsageError("dynashard.parallelize: this model is already parallelized; expected one call per model.")
+    sharded = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
+    if sharded:
+        raise UsageError(f"dynashard.parallelize: {sharded[:3]} were already sharded by a dynashard compile of "
+                         "this model. Expected parallelize before any torch.compile of it.")
+    if opts.weights not in ("replicated", "rank0"):
+        raise UsageError(f"dynashard.parallelize: weights={opts.weights!r} is not supported; expected "
+                         "weights='replicated' (every rank holds or reads the same model) or 'rank0' (rank 0 "
+                         "holds or reads it, and sends every rank its pieces).")
+    if not reads:
+        return  # weights="rank0" on another rank: its model's values are replaced by rank 0's
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if checkpoint is None and on_meta:
+        who = "rank 0's model" if from_first else "the model"
+        raise UsageError(f"dynashard.parallelize: {on_meta[:3]} of {who} are on the meta device and no checkpoint= "
+                         "was given; expected checkpoint=PATH to read the weights from (or a model with real weights).")
+    real = [n for n, p in model.named_parameters() if not p.is_meta]
+    if checkpoint is not None and real:
+        raise UsageError(f"dynashard.parallelize: checkpoint= expects a model built on the meta device (with "
+                         f"torch.device('meta') or dynashard.empty_weights()); {real[:3]} hold real weights. "
+                         "Build it on meta, or drop checkpoint= to shard the weights it holds.")
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build a model with its parameters on the meta device and its buffers real (as accelerate's
+    ``init_empty_weights`` does): buffers computed at construction, such as RoPE tables, are not in
+    checkpoints, and ``parallelize(checkpoint=...)`` keeps them.
+
+    Only this thread's modules: torch's parameter-registration hook is process-wide, so it acts on the
+    registrations made by the thread that entered the block (another thread building a model meanwhile
+    gets real weights). Nests, and composes with other such hooks (no patch of ``nn.Module``)."""
+    thread = threading.get_ident()
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if threading.get_ident() != thread or param.is_meta:  # (a tied weight assigned again: kept as is)
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(on_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _run(model, args, kwargs):
+    return model(*args, **kwargs)
+
+
+def _parallelized(model: nn.Module) -> bool:
+    return any(FACADES in m.__dict__ for m in model.modules())
+
+
+def _register(model: nn.Module) -> None:
+    """Each sharded parameter's shard registered in its place (every owner of a tied weight), the
+    full-shape parameter kept as the facade Dynamo reads."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in private.parameter_slots(module).items():
+            if p is not None and STORE.is_sharded(p):
+                owners.setdefault(id(p), []).append((module, attr))
+    for entries in owners.values():
+        facade = private.parameter_slots(entries[0][0])[entries[0][1]]
+        if FACADES in entries[0][0].__dict__ and facade is entries[0][0].__dict__[FACADES].get(entries[0][1]):
+            continue  # registered before (a failed call registered what it had cut)
+        shard = STORE.as_parameter(facade)
+        for module, attr in entries:
+            private.parameter_slots(module)[attr] = shard
+            _install(module, attr, facade)
+    for module in model.modules():  # (a load into any of them checks all of its shards' values first)
+        if any(FACADES in m.__dict__ for m in module.modules()) and not getattr(module, "_dynashard_checks", False):
+            module.register_load_state_dict_pre_hook(_check_whole_load)
+            module.__dict__["_dynashard_checks"] = True
+
+
+def _install(module: nn.Module, attr: str, facade: torch.Tensor) -> None:
+    """``facade`` kept for ``module.<attr>`` (whose slot holds what the model trains: a shard, a DTensor),
+    answered by a property of a subclass swapped onto the module."""
+    if FACADES not in module.__dict__:
+        module.__dict__[FACADES] = {}
+        # state_dict() detaches each parameter, and a detached tensor loses the checkpoint
+        # protocol: put it back, or DCP would save this rank's shard as the whole tensor
+        module.register_state_dict_post_hook(_checkpointable_state)
+    module.__dict__[FACADES][attr] = facade
+    cls = type(module)
+    if not getattr(cls, "_dynashard_swapped", False):
+        if cls not in _SWAPPED:  # (one subclass per class: its modules share it, and Dynamo's guards on it)
+            _SWAPPED[cls] = _swapped_class(cls)
+        module.__class__ = _SWAPPED[cls]
+        module.register_load_state_dict_pre_hook(_full_size_into_shards)
+    setattr(type(module), attr, _facade_property(attr))
+
+
+def _checkpointable_state(module: nn.Module, state: dict, prefix: str, _metadata: Any) -> None:
+    for attr, facade in module.__dict__[FACADES].items():
+        if prefix + attr in state and not _is_dtensor(state[prefix + attr]):
+            state[prefix + attr] = STORE.checkpointable(facade, state[prefix + attr])
+        elif prefix + attr in state:  # (DTensor: DCP's own protocol, but for a fused layout)
+            fsdp.checkpointable(state[prefix + attr])
+
+
+def _register_parameter(self, name: str, param) -> None:
+    """A sharded parameter is not replaced (``module.weight = ...``, ``load_state_dict(assign=True)``):
+    the compiled program reads the shard registered by ``parallelize``, so a new object would be
+    ignored silently."""
+    facade = self.__dict__.get(FACADES, {}).get(name)
+    if facade is not None and fsdp.is_live(facade) and _is_dtensor(param) and param.shape == facade.shape:
+        fsdp.refuse_fused_dim(facade, param)  # (FSDP's 2-D shard of a fused weight)
+        fsdp.checkpointable(param)  # (a fused one read by DCP from the module, not its state_dict)
+        fsdp.follow(facade, param)  # (FSDP's MixedPrecisionPolicy: the gathered copy's dtype)
+        nn.Module.register_parameter(self, name, param)  # FSDP2's swap of a dtensor=True parameter (sharded, gathered)
+        return
+    if name in self.__dict__.get(FACADES, {}) and _is_dtensor(param):  # (FSDP2's fully_shard swapping it)
+        raise UsageError(
+            f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize, and a DTensor "
+            "(FSDP2's fully_shard, or DTensor's parallelize_module) is replacing it. FSDP2 does not compose with "
+            "plain shards. Expected parallelize(model, x, options={'group': mesh['tp']}, dtensor=True) before "
+            "fully_shard(model, mesh=mesh['dp']) (the shards registered as DTensors on mesh['tp']), or data "
+            "parallelism by DDP over mesh['dp'] (README, 'Several machines').")
+    if name in self.__dict__.get(FACADES, {}):
+        raise UsageError(
+            f"dynashard: {type(self).__name__}.{name} is a shard registered by dynashard.parallelize and cannot be "
+            "replaced by another parameter (the compiled model would keep reading the old one). Expected an "
+            "in-place update: load_state_dict(..., assign=False), or param.data.copy_(...).")
+    nn.Module.register_parameter(self, name, param)
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _facade_property(attr: str) -> property:
+    @private.never_a_frame  # (Dynamo tracing it alone would hand eager code the facade: compiling() is true)
+    def get(self):
+        facades = self.__dict__.get(FACADES, {})
+        if attr not in facades:  # another instance of the class, whose parameter was not sharded
+            return nn.Module.__getattr__(self, attr)
+        facade = facades[attr]
+        if not private.compiling() and fsdp.is_live(facade):
+            return private.parameter_slots(self)[attr]  # dtensor=True: eager code (FSDP2) gets the DTensor
+        return facade  # (eager use of it is answered by the facade itself: facades.py)
+
+    return property(get, doc=f"the full-shape facade of the sharded parameter {attr!r} (Dynamo reads it)")
+
+
+def _swapped_class(cls: type) -> type:
+    """``cls`` with what a module holding shards needs: a sharded parameter cannot be replaced, its
+    facade follows the shard through ``model.to(...)``, and pickling the module is refused."""
+
+    def _apply(self, fn, recurse=True):
+        out = cls._apply(self, fn, recurse)
+        for attr, facade in self.__dict__.get(FACADES, {}).items():  # the shard converted: its facade follows
+            shard = private.parameter_slots(self)[attr]
+            if (facade.dtype, facade.device) != (shard.dtype, shard.device):
+                with private.plain_torch_functions():
+                    facade.data = storage_less(facade.shape, shard.dtype, shard.device)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise UsageError(
+            f"dynashard: cannot copy this model or pickle it (copy.deepcopy, torch.save(model); a {cls.__name__} of it "
+            "holds shards): dynashard.parallelize registered this rank's shards as its parameters. Expected a copy "
+            "made before "
+            "parallelize; to save, dcp.save(model.state_dict(), checkpoint_id=path) for the shards (loadable at any "
+            "world size), or dynashard.export_safetensors(model, path) for the whole weights.")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (its own __setattr__, so FSDP2's fully_shard assigns parameters through it, not into _parameters
+        # directly, and a sharded one reaches register_parameter's refusal)
+        cls.__setattr__(self, name, value)
+
+    body = {"__module__": cls.__module__, "register_parameter": _register_parameter, "_apply": _apply,
+            "__reduce_ex__": __reduce_ex__, "__setattr__": __setattr__, "_dynashard_swapped": True}
+    return type(cls.__name__, (cls,), body)
+
+
+def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` into a parallelized module: each sharded parameter's value is checked first
+    (whole, or this rank's own pieces: placement.check_loadable), then a full-size one (the unsharded
+    model's, an RL trainer's, an EMA's) becomes this rank's pieces, which the load copies into the shard."""
+    check_loads(module, state_dict, prefix, recurse=False)
+    for attr, facade in module.__dict__.get(FACADES, {}).items():
+        key = prefix + attr
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and list(value.shape) == list(facade.shape) and \
+                value.shape != private.parameter_slots(module)[attr].shape:
+            spec = STORE.spec_of(facade)
+            state_dict[key] = cut(value, spec.dim, spec.split, spec.world, spec.rank)
+
+
+def check_loads(module: nn.Module, state_dict: dict, prefix: str = "", recurse: bool = True, *_: Any) -> None:
+    """Every value ``state_dict`` holds for a shard of ``module`` (and of its submodules, with ``recurse``)
+    is whole or this rank's own pieces (placement.check_loadable), checked before anything is copied:
+    a load that raises changes nothing."""
+    modules = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
+    for name, sub in modules:
+        for attr, facade in sub.__dict__.get(FACADES, {}).items():
+            key = prefix + (f"{name}." if name else "") + attr
+            value, shard = state_dict.get(key), private.parameter_slots(sub).get(attr)
+            spec = STORE.spec_of(facade)
+            if not isinstance(value, torch.Tensor) or _is_dtensor(value) or _is_dtensor(shard) or spec is None or \
+                    spec.stacked:
+                continue  # (DTensors: DTensor's own checks; weights="per_rank": every rank's own blocks)
+            check_loadable(key, value, facade.shape, shard.shape, STORE.placement(facade))
+
+
+def _gather_placed(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``t``, a tensor carrying the placement of this rank's pieces of a parallelized weight
+    (a state_dict() value, an optimizer state): every rank's pieces gathered (a collective)."""
+    facade = STORE.placed_facade(t)
+    facade = STORE.facade_sharing_memory(t) if facade is None else facade
+    entry = STORE.entry(facade) if facade is not None else None
+    if entry is None:
+        raise UsageError(f"dynashard: a full state dict was asked of a tensor holding {words(placement_of(t))}, "
+                         "which belongs to no live parallelized model here (read from a file?): it cannot be "
+                         "gathered. Expected the state dict of the parallelized model itself.")
+    return gather_pieces(t.detach(), list(facade.shape), entry.spec, private.group_by_name(entry.spec.group_name))
+
+
+def _cut_placed(full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """This rank's pieces of ``full``, a whole value for ``local`` (a tensor carrying a placement)."""
+    facade = STORE.placed_facade(local)
+    facade = STORE.facade_sharing_memory(local) if facade is None else facade
+    spec = STORE.spec_of(facade) if facade is not None else None
+    if spec is None:
+        raise UsageError(f"dynashard: a full state dict was loaded into a tensor holding {words(placement_of(local))} "
+                         "that belongs to no live parallelized model here. Expected the parallelized model's own.")
+    return STORE.checkpointable(facade, cut(full, spec.dim, spec.split, spec.world, spec.rank))
+
+
+def _check_whole_load(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    if not prefix:  # (the module load_state_dict was called on: everything below it, before any copy)
+        check_loads(module, state_dict, prefix)
