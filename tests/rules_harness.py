@@ -8,7 +8,7 @@ After (one rule, one op, its operands' layouts given)::
     rule_of(aten.sum.dim_IntList, t(4, 8, cut=-1), [-1])  ->  Got(partial=True, ...)
 
 :func:`rule_of` traces ``op(*args)`` with ``make_fx`` on fake tensors (no data, no process group, no
-spawn), seeds a :class:`~dynashard.shard.LayoutMap` with the layout of each operand (:func:`t`:
+spawn), seeds a :class:`~dynashard.layout.shard.LayoutMap` with the layout of each operand (:func:`t`:
 replicated, cut on a dim, or partial sums), and asks the op's rule for its record, as
 ``propagate.propagate`` does for one node: partial operands first to ``rules.partial.keeps_partial``,
 then the registered rule (declined: ``Got.declined``, the driver would gather). :func:`linear_of` does
@@ -27,16 +27,17 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynashard import rules
-from dynashard.local_conversions import take, take_groups
-from dynashard.match import ParamInfo, find_linears
-from dynashard.nodes import all_args, is_size
+from dynashard.capture.aliases import mutated_roots
+from dynashard.capture.match import find_linears
+from dynashard.capture.records import ParamInfo
+from dynashard.layout.nodes import all_args, is_size
+from dynashard.layout.shard import LayoutMap, Read, Record, Shard
+from dynashard.layout.split import Split
 from dynashard.options import Style
-from dynashard.rules.inplace import mutated_roots
-from dynashard.rules.origins import linear
-from dynashard.rules.partial import keeps_partial, whole_linear_of_partial
-from dynashard.shard import LayoutMap, Read, Record, Shard
-from dynashard.split import Split
+from dynashard.plan import rules
+from dynashard.plan.rules.origins import linear
+from dynashard.plan.rules.partial import keeps_partial, whole_linear_of_partial
+from dynashard.rewrite.local_conversions import take, take_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,6 +462,6 @@ def _resized(got: Got, args: tuple) -> tuple:
 
 def registered_ops() -> dict[object, str]:
     """Every op with a rule of its own, and the rule's name (module.function)."""
-    from dynashard.rules.registry import RULES
+    from dynashard.plan.rules.registry import RULES
 
     return {op: f"{reg.fn.__module__.rsplit('.', 1)[-1]}.{reg.fn.__name__}" for op, reg in RULES.items()}

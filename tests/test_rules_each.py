@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-import dynashard.rules
+import dynashard.plan.rules
 from dynashard.options import Style
-from dynashard.rules.registry import RULES, TAG_RULES
+from dynashard.plan.rules.registry import RULES, TAG_RULES
 from tests.rules_harness import (
     S,
     check_numerics,
@@ -257,7 +257,7 @@ CASES = [
 ]
 
 
-# Matched linears (rules/origins.py; found by dynashard.match, not by op): ``F.linear(x, W[, b])`` with
+# Matched linears (rules/origins.py; found by dynashard.capture.match, not by op): ``F.linear(x, W[, b])`` with
 # W [out, in] (``embedding``: ``F.embedding(ids, W)``, W [vocab, dim]); reads of x, W (read through its
 # transpose: -) and b. Weight cuts and the emitted matmuls are the rewrite's: goldens and verify check them.
 LINEAR_CASES = [
@@ -305,7 +305,7 @@ def test_every_registered_rule_is_named_by_a_case():
 
 
 def test_every_rule_module_has_cases():
-    modules = {m.name for m in pkgutil.iter_modules(dynashard.rules.__path__)} - {"registry"}
+    modules = {m.name for m in pkgutil.iter_modules(dynashard.plan.rules.__path__)} - {"registry"}
     named = _named_ops()
     covered = {RULES[op].fn.__module__.rsplit(".", 1)[-1] for op in named if op in RULES}
     covered |= {reg.fn.__module__.rsplit(".", 1)[-1] for reg in TAG_RULES.values()}
