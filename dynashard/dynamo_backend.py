@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch_private as private
-from dynashard import dtensor_params, gate, progress, subclass_inputs
+from dynashard import dtensor_params, gate, progress, regions, subclass_inputs
 from dynashard.analysis import Analysis, analyse, shard_fakes
 from dynashard.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.errors import NotSupportedError, UsageError, wrap
@@ -77,6 +77,9 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     if agree and check is not None:
         progress.stage("waiting for the other ranks to reach this compile")
         check(COMPILE, example_inputs, group)
+    key = regions.graph_key(gm, example_inputs, opts, group, world, rank) if source is None else None
+    if (region := regions.find(key, group, agree)) is not None:  # a block compiled before, for the next block
+        return regions.reuse(region, example_inputs, group, opts, agree, started)
     progress.stage("tracing the graph to aten ops")
     fake_args = private.backend_fakes(gm)
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
@@ -148,6 +151,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     program = ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
                              gate=gate_slot)
     program.live = live
+    regions.remember(key, program, analysis)
     return program
 
 
