@@ -30,18 +30,23 @@ def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
     return len(calls), len({str(n.args[1]) for n in calls})
 
 
-def compiles_of_this_frame() -> tuple[int, int] | None:
-    """(compiles of the frame Dynamo is compiling now, this one included; Dynamo's recompile limit), or
-    None outside a Dynamo compile.
+def dynamo_compile_id() -> tuple[int, int] | None:
+    """(frame id, compile number within that frame, from 0) of the compile Dynamo runs now; None outside one.
 
     NOTE: torch 2.13 names a compile ``[frame_id/frame_compile_id]`` (``CompileContext.current_compile_id``);
-    once a frame has ``config.recompile_limit`` compiles (8 by default; ``cache_size_limit`` before
-    2.6), Dynamo runs its later calls uncompiled, with one warning ("hit config.recompile_limit")."""
-    from torch._dynamo import config
+    the frame id is per code object, and ``torch._dynamo.reset()`` starts the ids again from 0."""
     from torch._guards import CompileContext
 
     compile_id = CompileContext.current_compile_id()
-    if compile_id is None or compile_id.frame_compile_id is None:
+    if compile_id is None or compile_id.frame_id is None or compile_id.frame_compile_id is None:
         return None
-    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
-    return compile_id.frame_compile_id + 1, int(limit)
+    return compile_id.frame_id, compile_id.frame_compile_id
+
+
+def recompile_limit() -> int:
+    """Dynamo's limit on a frame's compiles: once reached, its later calls run uncompiled, with one warning
+    ("hit config.recompile_limit"). NOTE: ``config.recompile_limit`` (8 by default; ``cache_size_limit``
+    before torch 2.6)."""
+    from torch._dynamo import config
+
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))

@@ -20,7 +20,8 @@ and one plan for any number of blocks. Every rank agrees on reusing first (one s
 a rank whose program was collected compiles with the others. Symbolic sizes are never reused:
 Inductor may add guards on them while it compiles, and those belong to the first compile's entry only.
 
-Invariants: a reused program is one Dynamo still holds (weak references); nothing is reused across
+Invariants: a reused program is one an earlier compile of the same Dynamo frame returned, and Dynamo
+still holds (weak references; never one from before ``torch._dynamo.reset()``); nothing is reused across
 process groups, options or earlier cuts; the ranks reuse together or not at all.
 """
 
@@ -58,6 +59,7 @@ class Region:
     params: dict[int, str]  # input slot -> FQN of every parameter the graph reads (checked across ranks)
     whole: tuple[int, ...]  # parameter slots the plan reads whole
     fingerprint: str
+    frame: int  # Dynamo's frame id of the first compile: reused only by later compiles of that frame
     reuses: int = 0
 
 
@@ -101,10 +103,12 @@ def _autocast_state() -> tuple:
 
 
 def find(key: str | None, group: dist.ProcessGroup, agree: bool) -> Region | None:
-    """The region compiled earlier for ``key``, if every rank has one (one collective when ``agree``)."""
+    """The region compiled earlier for ``key`` by an earlier compile of the frame Dynamo compiles now (so
+    never one from before ``torch._dynamo.reset()``), if every rank has one (one collective when ``agree``)."""
     region = _REGIONS.get(key) if key is not None else None
     program = region.program() if region is not None else None
-    if program is not None and program.group is not group:
+    now = private_regions.dynamo_compile_id()
+    if program is not None and (program.group is not group or now is None or now[0] != region.frame or now[1] == 0):
         program = None
     if agree:  # (a key of None on every rank: no graph to reuse, nothing to agree)
         everyone = all_gather_objects(program is not None if key is not None else None, group)
@@ -116,16 +120,15 @@ def find(key: str | None, group: dist.ProcessGroup, agree: bool) -> Region | Non
 
 
 def remember(key: str | None, program: ShardedProgram, analysis: Any) -> None:
-    """Keep ``program`` for later graphs with ``key`` (the first program compiled for it)."""
-    if key is None:
+    """Keep ``program`` for later compiles of this frame with ``key`` (the latest program compiled for it)."""
+    now = private_regions.dynamo_compile_id()
+    if key is None or now is None:
         return
     for stale in [k for k, r in _REGIONS.items() if r.program() is None]:
         del _REGIONS[stale]
-    if key in _REGIONS:
-        return
     sharded = analysis.sharded_inputs()
     _REGIONS[key] = Region(weakref.ref(program), {i: fqn for i, (fqn, _) in analysis.params.items()},
-                           tuple(i for i in analysis.params if i not in sharded), program.fingerprint)
+                           tuple(i for i in analysis.params if i not in sharded), program.fingerprint, now[0])
 
 
 def reuse(region: Region, example_inputs: list[Any], group: dist.ProcessGroup, opts: Options, agree: bool,
@@ -152,10 +155,10 @@ def reuse(region: Region, example_inputs: list[Any], group: dist.ProcessGroup, o
 
 def _warn_near_the_recompile_limit(name: str) -> None:
     """The compile that takes a frame to Dynamo's recompile limit: later blocks would run whole, uncompiled."""
-    counts = private_regions.compiles_of_this_frame()
-    if counts is None or counts[0] != counts[1]:
+    now, limit = private_regions.dynamo_compile_id(), private_regions.recompile_limit()
+    if now is None or now[1] + 1 != limit:
         return
-    compiles, limit = counts
+    compiles = now[1] + 1
     warnings.warn(
         f"dynashard: {name} has now been compiled {compiles} times, torch._dynamo.config.recompile_limit: Dynamo "
         "compiles a regionally compiled block again for each block (their parameters' types differ once a "
