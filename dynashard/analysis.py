@@ -7,6 +7,7 @@ inputs are parameters, the :class:`~dynashard.plan.plan.Plan`), shared by the ba
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
+from dynashard._torch import regions as private_regions
 from dynashard.capture.linear_forms import normalise
 from dynashard.capture.match import find_linears
 from dynashard.capture.records import ParamInfo
@@ -26,6 +28,8 @@ from dynashard.plan.decision import split_dim
 from dynashard.plan.plan import Plan, make_plan
 from dynashard.report import progress
 from dynashard.weights.store import EarlierCuts
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -110,12 +114,24 @@ def _drop_dead_detaches(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def inline_regions(gm: torch.fx.GraphModule) -> None:
+    """``torch.compiler.nested_compile_region`` calls flattened into ``gm``, so the plan sees the linears inside
+    them (before, it saw one opaque op per layer: every layer left whole, and training failed in the backward).
+    Dynamo still traced each region once; the compiler gets the flat graph."""
+    calls, regions = private_regions.inline_regions(gm)
+    if calls:
+        log.log(progress.level(), "dynashard: inlined %d calls of %d nested_compile_region function(s) into the "
+                "graph to plan the layers inside them (Dynamo traced each once; the compiler gets the flat graph)",
+                calls, regions)
+
+
 def analyse(
     gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, rank: int,
     earlier: EarlierCuts,
 ) -> Analysis:
     """This rank's plan for ``gm``: a function of the graph, the options, the world and ``earlier`` (what
     earlier compiles cut or read whole, ``WeightStore.earlier_cuts``), nothing else."""
+    inline_regions(gm)
     aten_gm = private.trace_aten(gm, fake_args)
     progress.stage("planning")
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -34,7 +34,7 @@ from dynashard.report import progress
 from dynashard.report.table import GraphReport
 from dynashard.rewrite.interpreter import rewrite
 from dynashard.rewrite.lowerings import DropoutOfCut, RowwiseExperts
-from dynashard.runtime import gate
+from dynashard.runtime import gate, regions
 from dynashard.runtime.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.runtime.uncompiled_calls import watch
 from dynashard.training import fsdp
@@ -82,6 +82,9 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     if agree and check is not None:
         progress.stage("waiting for the other ranks to reach this compile")
         check(COMPILE, example_inputs, group)
+    key = regions.graph_key(gm, example_inputs, opts, group, world, rank) if source is None else None
+    if (region := regions.find(key, group, agree)) is not None:  # a block compiled before, for the next block
+        return regions.reuse(region, example_inputs, group, opts, agree, started)
     progress.stage("tracing the graph to aten ops")
     fake_args = private.backend_fakes(gm)
     analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
@@ -153,6 +156,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     program = ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
                              gate=gate_slot)
     program.live = live
+    regions.remember(key, program, analysis)
     return program
 
 

@@ -3,7 +3,7 @@
 
 Dynamo captures a checkpointed block as a region of its graph; dynashard inlines it to plan and
 rewrite, with the tags that make AOTAutograd's partitioner recompute it in the backward
-(dynashard/_torch_private_checkpoint.py). Before, the retrace inlined it without them: the block's
+(dynashard/_torch/). Before, the retrace inlined it without them: the block's
 activations were all kept for the backward, the user's checkpointing dropped without a word.
 
 What a user sees is measured here: the bytes autograd keeps for the backward of one call (a

@@ -36,7 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      # (tests/test_training_2d.py trains and counts the same 2x2 composition)
      pytest.param("bench_fsdp2.py", 4, marks=pytest.mark.slow),
      # (tests/test_lora.py trains the same PEFT LoRA against its twin)
-     pytest.param("bench_lora.py", 2, marks=pytest.mark.slow)],
+     pytest.param("bench_lora.py", 2, marks=pytest.mark.slow),
+     # (tests/test_regional.py checks the same three modes' numerics and held bytes)
+     pytest.param("bench_regional.py", 2, marks=pytest.mark.slow)],
 )
 def test_benchmark_smoke(script, ranks, tmp_path):
     """Each script's ``main()`` with ``--smoke`` on the test harness's gloo ranks (forked from a

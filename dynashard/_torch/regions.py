@@ -1,0 +1,52 @@
+"""Private torch APIs of regional compilation: ``torch.compiler.nested_compile_region``'s
+``invoke_subgraph`` calls, and Dynamo's count of compiles of one frame (``dynashard/regions.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+
+def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """Inline every ``invoke_subgraph`` call of ``gm`` (and of its subgraphs) into its caller; returns
+    (calls inlined, distinct regions).
+
+    NOTE: torch 2.13's Dynamo captures a ``torch.compiler.nested_compile_region`` function as one
+    subgraph (traced once) and one ``torch.ops.higher_order.invoke_subgraph(subgraph, identifier,
+    *operands)`` per call, each layer's parameters among the operands. make_fx keeps the op whole, so a
+    plan of the aten graph saw no linear inside it, and AOTAutograd is needed for its backward (run
+    eagerly: "fake_mode should be enabled for HOPs"). torch's own pass (``torch._dynamo.config.
+    inline_invoke_subgraph``, written for compilers that do not take the op) flattens it: Dynamo's
+    trace is still done once per region."""
+    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+
+    invoke = torch.ops.higher_order.invoke_subgraph
+    calls = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+             for n in m.graph.find_nodes(op="call_function", target=invoke)]
+    if calls:
+        inline_invoke_subgraph(gm)
+        gm.recompile()
+    return len(calls), len({str(n.args[1]) for n in calls})
+
+
+def dynamo_compile_id() -> tuple[int, int] | None:
+    """(frame id, compile number within that frame, from 0) of the compile Dynamo runs now; None outside one.
+
+    NOTE: torch 2.13 names a compile ``[frame_id/frame_compile_id]`` (``CompileContext.current_compile_id``);
+    the frame id is per code object, and ``torch._dynamo.reset()`` starts the ids again from 0."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_id is None or compile_id.frame_compile_id is None:
+        return None
+    return compile_id.frame_id, compile_id.frame_compile_id
+
+
+def recompile_limit() -> int:
+    """Dynamo's limit on a frame's compiles: once reached, its later calls run uncompiled, with one warning
+    ("hit config.recompile_limit"). NOTE: ``config.recompile_limit`` (8 by default; ``cache_size_limit``
+    before torch 2.6)."""
+    from torch._dynamo import config
+
+    return int(getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8))
