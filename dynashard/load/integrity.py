@@ -1,9 +1,8 @@
 """Checkpoints and exports that cannot mix: what every rank read is the same, a directory is whole.
 
-Before: ``parallelize(checkpoint=dir)`` read whatever each rank's ``dir`` held (a stale copy on one
-node: a mix of two models that ran); an export into a directory left an earlier export's files
-beside the new ones; a killed ``dcp.save`` over an old checkpoint loaded half old, half new.
-After:
+Unchecked, ``parallelize(checkpoint=dir)`` reads whatever each rank's ``dir`` holds (a stale copy on one
+node: the ranks run a mix of two models); an export into a directory leaves an earlier export's files
+beside the new ones; a killed ``dcp.save`` over an old checkpoint loads half old, half new. The checks:
 
 - :func:`fingerprint_files`, :func:`fingerprint_dcp`: a checkpoint's identity (``Checkpoint.fingerprint``),
   cheap to take on every rank: each file's name, size and header (safetensors) or DCP's ``.metadata``,

@@ -11,7 +11,7 @@ After (this rank holds rows ``[start, start + n)``; the rewrite all-reduces the 
     rows = where(inside, embedding(W_shard, at, padding_idx - start or -1, False, sparse), 0)
 
 Forward, the options change nothing; backward, they decide which rows get what, so dropping one is
-a silent wrong gradient (dynashard once did: its lowering dropped them all). The padding row gets
+a silent wrong gradient (tests/test_embeddings.py checks each option's gradient). The padding row gets
 no gradient: here, this rank's row of it (on a rank without it, its ids are outside the slice and
 masked anyway). ``scale_grad_by_freq`` divides each row's gradient by how often its id occurs;
 the local lookup sees other ranks' ids clamped into the slice, so its own counts would be wrong:

@@ -4,12 +4,12 @@ The regional recipes (``for block in model.layers: block.compile(backend="dynash
 ``compile_regions``, ``torch.compile(block)`` per block) give Dynamo one frame, the block's forward,
 called with each block's parameters. Dynamo compiles it again for every block: its guards check each
 parameter's type, and the compile of block 0 turned block 0's weights into facades (facades.py), so
-block 1's plain ``nn.Parameter`` fails them. Before, each such compile traced, planned, rewrote and
-compiled the same graph again (N blocks: N times the backend's work), and once the frame had Dynamo's
-``recompile_limit`` compiles (8) the later blocks ran uncompiled and unsharded, each rank holding their
-full weights, with only torch's "hit config.recompile_limit" to say so.
+block 1's plain ``nn.Parameter`` fails them. Planned afresh, each such compile would trace, plan,
+rewrite and compile the same graph again (N blocks: N times the backend's work), and once the frame had
+Dynamo's ``recompile_limit`` compiles (8) the later blocks would run uncompiled and unsharded, each rank
+holding their full weights, with only torch's "hit config.recompile_limit" to say so.
 
-Now a compile whose graph is the same as an earlier one's (same Dynamo code and subgraphs, the same
+So a compile whose graph is the same as an earlier one's (same Dynamo code and subgraphs, the same
 inputs' names, shapes, strides, dtypes and devices, the same options, group, grad and autocast state,
 the same earlier cuts) reuses that program: the new block's weights are checked across ranks and the
 program (which looks each shard up by the parameter passed, and adopts a parameter it has not seen:

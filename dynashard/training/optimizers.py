@@ -1,9 +1,8 @@
 """Optimizers over what dynashard cut: one over freed weights refused, a shard's state checkpointable.
 
-Before: two process-wide step hooks (``register_optimizer_step_pre_hook`` / ``post_hook``), registered
-at the first training compile and kept until the interpreter exits, ran for every optimizer in it.
-After: one process-wide step pre-hook, registered when dynashard frees a weight and removed when the
-last weight it freed is gone (:class:`FreedWeights`). At an optimizer's step it
+One process-wide step pre-hook (``register_optimizer_step_pre_hook``), registered when dynashard frees a
+weight and removed when the last weight it freed is gone (:class:`FreedWeights`), so no optimizer pays
+for it outside that lifetime. At an optimizer's step it
 
 - refuses an optimizer that holds a full-size parameter dynashard cut and freed: the gradients go to
   this rank's shard, so that optimizer would train nothing, silently (pytorch/examples #1324);

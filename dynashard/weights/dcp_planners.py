@@ -102,8 +102,8 @@ def make_checkpointable_blocks(local: torch.Tensor, full_shape: torch.Size,
         chunks.append(chunk)
         by_offset[chunk.offsets] = [(b[2], b[1]) for b in block]
     # The functions below are attributes of ``local`` and hold it weakly (DCP calls them on the live
-    # tensor): a strong reference back made a cycle through the tensor's __dict__ that the collector did
-    # not break for a registered shard (measured: a parallelized model's shards outlived it).
+    # tensor): a strong reference back makes a cycle through the tensor's __dict__ that the collector does
+    # not break for a registered shard (measured: a parallelized model's shards outlive it).
     held = weakref.ref(local)
 
     def write_items(fqn: str, _obj: Any) -> list:

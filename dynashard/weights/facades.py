@@ -2,11 +2,11 @@
 
 After a compile a sharded weight keeps its metadata (Dynamo guards on it and re-traces it for new
 shapes) but its storage is freed; after ``parallelize`` the full-shape tensor stays behind the
-module's property; a KV cache a graph allocates comes back as one. Before: plain tensors with no
-bytes, which most eager reads refused with torch's storage error and some (``w.sum()``, ``w + 1``,
-``model.to(torch.float64)``) read anyway: a segfault, or garbage (``w.numpy()``).
+module's property; a KV cache a graph allocates comes back as one. Left plain, these are tensors with
+no bytes: most eager reads refuse them with torch's storage error, and some (``w.sum()``, ``w + 1``,
+``model.to(torch.float64)``) read them anyway: a segfault, or garbage (``w.numpy()``).
 
-After: each is a :class:`Facade` (or :class:`FacadeParameter`), whose ``__torch_function__`` passes
+So each is a :class:`Facade` (or :class:`FacadeParameter`), whose ``__torch_function__`` passes
 every call through while Dynamo traces (the graph sees a plain tensor) and otherwise answers:
 
 - metadata (shape, dtype, device, requires_grad, ...) as any tensor;
