@@ -976,7 +976,7 @@ class HFLogits(nn.Module):
 
 
 class ClothedLinear(nn.Module):
-    """A linear on ``x [B, S, in]`` written in one of ``FORMS`` (issue 28, linears in other clothes);
+    """A linear on ``x [B, S, in]`` written in one of ``FORMS`` (linears in other clothes);
     the weight stored as the form reads it: ``[out, in]``, ``[in, out]`` (``*_in_out``) or a
     Conv1d's ``[out, in, 1]`` (Conv2d's ``[out, in, 1, 1]``); the bias, if any, added after.
     ``weight_norm``: F.linear on ``weight_norm(dim=0)``'s weight (``_in``: dim=1), cut either way (colwise

@@ -3,8 +3,8 @@
 
 Dynamo captures a checkpointed block as a region of its graph; dynashard inlines it to plan and
 rewrite, with the tags that make AOTAutograd's partitioner recompute it in the backward
-(dynashard/_torch/). Before, the retrace inlined it without them: the block's
-activations were all kept for the backward, the user's checkpointing dropped without a word.
+(dynashard/_torch/). Inlined without them, the block's activations would all be kept for the
+backward, the user's checkpointing dropped without a word: what these tests guard against.
 
 What a user sees is measured here: the bytes autograd keeps for the backward of one call (a
 ``saved_tensors_hooks`` pack hook counts every tensor the compiled forward saves), on the fake group;

@@ -1,13 +1,13 @@
-"""Mixed precision: ``torch.autocast`` around a compiled model (issue 28's first form).
+"""Mixed precision: ``torch.autocast`` around a compiled model (a linear in other clothes: a cast weight).
 
 Under autocast the weight reaches the matmul through a dtype conversion (``t(_to_copy(W, bf16))``); the
 matcher sees through it, so the plan is the one without autocast. Unit: the 19 Hugging Face architectures
 of ``test_hf_models.py`` under bfloat16 autocast plan exactly as without it and verify. Gloo, 2 ranks: an
 HF Llama compiled under autocast holds about half its bytes and returns the unsharded model's logits; a
 model parallelized in float32 then trained under autocast gets the unsharded twin's raw gradients, step
-after step (before: the compile under autocast matched no linear and refused the shards parallelize cut);
-nanoGPT, whose colwise biases are held cut, too, parallelized in float32 or under autocast (before: after a
-float32 parallelize the autocast graph's ``_to_copy`` of a held bias refused it).
+after step (a matcher blind to the conversion would match no linear under autocast and refuse the shards
+parallelize cut); nanoGPT, whose colwise biases are held cut, too, parallelized in float32 or under autocast
+(the autocast graph reads a held bias through ``_to_copy``, which must not refuse it).
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def test_a_model_parallelized_in_float32_trains_under_autocast_as_the_unsharded_
 @on_ranks(cases=["float32", "bfloat16"])
 def test_colwise_biases_held_cut_train_under_autocast_whichever_precision_parallelize_ran_in(rank, world, case):
     """nanoGPT (biased c_attn and c_fc, colwise, their biases held cut): parallelized in float32 or under
-    bfloat16 autocast, then 2 SGD steps under autocast, raw gradients as the twin's (as above). Before: after
-    a float32 parallelize the autocast compile read the held bias through ``_to_copy`` and refused it ("c_attn.bias
-    is read by aten._to_copy")."""
+    bfloat16 autocast, then 2 SGD steps under autocast, raw gradients as the twin's (as above). After a float32
+    parallelize the autocast compile reads the held bias through ``_to_copy``; guards against refusing it there
+    ("c_attn.bias is read by aten._to_copy")."""
     from tests.models import NanoGPT
 
     model = NanoGPT()

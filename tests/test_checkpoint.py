@@ -152,7 +152,7 @@ def test_bad_checkpoints_say_what_and_how_to_fix(tmp_path):
         open_checkpoint(tmp_path / "twice")
 
 
-# The gloo scenario's spawn (2 ranks save, rank 0 reads): 4 s on the 2-core machine under a load of 4; 240 s, as before
+# The gloo scenario's spawn (2 ranks save, rank 0 reads): 4 s on the 2-core machine under a load of 4; deadline 240 s
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=240)
 
 

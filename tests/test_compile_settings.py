@@ -66,8 +66,8 @@ def _fake_group_compile(model, x, backend="dynashard", **kwargs):
 
 @pytest.mark.parametrize("sharded", [True, False])
 def test_every_mode_reaches_inductor_as_torch_compile_applies_it(monkeypatch, sharded):
-    """torch.compile(model, backend="dynashard", mode=m) once raised TypeError (an unexpected keyword
-    'mode'); now Inductor gets the config torch.compile's own Inductor wrapper makes of m, for a sharded
+    """torch.compile(model, backend="dynashard", mode=m) raises no TypeError (an unexpected keyword
+    'mode'): Inductor gets the config torch.compile's own Inductor wrapper makes of m, for a sharded
     graph and for one left whole. (Inductor itself is replaced by a recorder: the config is the point.)"""
     patches = []
 
@@ -105,7 +105,7 @@ class _StaticInputs(logging.Handler):
 def test_reduce_overhead_on_cpu_behaves_as_inductor_with_the_shards_as_static_inputs():
     """Compiled for real with mode="reduce-overhead": plain Inductor and dynashard (world 2, weights cut)
     both skip CUDA graphs on CPU, once per graph, and compile with the same static input slots, the
-    parameters' (before: none for the sharded graph, so on a GPU every replay would copy every shard)."""
+    parameters' (with none for the sharded graph, every replay on a GPU would copy every shard)."""
     handler = _StaticInputs()
     logger = logging.getLogger("torch._inductor.compile_fx.__cudagraph_static_inputs")
     logger.addHandler(handler)
@@ -154,8 +154,8 @@ class _ScaledAttention(nn.Module):
 def test_dynamic_shapes_through_aot_let_dynamo_trace_again():
     """Under dynamic=True the float scale is a graph input; AOTAutograd's tensorify pass cannot turn SDPA's
     float argument into a tensor op and asks Dynamo to trace again with it a constant (raising
-    TensorifyScalarRestartAnalysis inside the backend). dynashard once wrapped that request as an
-    InternalError; now the second trace compiles, sharded, and a new shape compiles nothing."""
+    TensorifyScalarRestartAnalysis inside the backend). dynashard lets that request through (not wrapped
+    as an InternalError): the second trace compiles, sharded, and a new shape compiles nothing."""
     calls = []
 
     def backend(gm, example_inputs):
@@ -182,8 +182,8 @@ def test_dynamic_shapes_through_aot_let_dynamo_trace_again():
 def test_inductor_caches_the_sharded_graph_under_dynamic_shapes(monkeypatch, tmp_path):
     """Inductor with dynamic=True, compiled twice (torch._dynamo.reset() between, a fresh cache directory):
     the second compile hits AOTAutograd's cache and the FX graph cache under it, and nothing is logged
-    about pickling. Before: make_fx left Dynamo's ShapeEnv on the sharded graph module (``gm.shape_env``),
-    AOTAutograd pickled it into its cache key, and its tracked fakes are cyclic while Dynamo compiles:
+    about pickling. make_fx leaves Dynamo's ShapeEnv on the sharded graph module (``gm.shape_env``); left
+    there, AOTAutograd pickles it into its cache key, and its tracked fakes are cyclic while Dynamo compiles:
     "Failed to pickle cache key ... can't pickle cyclic objects", a warning with a traceback for each graph
     (here two: Dynamo traces the frame twice, see the test above), and the cache bypassed."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -220,15 +220,16 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-# slow tier (an Inductor compile, ~40 s on the 2-core machine): on torch 2.13 the test above fails without
-# the same fix (the cache bypassed); this one is the check that fails on 2.11 and 2.12 (tools/compat.sh)
+# slow tier (an Inductor compile, ~40 s on the 2-core machine): on torch 2.13 the test above fails if the
+# graph keeps its ShapeEnv (the cache bypassed); this one is the check that fails on 2.11 and 2.12 then
+# (tools/compat.sh)
 @pytest.mark.slow
 def test_a_dynamic_recompile_under_inductor_hands_over_a_graph_its_cache_can_key():
     """The sharded graph is make_fx's, which keeps its ShapeEnv as ``gm.shape_env``; AOTAutograd's cache key
     pickles the graph module whole. On torch 2.11 and 2.12 the ShapeEnv's fake-tensor cache does not pickle
-    under dynamic shapes: every recompile warned "Failed to pickle cache key" with a traceback (the demo
-    printed four) and skipped the cache. Now no graph dynashard hands to Inductor carries one, and a
-    dynamic recompile logs no such warning (without the fix, on 2.11 both checks fail; on 2.13 the second)."""
+    under dynamic shapes: every recompile would warn "Failed to pickle cache key" with a traceback (the demo
+    four times) and skip the cache. No graph dynashard hands to Inductor carries one, and a dynamic recompile
+    logs no such warning (with the ShapeEnv left on, on 2.11 both checks fail; on 2.13 the second)."""
     handed, records = [], _Records()
     real = private.compile_graph
 

@@ -2,9 +2,9 @@
 
 ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` change nothing forward and decide every
 gradient of the rows they touch backward; ``max_norm`` renormalises the looked-up rows in place.
-dynashard's vocab-parallel lookup dropped all three options until the fix of this file's first
-commit (the padding row got a gradient on the rank holding it, and ``scale_grad_by_freq`` scaled
-no row): inference was right, fine-tunes with the pad id in the batch were not. Each case here
+A vocab-parallel lookup that drops these options is right for inference and silently wrong for
+fine-tunes with the pad id in the batch (the padding row gets a gradient on the rank holding it, and
+``scale_grad_by_freq`` scales no row): these tests guard against it. Each case here
 trains the sharded model and its twin with SGD on the same batches and compares raw gradients
 every step (Adam would hide a wrong one), then the weights.
 
@@ -94,8 +94,8 @@ def _ids(kw: dict, rank: int, step: int):
 
 
 # One spawn per world runs every scenario below but the slow tier's, each case a test of its own: 18 s at
-# world 2 (with the fixed cases, now `slow`), 23-29 s at world 4 on the 2-core machine under a load of 4-6
-# (other jobs); 300 s, as before.
+# world 2 (with the FIXED cases, `slow`), 23-29 s at world 4 on the 2-core machine under a load of 4-6
+# (other jobs); deadline 300 s.
 FUZZ = _fuzz_cases(int(os.environ.get("FUZZ_EXAMPLES", 8)))
 on_ranks = Scenarios(__name__, worlds=(2, 4), deadline_s=300)
 
@@ -210,7 +210,7 @@ def _hf_lm(name: str):
 def test_hf_finetunes_with_the_pad_id_in_the_batch_match_the_twin(rank, world, case):
     """HF OPT (padding_idx=1) and HF Llama (pad_token_id=0) after parallelize, vocab-parallel embeddings,
     3 SGD steps with cross-entropy on batches holding the pad id, attended to: the losses and raw gradients
-    equal the twin's (before the fix OPT's loss was 6.51 against 4.60 at step 2)."""
+    equal the twin's (with the options dropped, OPT's loss is 6.51 against 4.60 at step 2)."""
     import copy
 
     import torch

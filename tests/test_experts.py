@@ -7,8 +7,8 @@ transformers 5.23's ``batched_mm`` (``bmm`` of ``W[ids]``) and ``grouped_mm`` ex
 fallback op, ``aten._grouped_mm`` in bf16), a python loop over experts (``F.linear(x, W[e])``),
 Llama4's ``bmm`` of the whole ``[E, in, out]`` parameter (its shared expert added in place) and
 GPT-OSS's (biases added in place into the partial sums), each also under bf16 autocast. The gloo
-scenario for Llama4 and GPT-OSS is in test_forms.py (its spawn). Before this file's changes none
-was matched: every expert weight stayed whole on every rank.
+scenario for Llama4 and GPT-OSS is in test_forms.py (its spawn). Unmatched, every expert weight
+would stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -358,8 +358,8 @@ def test_experts_with_per_rank_inputs_stay_whole_and_say_so():
 
 def test_experts_run_eagerly_are_named_not_hidden():
     """HF's "eager" experts loop over ``nonzero()`` results: Dynamo breaks the graph and runs the
-    experts eagerly, outside every graph dynashard sees, so their weights stay whole. explain said
-    only "9/12 layers sharded"; it now names the parameters no graph read and why."""
+    experts eagerly, outside every graph dynashard sees, so their weights stay whole. explain names
+    the parameters no graph read and why (not only "9/12 layers sharded")."""
     model = _mixtral("eager")
     report = dynashard.explain(model, torch.randint(3, 96, (2, 7)), world_size=2, options={"min_shard_numel": 0},
                                use_cache=False)
@@ -393,9 +393,9 @@ def _written_zeros(y, x):
                          ids=["plus_number", "minus_int", "square", "over_itself", "zeros_written"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_what_is_not_linear_in_partial_sums_reads_them_reduced(tail, world):
-    """Each of these kept the partial sums unreduced, a silent wrong result (max error 1.0-2.8):
-    a number added once per rank, a partial read twice (``y * y``: each rank squared its own term),
-    zeros an in-place write had changed. Found by a review; the fuzz now draws them."""
+    """Each of these, kept as partial sums unreduced, is a silent wrong result (max error 1.0-2.8):
+    a number added once per rank, a partial read twice (``y * y``: each rank squares its own term),
+    zeros an in-place write has changed. The fuzz draws them too."""
     torch.manual_seed(0)
     report = dynashard.explain(_Tail(tail), torch.randn(2, 7, HIDDEN), world_size=world, verify=True,
                                options={"min_shard_numel": 0})

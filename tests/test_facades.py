@@ -277,7 +277,7 @@ def test_random_eager_uses_act_on_the_shards_or_raise(uses):
 # ---------------------------------------------------------------- on real gloo ranks (world 2)
 
 # One spawn runs both scenarios below (an MLP and a tiny HF Llama compiled eagerly per rank): 18 s on the
-# 2-core machine under a load of 4 (other jobs); 240 s, as before.
+# 2-core machine under a load of 4 (other jobs); deadline 240 s.
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=240)
 OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
 

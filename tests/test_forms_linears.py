@@ -1,4 +1,4 @@
-"""Linears in other clothes (issue 28): forms a model writes a linear in that are not ``nn.Linear``,
+"""Linears in other clothes: forms a model writes a linear in that are not ``nn.Linear``,
 rewritten before matching into the form match.py reads (dynashard/capture/linear_forms.py) and then cut
 like one: colwise then rowwise by the auto plan, one all_reduce per pair.
 
@@ -141,10 +141,10 @@ def test_einsum_linears_are_paired_like_nn_linear(up, down, world):
 @pytest.mark.parametrize("up,down,shape", [
     ("hd,bds->bhs", "dh,bhs->bds", (2, 16, 3)), ("dh,bds->bhs", "hd,bhs->bds", (2, 16, 3)),  # channels first
     ("hd,bsd->hbs", "dh,hbs->bsd", (2, 3, 16)), ("hd,d->h", "dh,h->d", (16,)),
-    ("hd,bsd->bsh", "dh,bsh->bsd", (2, 3, 16))])  # (torch's einsum puts W second in its bmm: matched before)
+    ("hd,bsd->bsh", "dh,bsh->bsd", (2, 3, 16))])  # (torch's einsum puts W second in its bmm: the plain form)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_einsum_with_the_weight_first_is_paired_like_nn_linear(up, down, shape, world):
-    """Features before the tokens in the output: traced as ``bmm(W, x)``, W on the left (was: whole)."""
+    """Features before the tokens in the output: traced as ``bmm(W, x)``, W on the left (cut, not kept whole)."""
     torch.manual_seed(0)
     assert _layers(EinsumMLP(up, down), torch.randn(*shape), world, dynamic=world == 3) == PAIRED
     assert _collectives(EinsumMLP(up, down), torch.randn(*shape)) == (1, 0)

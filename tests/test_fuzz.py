@@ -50,9 +50,9 @@ class RandomMLP(nn.Module):
         return x
 
 
-# A per-head scale written by taking the heads dim apart and putting it back together: these
-# forms once dealt every one-head piece to rank 0 and fed CPU flash attention a non-contiguous q
-# (a silent wrong result under eager).
+# A per-head scale written by taking the heads dim apart and putting it back together: a plan that
+# deals every one-head piece to rank 0 feeds CPU flash attention a non-contiguous q (a silent wrong
+# result under eager).
 PER_HEAD = {
     "split_cat": lambda t, g: torch.cat([p * g[i] for i, p in enumerate(t.split(1, dim=1))], 1),
     "unbind_stack": lambda t, g: torch.stack([p * g[i] for i, p in enumerate(t.unbind(1))], 1),
@@ -237,7 +237,7 @@ def test_random_mlp_stacks(case, world, shape3d, plan_draw, per_rank, own_weight
       data=st.data())
 def test_random_attention(case, world, plan_draw, dynamic, data):
     """``dynamic``: captured as torch.compile(..., dynamic=True) captures it (symbolic sizes, the float
-    scale an input); it once failed to plan (GuardOnDataDependentSymNode on SDPA's scale)."""
+    scale an input), which planning must handle (GuardOnDataDependentSymNode on SDPA's scale otherwise)."""
     _check(case, world, True, plan_draw, False, data, dynamic=dynamic)
 
 
@@ -249,7 +249,7 @@ def test_random_transformer_attention(case, world, plan_draw, data):
 @fuzz(8, 40, case=st.one_of(mlp_cases(), attention_cases(), transformer_attention_cases()), world=st.integers(2, 4),
       seq=st.integers(2, 9), shape3d=st.booleans(), plan_draw=st.booleans(), data=st.data())
 def test_random_stacks_sequence_parallel(case, world, seq, shape3d, plan_draw, data):
-    """Issue 30: sequence_parallel=True on every generator's models, lengths the world may not divide
+    """sequence_parallel=True on every generator's models, lengths the world may not divide
     (or shorter than it: not cut), automatic and random user plans; an MLP stack also on 2-D [tokens,
     hidden] inputs (cut on the tokens)."""
     shape3d = shape3d or not isinstance(case[0], RandomMLP)
@@ -259,7 +259,7 @@ def test_random_stacks_sequence_parallel(case, world, seq, shape3d, plan_draw, d
 @fuzz(4, 8, case=mlp_cases(), world=st.integers(2, 4), shape3d=st.booleans(), plan_draw=st.booleans(),
       per_rank=st.booleans(), data=st.data())
 def test_random_mlp_stacks_under_autocast(case, world, shape3d, plan_draw, per_rank, data):
-    """Issue 28: under torch.autocast every weight reaches its matmul through a bf16 conversion."""
+    """Under torch.autocast every weight reaches its matmul through a bf16 conversion."""
     _check(case, world, shape3d, plan_draw, per_rank, data, autocast=True)
 
 
@@ -270,7 +270,7 @@ def test_random_attention_under_autocast(case, world, plan_draw, data):
 
 @st.composite
 def clothed_cases(draw):
-    """Linears in other clothes (issue 28): up and down each in a form of its own (einsum with W second or
+    """Linears in other clothes: up and down each in a form of its own (einsum with W second or
     first, Conv1d and Conv2d k=1, bmm of an expanded weight, weight_norm, spectral_norm (train mode: its
     power iteration), nn.Linear's), or a tied autoencoder (the decoder reads W.t())."""
     hidden, ffn = draw(st.integers(2, 24)), draw(st.integers(2, 40))  # (einsum over 1 feature: a mul, no linear)
@@ -309,8 +309,8 @@ def _zeros_written(y, x):
 
 # What follows the experts' weighted sum ``y`` (partial sums on each rank when the experts are cut):
 # ops linear in it (kept partial) and ops that are not (it must be all-reduced first). Each "not"
-# form was once kept partial, a silent wrong result: a number added once per rank, a partial read
-# twice, zeros that an in-place write had changed.
+# form kept partial is a silent wrong result: a number added once per rank, a partial read twice,
+# zeros that an in-place write has changed.
 MOE_TAILS = {
     "residual": lambda y, x: x + y,
     "scaled": lambda y, x: 2.0 * y - y / 4,
@@ -485,7 +485,7 @@ def test_weight_checksum_sees_values_moved(rows, row_len, dtype, moved, data):
 
 
 def _write(t: torch.Tensor, form: str, twin: bool) -> torch.Tensor:
-    """``t`` written in place as sampling and masking code writes it (issue 42), or (``twin``) the
+    """``t`` written in place as sampling and masking code writes it, or (``twin``) the
     out-of-place op that computes the same value."""
     if form in ("mask", "topk", "rows"):
         if form == "mask":
@@ -581,7 +581,7 @@ class Generate(nn.Module):
 @fuzz(4, 15, world=st.integers(2, 4), heads=st.integers(1, 6), dh=st.sampled_from([2, 4, 8]), layers=st.integers(1, 2),
       shared_block=st.booleans(), flash=st.booleans(), runs=st.integers(2, 3), data=st.data())
 def test_random_reused_weights(world, heads, dh, layers, shared_block, flash, runs, data):
-    """Weights used more than once in one graph (issue 42 item 4): the model run ``runs`` times (and a
+    """Weights used more than once in one graph: the model run ``runs`` times (and a
     block called twice per run, a tied head): tokens equal on every simulated rank, and every layer
     planned as for one forward."""
     torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))

@@ -297,8 +297,8 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
             self.assertEqual(shapes.count((kv_rows, 128)), 4)  # k/v: 1 head of 16 (cut), or whole (MQA)
 
     def test_a_shard_never_broadcasts(self):
-        # Found by review: a one-feature colwise output times x[..., :8] broadcast the shard; rank 0
-        # (1 feature) and rank 1 (none) then sent different shapes to one all_gather.
+        # A one-feature colwise output times x[..., :8] must not broadcast the shard: rank 0
+        # (1 feature) and rank 1 (none) would send different shapes to one all_gather.
         torch.manual_seed(0)
         x = torch.randn(2, 5, 300)
         gathered = []
@@ -310,8 +310,8 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, arg5_1, arg6_1):
         self.assertEqual(gathered[0], gathered[1])
 
     def test_einsum_attention_recompiles_for_new_shapes(self):
-        # Found by review: einsum's views through a size-1 dim were only followed with static sizes,
-        # so the dynamic recompile planned another cut of the freed o.weight and raised.
+        # einsum's views through a size-1 dim are followed with symbolic sizes too; otherwise the
+        # dynamic recompile plans another cut of the freed o.weight and raises.
         torch.manual_seed(0)
         model = models.EinsumAttention(48, 6)
         compiled = torch.compile(model, backend=dynashard.backend(compiler="eager", min_shard_numel=0))
@@ -425,12 +425,11 @@ if __name__ == "__main__":
 
 
 def test_kernels_get_the_layout_they_were_traced_with():
-    """The root of a silent wrong result: the one-head pieces of a per-head split were gathered one
-    by one, and ``cat`` of those gathers (each contiguous, with an arbitrary stride on its size-1
-    head dim) laid q out with a last-dim stride of 4; CPU flash attention reads its inputs as if
-    that stride were 1 (max error 1e20 under eager). Any op input whose traced value had a
-    unit-stride last dim and whose converted one does not is now made contiguous; others are
-    passed as they are (no copy)."""
+    """The one-head pieces of a per-head split, gathered one by one, and ``cat`` of those gathers
+    (each contiguous, with an arbitrary stride on its size-1 head dim) lay q out with a last-dim
+    stride of 4; CPU flash attention reads its inputs as if that stride were 1 (max error 1e20 under
+    eager: a silent wrong result). Any op input whose traced value had a unit-stride last dim and
+    whose converted one does not is made contiguous; others are passed as they are (no copy)."""
     from dynashard.rewrite.local_conversions import as_traced
 
     graph = torch.fx.Graph()
@@ -446,8 +445,8 @@ def test_kernels_get_the_layout_they_were_traced_with():
 
 
 def test_attention_kernels_get_the_layout_they_were_traced_with():
-    """A per-head unbind/stack of q (the split/cat form was found by a new user: a silent wrong
-    result under eager) is gathered before the unbind, the attention runs on this rank's heads of k
+    """A per-head unbind/stack of q (like the split/cat form: a silent wrong result under eager
+    if mishandled) is gathered before the unbind, the attention runs on this rank's heads of k
     and v, and every input of the attention kernel has a unit-stride last dim, as when Dynamo traced
     the model (a gathered, permuted q does not, unless made contiguous)."""
     torch.manual_seed(0)

@@ -38,9 +38,9 @@ def test_hf_architecture_sharded_and_verified(arch, world):
     _check(arch, world)
 
 
-# The models torch.compile(..., dynamic=True) once failed on (GuardOnDataDependentSymNode while planning:
-# Dynamo passes a module's float attributes -- RoPE's attention_scaling, the norms' eps, attention's
-# scaling -- as inputs read with .item(), and dynashard's retrace lost the values Dynamo knew for them).
+# Models whose float attributes -- RoPE's attention_scaling, the norms' eps, attention's scaling -- Dynamo
+# passes under dynamic=True as inputs read with .item(): dynashard's retrace must keep the values Dynamo knew
+# for them (GuardOnDataDependentSymNode while planning otherwise).
 @pytest.mark.parametrize("arch,world", [("llama", 4), ("gpt2", 2)])  # (Qwen2: tests/test_serving.py)
 def test_hf_architecture_under_dynamic_shapes_has_the_same_plan_and_is_verified(arch, world):
     _check(arch, world, dynamic=True)
@@ -75,7 +75,7 @@ def test_hf_architecture_with_its_default_cache_holds_it_by_heads(arch):
 def test_falcon_kv_groups_fewer_than_ranks_are_cut_into_their_components():
     # HF Falcon (new decoder architecture), 8 query heads in 2 KV groups at world 4: the fused query_key_value
     # ([4 q | k | v] per group, 96 x 64) is cut in every group's components, each rank holding one query head
-    # of every group and both groups' k and v (6 of 12 heads: half the bytes, where it was kept whole), and
+    # of every group and both groups' k and v (6 of 12 heads: half the bytes, rather than the whole projection), and
     # dense is rowwise over those heads: one all_reduce for the attention, nothing gathered, every rank verified.
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(CONFIGS["falcon_groups"]()).eval()
@@ -89,7 +89,7 @@ def test_falcon_kv_groups_fewer_than_ranks_are_cut_into_their_components():
 
 def test_diffllama_costs_two_all_reduces_per_layer():
     # Counted on the rewritten graph, one layer and two: a second layer costs Llama's 2 all_reduces (o_proj
-    # and down_proj rowwise) and no gather. (Its plan once kept q/k/v whole and carried the residual cut:
+    # and down_proj rowwise) and no gather. (A plan keeping q/k/v whole and carrying the residual cut costs
     # 7 all_reduces a layer.)
     counts = []
     for layers in (1, 2):

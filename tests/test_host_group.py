@@ -37,8 +37,8 @@ on_ranks = Scenarios(__name__, worlds=(4,), deadline_s=DEADLINE_S)
 @on_ranks
 def test_the_protocol_runs_on_a_group_that_cannot_move_cpu_tensors(rank, world):
     """On a group like NCCL's (no CPU backend) the handshake and every status exchange work, through
-    the companion, and still tell the ranks apart: before, the handshake all_reduced a CPU tensor on
-    the user's group and raised on the first call."""
+    the companion, and still tell the ranks apart: a handshake that all_reduced a CPU tensor on the
+    user's group would raise on the first call."""
     group = dist.new_group(list(range(world)), backend="cuda:gloo")
     error = raised(lambda: dist.all_reduce(torch.zeros(1), group=group))  # what NCCL says to a CPU tensor
     assert isinstance(error, RuntimeError) and "No backend type associated with device type cpu" in str(error), error

@@ -1,12 +1,12 @@
-"""In-place writes into the LM head's logits (issue 42 item 2): planned like their out-of-place twin.
+"""In-place writes into the LM head's logits: planned like their out-of-place twin.
 
 Sampling code masks logits in place: ``logits[mask] = -inf``, ``logits[:, [3, 5]] = -inf``,
 ``logits[..., 0] = -inf``, nanoGPT's top-k ``logits[logits < v[:, [-1]]] = -Inf``, each also on a
 ``.clone()``. The head's output is cut on the vocabulary; a write either stays on this rank's part
 (a mask cut alike) or lands in the gather the indexing needs anyway, which every later read then
-shares (a later read of this rank's part sees it copied back). They crashed at compile time
-("shape '[2, 1, 96]' is invalid for input of size 96"): the write made the plan keep the head whole
-while its tied embedding still cut the shared weight. A write the layout cannot follow (a read
+shares (a later read of this rank's part sees it copied back). A plan that keeps the head whole for
+such a write while its tied embedding still cuts the shared weight crashes at compile time ("shape
+'[2, 1, 96]' is invalid for input of size 96"). A write the layout cannot follow (a read
 sharing a gather made before it) keeps the head whole, and its tied embedding with it.
 
 Simulated ranks (``explain(verify=True)``) for every form, real gloo ranks for two.

@@ -56,7 +56,7 @@ class WholeProjectionNorm(nn.Module):
 
 @pytest.mark.unit
 def test_a_norm_over_every_head_costs_an_all_reduce_not_a_gather():
-    # q norm, k norm ([tokens, 1] each) and o's all_reduce; no all_gather (before: one per norm)
+    # q norm, k norm ([tokens, 1] each) and o's all_reduce; no all_gather (not one per norm)
     torch.manual_seed(0)
     gm = rewritten(WholeProjectionNorm(), torch.randn(2, 5, 64))
     assert (_count(gm, "all_reduce"), _count(gm, "all_gather")) == (3, 0), gm.code

@@ -284,8 +284,8 @@ def test_auto_plan_finds_megatron_for_whole_decoders():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_inputs_sharded_off_their_features_are_gathered_not_used(world):
-    """Found by review: a linear fed a shard on another dim (a per-head linear, a merged token dim)
-    was made rowwise on it and crashed. Auto plans now treat such an input as replicated; a plan
+    """A linear fed a shard on another dim (a per-head linear, a merged token dim) must not be made
+    rowwise on it (it crashes). Auto plans treat such an input as replicated; a plan
     that insists on rowwise gathers it and takes this rank's features. A shard of every token's
     features merged into one feature dim (static sizes) is the same cut repeated per token: the
     rowwise weight is cut so, nothing gathered (as HF Falcon's query heads of every KV group)."""
@@ -322,9 +322,9 @@ def test_gqa_and_mqa_keep_query_heads_sharded(n_kv, world, kv_style, repeat):
 @pytest.mark.parametrize("probe", [None, "mean", "heads"])
 def test_fused_qkv_with_fewer_kv_heads_than_ranks_holds_kv_whole(world, n_kv, probe):
     """Phi-3 / Falcon style fused qkv: with fewer KV heads than ranks each rank holds its query heads
-    and all of k and v in the one weight (before: the whole projection was kept whole). ``probe``
-    reads the fused output whole too: its gather sends only the cut part. Found by review: viewed
-    into heads first ("heads"), the view dealt the whole k/v heads out as if cut (error 3.1)."""
+    and all of k and v in the one weight, rather than the whole projection whole. ``probe``
+    reads the fused output whole too: its gather sends only the cut part. Viewed into heads first
+    ("heads"), the view must not deal the whole k/v heads out as if cut (error 3.1 when it does)."""
     torch.manual_seed(0)
     model = models.FusedGQAAttention(128, 8, n_kv, probe=probe)
     report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
@@ -338,11 +338,11 @@ def test_fused_qkv_with_fewer_kv_heads_than_ranks_holds_kv_whole(world, n_kv, pr
 @pytest.mark.parametrize("infer_head_dim", [False, True], ids=["view_dh", "view_minus_one"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_head_pieces_of_q_are_right_and_balanced(world, infer_head_dim):
-    """q split into one-head pieces, scaled, concatenated back: once cut into one-unit components
-    all dealt to rank 0 (which held the whole of q), with the gathered, permuted q fed to CPU
-    flash attention as if contiguous (max err 1.4, 1e20 on real ranks under eager), and with
-    ``view(B, T, h, -1)`` a compile error on the empty rank. Now q is cut evenly and gathered at
-    the split, the attention stays on each rank's heads, o is rowwise."""
+    """q split into one-head pieces, scaled, concatenated back: q is cut evenly and gathered at
+    the split, the attention stays on each rank's heads, o is rowwise. Guards against cutting q into
+    one-unit components all dealt to rank 0 (which then holds the whole of q), with the gathered,
+    permuted q fed to CPU flash attention as if contiguous (max err 1.4, 1e20 on real ranks under
+    eager), and with ``view(B, T, h, -1)`` a compile error on the empty rank."""
     torch.manual_seed(0)
     model = models.PerHeadScaleAttention(256, 4, infer_head_dim)
     report = dynashard.explain(model, torch.randn(2, 5, 256), world_size=world, verify=True)
@@ -356,8 +356,8 @@ def test_per_head_pieces_of_q_are_right_and_balanced(world, infer_head_dim):
 def test_qk_norm_over_head_dim_keeps_heads_sharded(world, norm, rot2):
     """q/k normalised over head_dim (Qwen3's RMSNorm: mean over the last dim; Phi/StableLM's
     LayerNorm(head_dim): native_layer_norm) and GPT-J's rotate_every_two (stack on a new last dim)
-    reduce or stack along dims that are not the cut one: local. They used to gather q and k and
-    replicate the attention."""
+    reduce or stack along dims that are not the cut one: local, with no gather of q and k and no
+    replicated attention."""
     torch.manual_seed(0)
     model = models.QKNormAttention(128, 4, norm, rot2)
     report = dynashard.explain(model, torch.randn(2, 5, 128), world_size=world, verify=True,
@@ -393,7 +393,8 @@ class _MathSDPA(torch.nn.Module):
 
 
 def test_sdpa_math_path_keeps_heads_sharded():
-    """Before: q and k replicated, 'its shard is gathered before _safe_softmax.default'."""
+    """SDPA's math path (``_safe_softmax``) keeps q and k cut by heads, not replicated ('its shard is
+    gathered before _safe_softmax.default')."""
     torch.manual_seed(0)
     report = dynashard.explain(_MathSDPA(), torch.randn(2, 5, 128), world_size=2, verify=True,
                                options={"min_shard_numel": 0})
@@ -510,11 +511,11 @@ def test_the_recut_fixpoint_logs_its_round_limit_and_stays_correct(monkeypatch, 
 
 
 def test_a_deep_model_is_cut_in_a_few_rounds_whatever_its_depth(caplog):
-    """Each round's walk used to get only as far as the first block whose cut was still changing
-    (the blocks after it saw a gathered stream), so a model re-cut one block per two rounds and a
-    10-layer HF Llama (32 heads, 4 K/V heads) stopped at the round limit, its last layers gathering
-    before views, norms and matmuls. The same layer of every block is now re-cut together: only the
-    LM head gathers (its output)."""
+    """The same layer of every block is re-cut together: a 10-layer HF Llama (32 heads, 4 K/V heads)
+    is cut in a few rounds and only the LM head gathers (its output). A walk that got only as far as
+    the first block whose cut is still changing (the blocks after it see a gathered stream) would
+    re-cut one block per two rounds and stop at the round limit, its last layers gathering before
+    views, norms and matmuls."""
     import transformers as T
 
     config = T.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=10, num_attention_heads=32,
@@ -602,9 +603,9 @@ def test_roll_call_keys_follow_each_point_not_every_failure(monkeypatch):
 
 
 def test_the_plan_follows_earlier_cuts_it_is_given_and_reads_no_store():
-    """Issue 27: the plan is a function of (graph, options, earlier cuts passed in). The same graph planned
-    with no earlier cuts, with ``up`` split on its input dim, and with ``up`` read whole by an earlier graph
-    gives three plans; and a weight the store holds a shard of changes nothing unless it is passed in."""
+    """State passed, not shared: the plan is a function of (graph, options, earlier cuts passed in). The same
+    graph planned with no earlier cuts, with ``up`` split on its input dim, and with ``up`` read whole by an
+    earlier graph gives three plans; and a weight the store holds a shard of changes nothing unless it is passed in."""
     from dynashard import _torch as private
     from dynashard.analysis import analyse
     from dynashard.layout.split import even
@@ -637,8 +638,8 @@ def test_the_plan_follows_earlier_cuts_it_is_given_and_reads_no_store():
 
 
 def test_importing_dynashard_registers_nothing_with_torch_serialization():
-    """Issue 27: no import-time registration. The tagger that refuses to save a freed storage is registered
-    when dynashard first frees one; before that, importing dynashard leaves torch.save as it was."""
+    """No import-time registration. The tagger that refuses to save a freed storage is registered
+    when dynashard first frees one; until then, importing dynashard leaves torch.save as it is."""
     import subprocess
     import sys
 
@@ -656,8 +657,8 @@ def test_importing_dynashard_registers_nothing_with_torch_serialization():
 
 
 def test_a_sharded_weight_another_graph_needs_whole_is_refused_naming_why():
-    """Issue 28: a second code path reading a cut weight another way (here its norm) was refused with
-    "were the options different?" although the options were the same; the error names the reader."""
+    """A second code path reading a cut weight another way (here its norm) is refused with an error
+    naming the reader (not "were the options different?", when the options are the same)."""
     from dynashard import _torch as private
     from dynashard.errors import UsageError
 

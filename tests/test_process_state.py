@@ -1,4 +1,4 @@
-"""What dynashard leaves in the process (issue 27, "state passed, not shared"): hooks and tables live
+"""What dynashard leaves in the process ("state passed, not shared"): hooks and tables live
 as long as what they serve, and nothing acts on another thread's work.
 
 One process, torch's fake process group at world 2 (collectives move no data: only which tensors

@@ -4,8 +4,8 @@
 [out, in], scale [out, 1], zero_point [out, 1]). Dynamo hands the backend that subclass as one input;
 dynashard flattens it into its inner tensors (subclass_inputs.py), so the aten graph reads
 ``mm(x, t(qdata).to(f32)) * scale``: qdata is cut as the float weight (rows colwise, columns rowwise),
-the per-row scale narrowed with the rows it belongs to. Before that, capture crashed:
-"'Int8Tensor' object has no attribute 'fake_mode'".
+the per-row scale narrowed with the rows it belongs to. Left as one input, the subclass crashes
+capture: "'Int8Tensor' object has no attribute 'fake_mode'".
 
 Simulated at 2 and 4 ranks (explain verify), and on 2 real gloo ranks against the quantized unsharded model.
 """
@@ -112,7 +112,7 @@ def test_group_wise_quantized_linears_are_kept_whole_with_the_reason(config):
     """torchao's group-wise forms that run on this CPU (int8 PerGroup(32), and int4 weight-only as
     IntxWeightOnlyConfig stores it: int4 values in int8, scales per 32 columns; Int4WeightOnlyConfig needs
     mslk or CUDA here) dequantize through views of the whole weight's shape: held whole, said in explain, the
-    logits the quantized model's. Before: no linear was matched at all, so explain showed no row for them."""
+    logits the quantized model's; each is matched, so explain shows a row for it."""
     from torchao.quantization import IntxWeightOnlyConfig, PerGroup
 
     torch.manual_seed(0)

@@ -2,10 +2,10 @@
 accelerate's ``compile_regions``: a ``torch.compile`` per block) or whose block forward is a
 ``torch.compiler.nested_compile_region`` under a whole-model compile (dynashard/regions.py).
 
-Before: each block compiled on its own was traced, planned and compiled again, and past Dynamo's
-``recompile_limit`` (8) the later blocks ran uncompiled with their full weights; a nested region was
-one opaque op to the plan (every layer whole) and its backward failed. Here: one plan for every
-block, two Dynamo compiles, ~1/2 of the weights held per rank at world 2, and every layer's output
+Planned afresh, each block compiled on its own would be traced, planned and compiled again, and past
+Dynamo's ``recompile_limit`` (8) the later blocks would run uncompiled with their full weights; a nested
+region left as one opaque op to the plan keeps every layer whole (and its backward fails). Here: one
+plan for every block, two Dynamo compiles, ~1/2 of the weights held per rank at world 2, and every layer's output
 and every SGD gradient the unsharded twin's.
 
 Unit tests on torch's fake process group count plans and held bytes; one world-2 gloo spawn checks
@@ -123,7 +123,7 @@ def test_nested_compile_region_layers_are_planned(fake_group):
     model = _decoder(regions=True)
     full = _full_bytes(model)
     torch.compile(model, backend="dynashard", options=OPTIONS)(_ids())
-    # Before, the region was one opaque op: every layer whole (0.99 held).
+    # (Planned as one opaque op, the region would keep every layer whole: 0.99 held.)
     held = _weights_fraction(model, full)
     assert 0.5 < held < 0.55, held
 
@@ -155,7 +155,7 @@ def test_each_block_compiled_on_its_own_gives_every_layers_output(rank, world):
     errs = [_err(o, r) for o, r in zip(_layer_outputs(model, _ids()), refs)]
     assert max(errs) < RTOL, errs
     held = _weights_fraction(model, full)
-    assert 0.5 < held < 0.6, held  # (before: blocks 9 and 10 uncompiled, whole)
+    assert 0.5 < held < 0.6, held  # (past the recompile limit blocks 9 and 10 would run uncompiled, whole)
 
     torch._dynamo.reset()
     model = _decoder()

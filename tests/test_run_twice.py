@@ -1,11 +1,11 @@
-"""A model run twice in one graph (issue 42 item 4): each weight planned as for one use.
+"""A model run twice in one graph: each weight planned as for one use.
 
 A compiled ``generate`` that Dynamo unrolls runs the model once per token in one graph, so every
 weight is read by several linears. nanoGPT's fused ``c_attn`` is re-cut at its q/k/v boundaries and
-then in whole heads (recut.py); those re-cuts used to skip a weight with several uses, so ``c_attn``
-stayed cut evenly, was gathered before ``split`` and kept whole ("its shard is gathered before
-split.Tensor"), its ``c_proj`` too: 0.65 of the bytes held at world 2 instead of 0.51. Uses of one
-weight of one kind are now re-cut together.
+then in whole heads (recut.py), and all uses of one weight of one kind are re-cut together. A re-cut
+that skipped a weight with several uses would leave ``c_attn`` cut evenly, gathered before ``split``
+and kept whole ("its shard is gathered before split.Tensor"), its ``c_proj`` too: 0.65 of the bytes
+held at world 2 instead of 0.51.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sequence parallelism (``options={"sequence_parallel": True}``, issue 30): between the TP regions
+"""Sequence parallelism (``options={"sequence_parallel": True}``): between the TP regions
 activations are cut along the sequence; each rowwise all_reduce becomes a reduce_scatter and each
 colwise input an all_gather. Checked against the unsharded model: every rank simulated at worlds
 2, 3, 4 (``explain(verify=True)``, sequence lengths the world does not divide), collective counts

@@ -131,8 +131,8 @@ def _resolves(dotted: str) -> bool:
 
 def test_every_torch_name_dynashard_reads_exists_on_this_torch():
     """A name a release lacks fails here, on that release, naming the file and line (torch 2.11 and 2.12 lack
-    funcol's ``all_gather_single``, which ``collectives.py`` called directly until 2.13's name was chosen by
-    feature detection in ``_torch/funcol.py``)."""
+    funcol's ``all_gather_single``, so ``_torch/funcol.py`` picks the name by feature detection rather than
+    ``collectives.py`` calling it directly)."""
     # (every module imported first: its own ops, torch.ops.dynashard.*, and funcol's are registered on import)
     for path in sorted(PACKAGE.rglob("*.py")):
         importlib.import_module(".".join(("dynashard", *path.relative_to(PACKAGE).with_suffix("").parts)))

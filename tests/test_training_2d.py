@@ -30,8 +30,8 @@ pytestmark = pytest.mark.gloo
 GRAD_RTOL = 1e-4
 OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
 DP, TP = 2, 2
-# One world-4 spawn runs every scenario (as the one spawn before them did): 12 s on the 2-core machine
-# under a load of 4 (other jobs); 240 s, as before.
+# One world-4 spawn runs every scenario: 12 s on the 2-core machine under a load of 4 (other jobs);
+# deadline 240 s.
 on_ranks = Scenarios(__name__, worlds=(DP * TP,), deadline_s=240)
 
 
@@ -209,7 +209,7 @@ def test_ddp_optimizer_is_refused_and_gradient_as_bucket_view_warns(rank, world,
     msg = str(raised(lambda: fast(torch.randn(2, 3, 32)).sum().backward()))  # Dynamo wraps the backend's error
     assert "DDPOptimizer" in msg and "optimize_ddp = False" in msg, msg
     # export_safetensors over the world group of shards cut over tp: refused before any collective, naming the
-    # tp group of one replica (measured before: an IndexError on rank 0 and the others' connections closed)
+    # tp group of one replica (unchecked: an IndexError on rank 0 and the others' connections closed)
     export = str(raised(lambda: dynashard.export_safetensors(model, f"{tmp_path}/ddp.safetensors")))
     assert "mesh['tp'].get_group()" in export and "up.weight" in export, export
 
@@ -379,8 +379,8 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
         loaded = saved(other, opt_other)
         loaded_same = loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
         parameters_same = all(torch.equal(t, trained[n + "."]) for n, t in from_parameters.items())
-    # the whole weights as safetensors: DTensors gathered over their mesh, every rank calling (measured before:
-    # every tensor written with the right shape and wrong values)
+    # the whole weights as safetensors: DTensors gathered over their mesh, every rank calling (gathered
+    # over the wrong group instead, every tensor is written with the right shape and wrong values)
     from safetensors.torch import load_file
 
     dynashard.export_safetensors(model, f"{tmp_path}/fsdp_{case}.safetensors")
@@ -416,7 +416,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
 def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
     """Without ``dtensor=True``: FSDP2's ``fully_shard`` swaps each parameter for its own copy, gathered over
     dp before every forward: a weight dynashard cut would be read stale and its gradient lost (measured
-    before this refusal: the cut parameters of an MLP fully_shard'ed and then compiled ended every backward
+    without this refusal: the cut parameters of an MLP fully_shard'ed and then compiled end every backward
     with no gradient, the loss going down on the others alone). Both orders raise on every rank, naming the DDP recipe:
     ``fully_shard`` after ``parallelize`` (at fully_shard), and a compile of a fully_shard'ed model (at
     the first call, before any weight is cut), each naming ``dtensor=True`` too. With it, fused components of
