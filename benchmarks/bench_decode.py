@@ -4,7 +4,7 @@ Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_decode [--l
         --kv-heads 8 --ffn 5632 --vocab 32000] [--prompt 128 --new-tokens 64] [--systems "dynashard,bound"]
         [--reps 3 --warmup 1] [--smoke] [--out PATH]
 
-Model (issue 14 item 6): examples/generate.py's gpt-fast-style Llama (fused ``wqkv``, RoPE with a
+Model: examples/generate.py's gpt-fast-style Llama (fused ``wqkv``, RoPE with a
 half rotation, ``repeat_interleave`` for GQA, SDPA over the whole cache with a mask row per
 position, SwiGLU ``w2(silu(w1(x)) * w3(x))``, RMSNorm, untied LM head), with a KV cache per layer
 held in module buffers ``[1, kv_heads, max_len, head_dim]`` written by slice assignment
@@ -77,7 +77,7 @@ after the timed rounds (hf systems: between the first and second LogitsProcessor
 as bench_train.py counts them; "via dist": not issued by a funcol op (dynashard's per-call input
 check, HF's in-place dist.all_reduce).
 
-Targets (issue 14): dynashard's decode at most 1.10x the bound's, at least 1.6x faster than unsharded
+Targets: dynashard's decode at most 1.10x the bound's, at least 1.6x faster than unsharded
 inductor, at most 0.8x of hf tp's and of dtensor eager's.
 
 The machine's ceiling (after counting; --no-ceiling skips it): unsharded inductor decoding on rank 0

@@ -6,8 +6,8 @@ Model: one ``qkv_proj`` producing [q | k | v] (``heads`` query heads, ``kv`` KV 
 apart), RoPE-free causal SDPA with K/V repeated by expand + reshape, ``o_proj``; input
 [1, tokens, hidden], identical on every rank. With ``kv`` below the world size the K/V heads
 cannot be cut: dynashard holds k and v whole inside each rank's slice of the fused weight and
-cuts q (and ``o_proj``) by heads. Before that, the whole fused projection was kept whole and with
-it the attention, which is what "unsharded" measures.
+cuts q (and ``o_proj``) by heads. The alternative, the whole fused projection kept whole and with
+it the attention, is what "unsharded" measures.
 
 Systems: unsharded eager / inductor, dynashard eager / inductor (plan "auto"). Timing, the
 correctness check (exit 1 above --tol) and the report follow the suite (``suite.py``).

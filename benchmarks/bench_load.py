@@ -31,7 +31,7 @@ mapped too) and the wall time from the launch to the model being loaded and to t
 - ``tiny``: the ``safetensors`` path on a 2-layer hidden-64 model of the same family: the process's
   own footprint (Python, torch, Dynamo, the compiler, gloo) with almost no weights.
 
-Targets (issue 12, item 7): a dynashard path's peak RSS per rank at most (its shards + replicated
+Targets: a dynashard path's peak RSS per rank at most (its shards + replicated
 tensors) x 1.15 + the tiny footprint, and at most 0.6x the ``whole`` path's; time to the first output
 no slower than HF's TP. HF's TP and gpt-fast run eagerly, so ``--compiler eager`` is the like-for-like
 time comparison; the default (Inductor) adds its compile.
@@ -287,7 +287,7 @@ def main() -> int:
 
 
 def check_targets(results: dict) -> dict:
-    """Issue 12's memory and time targets, from the measured paths (absent paths: not checked)."""
+    """The memory and time targets (module docstring), from the measured paths (absent paths: not checked)."""
     lines, out = [], {}
     tiny = results.get("tiny", {}).get("peak_rss_mib")
     whole = results.get("whole", {}).get("peak_rss_mib")

@@ -7,7 +7,7 @@ The suite's MLP pair (hidden 1024, ffn 4096) sharded by hand on this rank's 1/N 
 (and run eagerly): "plain" (one matmul pair, one all_reduce), and "chunks k" (the tokens cut into
 k chunks; chunk i's all_reduce is issued before chunk i+1's matmuls, all waited at the end, so
 gloo's transport thread can move chunk i while the compute thread works on chunk i+1). This is the
-overlap issue 5 proposes; it decides whether dynashard should emit it. Timing as in _common
+overlap dynashard could emit; the measurement decides whether it should. Timing as in _common
 (interleaved, barrier before every call, slowest rank's median); outputs checked against "plain".
 """
 

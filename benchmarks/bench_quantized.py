@@ -1,5 +1,5 @@
 """Int8 weight-only decode at world N: dynashard's cut int8 model against the int8 model unsharded and the
-float32 model cut (issue 46 item 5, the int8 part).
+float32 model cut.
 
 Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_quantized [--layers 4 --dim 1024 --heads 16
         --kv-heads 8 --ffn 2816 --vocab 8192] [--prompt 32 --new-tokens 32] [--reps 3 --warmup 1] [--smoke] [--out PATH]

@@ -155,8 +155,8 @@ def build(system: str, workload: str, base: nn.Module, inputs: tuple[Any, ...], 
         import dynashard
 
         # NOTE: a fresh backend object per build. Dynamo does not guard on module identity, so a
-        # second copy compiled with the *same* backend reuses the first copy's program (correct
-        # since ebe6a35: the program looks shards up by the parameter passed), and this system's
+        # second copy compiled with the *same* backend reuses the first copy's program (correct:
+        # the program looks shards up by the parameter passed), and this system's
         # own compile time and collectives would then go unmeasured.
         inner = dynashard.backend(compiler=compiler if variant == "inductor" else variant,
                                   min_shard_numel=ctx["min_shard_numel"])

@@ -1,6 +1,6 @@
 """What one extra host-side collective costs a step on this machine, wherever it is placed.
 
-Measured behind issue 25 item 4 (the per-call handshake's 1.05x bar): no dynashard, two gloo ranks of
+Measured for the per-call handshake (its bar: 1.05x the step): no dynashard, two gloo ranks of
 one thread each, a barrier before every timed step, the same step in five variants, interleaved:
 
 - ``A``: compute (an MLP's two matmuls, 32 x 1024 -> 2048 -> 1024) then an all_reduce of its output;
@@ -11,7 +11,7 @@ one thread each, a barrier before every timed step, the same step in five varian
 
 Launch: ``torchrun --standalone --nproc-per-node 2 tools/bench_host_collective.py [--iters 100]``.
 Prints each rank's medians (ms). On the project's 2-core machine (2026-12-02): A 6.4, blocking 10.0,
-overlapped 8.3-9.4, compute 4.9-5.5; in another run A 7.8, sleep 9.1; as committed (--iters 40) A 8.0,
+overlapped 8.3-9.4, compute 4.9-5.5; in another run A 7.8, sleep 9.1; with --iters 40, A 8.0,
 blocking 10.0, overlapped 9.4-9.6, sleep 8.3-8.7, compute 5.1-5.3. The small all_reduce costs 2 ms blocking
 and 1.4-1.6 ms overlapped, several times its own latency: two ranks computing on two cores leave no core
 for gloo's threads (a sleep of its latency costs 0.3-1.3 ms, varying between runs).

@@ -1,5 +1,5 @@
 """Two ``torch.compile(model, backend="dynashard", options=o)`` objects on one HF Llama share Dynamo's cache:
-the second call traces nothing (issue 29 item 4: the route for parallelize's trace to serve the user's compile).
+the second call traces nothing (the route for parallelize's trace to serve the user's compile).
 PYTHONPATH=. OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/probe_compile_cache_sharing.py
 (2026-12-03: (2.6 s, 1 graph) then (0.02 s, 0 graphs) on each rank). The same with ``dynashard.backend(**o)``
 (a BoundBackend, equal to another with equal options) on two MLPs: the second compile of one model traces

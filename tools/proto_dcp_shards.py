@@ -1,4 +1,4 @@
-"""Issue 12's measurement: plain local shards saved by ``torch.distributed.checkpoint`` at their
+"""Measures plain local shards saved by ``torch.distributed.checkpoint`` at their
 global offsets, for every layout dynashard cuts (not only DTensor's ``torch.chunk`` layouts), with
 ``dynashard.weights.dcp_planners.make_checkpointable`` (what ``dynashard.parallelize`` puts on its shards).
 

@@ -1,4 +1,4 @@
-"""Issue 30 item 1's measurement: a fused ``[q | k | v]`` weight as a DTensor on the tp mesh, under FSDP2 over dp,
+"""Measures a fused ``[q | k | v]`` weight as a DTensor on the tp mesh, under FSDP2 over dp,
 read back through ``full_tensor()`` and DCP's default planners (torch's own protocol, no dynashard).
 
     torchrun --standalone --nproc-per-node 4 tools/proto_fused_fsdp2.py /tmp/fused_proto
