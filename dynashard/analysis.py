@@ -116,8 +116,8 @@ def _drop_dead_detaches(gm: torch.fx.GraphModule) -> None:
 
 def inline_regions(gm: torch.fx.GraphModule) -> None:
     """``torch.compiler.nested_compile_region`` calls flattened into ``gm``, so the plan sees the linears inside
-    them (before, it saw one opaque op per layer: every layer left whole, and training failed in the backward).
-    Dynamo still traced each region once; the compiler gets the flat graph."""
+    them (unflattened, it would see one opaque op per layer: every layer left whole, and training failing in the
+    backward). Dynamo still traces each region once; the compiler gets the flat graph."""
     calls, regions = private_regions.inline_regions(gm)
     if calls:
         log.log(progress.level(), "dynashard: inlined %d calls of %d nested_compile_region function(s) into the "

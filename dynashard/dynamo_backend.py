@@ -364,8 +364,8 @@ class BoundBackend:
     """The dynashard backend with its options bound. Two are equal when their options are: torch.compile
     compares backends with ``==``, so ``torch.compile(model, backend=dynashard.backend(**o))`` made twice (a
     server building its compiled model per request, HF's ``generate`` compiling per call) reuses the first
-    one's trace and program instead of tracing and planning again. (A closure, as before, is equal only to
-    itself: every such compile traced again.)"""
+    one's trace and program instead of tracing and planning again. (A closure would be equal only to
+    itself: every such compile would trace again.)"""
 
     __name__ = "dynashard_with_options"
 

@@ -457,7 +457,7 @@ def in_compiled_module_call() -> bool:
 
 def never_a_frame_of_its_own(fn: Callable) -> None:
     """Dynamo neither compiles nor guards ``fn`` when it runs as a frame of its own (a forward pre-hook
-    called by ``Module._call_impl`` outside a trace); inlined in a traced frame it is traced as before (so no
+    called by ``Module._call_impl`` outside a trace); inlined in a traced frame it is traced as usual (so no
     graph break, ``fullgraph=True`` included). Without it, the first call of a compiled module spends a
     Dynamo frame (and its guards on every call) on a hook that returns at once.
 

@@ -13,7 +13,7 @@ all_reduces (max, sum of exps, target logit); one gather of both numbers does it
 
 Applies when every reader of the ``_log_softmax`` along the cut dim is an ``nll_loss_forward``
 without class weights (what ``F.cross_entropy`` traces to; label smoothing adds a sum over the
-vocabulary, which gathers as before), on ``[tokens, vocab]`` logits of which every rank holds
+vocabulary, which gathers, as without this rule), on ``[tokens, vocab]`` logits of which every rank holds
 some. The lowerings are :class:`~dynashard.rewrite.lowerings.LogSumExp` and
 :class:`~dynashard.rewrite.lowerings.VocabNll`.
 """
