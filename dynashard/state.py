@@ -15,11 +15,20 @@ binding, a ``global`` rebinding, a process-wide registration or a patch that the
 on a listed one that is gone). A new piece of state belongs first in an object a program or a model owns,
 so that it goes with it; what cannot goes here, with its owner and its lifetime.
 
-The registries that serve one compiled program live here, each entry owned by that program:
+The registries that serve one compile live here, each entry owned by the compile that made it:
 ``CONVERSIONS`` (below).
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+# marker key -> (autograd.Function, x -> its apply) for the ``dynashard::tp_conversion`` markers a rewrite in
+# progress traces (comm.collectives.TracedConversions): each key names its rewrite, and goes when it ends
+CONVERSIONS: dict[str, tuple[type, Callable[[Any], Any]]] = {}
+TRACING = threading.local()  # .conversions: the TracedConversions of this thread's rewrite in progress
 
 STATE: dict[str, str] = {
     "dynashard.comm.protocol._HOSTS":
@@ -60,8 +69,11 @@ STATE: dict[str, str] = {
         "op -> its layout rule; filled by @rule as plan.rules imports",
     "dynashard.plan.rules.registry.TAG_RULES":
         "torch.Tag -> its layout rule; filled by @rule as plan.rules imports",
-    "dynashard.comm.collectives._CONVERSIONS":
-        "marker key -> conversion; one per distinct conversion, never removed",
+    "dynashard.state.CONVERSIONS":
+        "marker key -> conversion while a rewrite traces; its keys removed when that rewrite ends (the graph "
+        "then calls each conversion itself, and goes with the program)",
+    "dynashard.state.TRACING":
+        "this thread's rewrite in progress (comm.collectives.TracedConversions); set while it traces",
 }
 
 HOOKS: dict[str, str] = {

@@ -268,3 +268,34 @@ def test_state_py_lists_every_piece_of_process_wide_state():
     assert not set(listed.STATE) & listed.TABLES
     writes = {name: lines for name in listed.TABLES if (lines := _written(*name.rsplit(".", 1)))}
     assert writes == {}, f"written after import: state, not a table (move to STATE): {writes}"
+
+
+def test_a_compiles_conversions_are_its_own_and_go_with_it(fake_group, monkeypatch):
+    """A training compile traces each conversion (Megatron's f and g here) as a ``dynashard::tp_conversion``
+    marker keyed in a process-wide registry, then binds each marker to its conversion. The keys name the
+    compile that traced them, so two models' never meet, and the registry holds none of them once the
+    compile is done (the graph calls the conversions itself), nor after the models are gone."""
+    from dynashard import state
+    from dynashard.comm import collectives
+
+    keys, bind = [], collectives.bind_conversions
+
+    def recording(gm):  # the marker keys of each compile's graph, as bound
+        keys.append({n.args[1] for n in gm.graph.nodes if n.target is torch.ops.dynashard.tp_conversion.default})
+        return bind(gm)
+
+    monkeypatch.setattr(collectives, "bind_conversions", recording)
+    x, models_alive = torch.randn(2, 5, 32), []
+    for hidden in (80, 96):  # (another size: Dynamo compiles again, a second program)
+        torch.manual_seed(0)
+        model = models.ResidualBlock(32, hidden)  # the same conversions (f, g on one group), each compile its own
+        compiled = torch.compile(model, backend=dynashard.backend(**EAGER))
+        compiled(x).pow(2).mean().backward()
+        models_alive.append((model, compiled))
+        assert state.CONVERSIONS == {}, "a finished compile's conversions are still registered"
+    assert len(keys) == 2 and len(keys[0]) == 2, keys  # f before gate/up, g after down
+    assert not keys[0] & keys[1], f"two compiles' conversions share keys: {keys}"
+    del models_alive, model, compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert state.CONVERSIONS == {}
