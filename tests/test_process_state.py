@@ -7,9 +7,11 @@ live, and where, is read here).
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -152,3 +154,148 @@ def test_empty_weights_acts_on_this_thread_only():
         "after": ("cpu", "cpu"),
     }, devices
     assert out["mine"].table.device.type == "cpu" and isinstance(out["mine"].weight, torch.nn.Parameter)
+
+
+# ---- dynashard/state.py lists every piece of process-wide state (read from the source with ast) ----
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dynashard"
+# calls whose result cannot change: a binding to one is a constant, not state
+_IMMUTABLE_CALLS = {"frozenset", "tuple", "object", "range", "re.compile", "torch.Size", "logging.getLogger", "getattr",
+                    "TypeVar", "int", "float", "str"}
+# process-wide registrations (by the called name's last part), besides register_module_*, atexit.register and
+# torch.library.*
+_REGISTRARS = {"register_package", "register_optimizer_step_pre_hook", "register_optimizer_step_post_hook",
+               "skip_code", "never_a_frame", "never_a_frame_of_its_own", "custom_op", "register_backend"}
+_MUTATORS = {"add", "append", "extend", "update", "setdefault", "pop", "popitem", "clear", "discard", "remove",
+             "insert"}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Call):
+        return _dotted(node.func)
+    return "?"
+
+
+def _mutable(value: ast.AST) -> bool:
+    """A top-level value that can change: a container, an object a call built, or an attribute of another
+    module's state (``STORE.live``)."""
+    if isinstance(value, (ast.Dict, ast.DictComp, ast.List, ast.ListComp, ast.Set, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        return _dotted(value.func) not in _IMMUTABLE_CALLS
+    if isinstance(value, ast.Attribute):
+        root = _dotted(value).split(".")[0]
+        return root.isupper()
+    return False
+
+
+def _registration(node: ast.AST) -> str | None:
+    name = _dotted(node)
+    last = name.rsplit(".", 1)[-1]
+    if last in _REGISTRARS or last.startswith("register_module_") or name == "atexit.register":
+        return "atexit.register" if name == "atexit.register" else last
+    if name.startswith("torch.library."):
+        return last
+    return None
+
+
+def scan_state() -> tuple[set[str], set[str]]:
+    """(``module.NAME`` of each top-level mutable binding or ``global`` rebinding, ``module: what`` of each
+    process-wide registration, patch of an imported module's attribute, or class swap) in the package."""
+    state, hooks = set(), set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+            for target in targets:
+                if isinstance(target, ast.Name) and _mutable(node.value):
+                    state.add(f"{module}.{target.id}")
+        modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                   for a in n.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                state.update(f"{module}.{name}" for name in node.names)
+            elif isinstance(node, ast.Call) and (what := _registration(node.func)):
+                hooks.add(f"{module}: {what}")
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                for decorator in node.decorator_list:
+                    if not isinstance(decorator, ast.Call) and (what := _registration(decorator)):
+                        hooks.add(f"{module}: {what}")
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and target.attr == "__class__":
+                        hooks.add(f"{module}: __class__ =")
+                    elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
+                            target.value.id in modules:
+                        hooks.add(f"{module}: {_dotted(target)} =")
+    return state, hooks
+
+
+def _written(module: str, name: str) -> list[int]:
+    """Lines of ``module`` that write into its top-level ``name`` (an item set or deleted, a mutating call)."""
+    parts = module.split(".")[1:]
+    path = PACKAGE.joinpath(*parts, "__init__.py") if PACKAGE.joinpath(*parts).is_dir() else \
+        PACKAGE.joinpath(*parts[:-1], parts[-1] + ".py")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            found += [node.lineno for t in targets if isinstance(t, ast.Subscript) and _dotted(t.value) == name]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in _MUTATORS and _dotted(node.func.value) == name:
+            found.append(node.lineno)
+    return found
+
+
+def test_state_py_lists_every_piece_of_process_wide_state():
+    """A new module-level table, counter or handle, a ``global`` rebinding, a process-wide hook, a patch of
+    another module or a class swap fails here until ``dynashard/state.py`` names it with its lifetime; a
+    listed one that is gone fails too (the list stays the truth)."""
+    from dynashard import state as listed
+
+    state, hooks = scan_state()
+    assert state - set(listed.STATE) - listed.TABLES == set(), "add these to dynashard/state.py's STATE (or TABLES)"
+    assert hooks - set(listed.HOOKS) == set(), "add these to dynashard/state.py's HOOKS"
+    assert set(listed.STATE) - state == set() and set(listed.HOOKS) - hooks == set(), "gone: drop from state.py"
+    assert listed.TABLES - state == set(), "gone (or no longer a mutable binding): drop from state.py's TABLES"
+    assert not set(listed.STATE) & listed.TABLES
+    writes = {name: lines for name in listed.TABLES if (lines := _written(*name.rsplit(".", 1)))}
+    assert writes == {}, f"written after import: state, not a table (move to STATE): {writes}"
+
+
+def test_a_compiles_conversions_are_its_own_and_go_with_it(fake_group, monkeypatch):
+    """A training compile traces each conversion (Megatron's f and g here) as a ``dynashard::tp_conversion``
+    marker keyed in a process-wide registry, then binds each marker to its conversion. The keys name the
+    compile that traced them, so two models' never meet, and the registry holds none of them once the
+    compile is done (the graph calls the conversions itself), nor after the models are gone."""
+    from dynashard import state
+    from dynashard.comm import collectives
+
+    keys, bind = [], collectives.bind_conversions
+
+    def recording(gm):  # the marker keys of each compile's graph, as bound
+        keys.append({n.args[1] for n in gm.graph.nodes if n.target is torch.ops.dynashard.tp_conversion.default})
+        return bind(gm)
+
+    monkeypatch.setattr(collectives, "bind_conversions", recording)
+    x, models_alive = torch.randn(2, 5, 32), []
+    for hidden in (80, 96):  # (another size: Dynamo compiles again, a second program)
+        torch.manual_seed(0)
+        model = models.ResidualBlock(32, hidden)  # the same conversions (f, g on one group), each compile its own
+        compiled = torch.compile(model, backend=dynashard.backend(**EAGER))
+        compiled(x).pow(2).mean().backward()
+        models_alive.append((model, compiled))
+        assert state.CONVERSIONS == {}, "a finished compile's conversions are still registered"
+    assert len(keys) == 2 and len(keys[0]) == 2, keys  # f before gate/up, g after down
+    assert not keys[0] & keys[1], f"two compiles' conversions share keys: {keys}"
+    del models_alive, model, compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert state.CONVERSIONS == {}

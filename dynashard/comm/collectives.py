@@ -17,8 +17,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from dynashard import _torch as private
+from dynashard import state
 from dynashard._torch import funcol as private_funcol
 from dynashard.comm.protocol import peer_guard
+from dynashard.errors import InternalError
 
 
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -157,10 +159,9 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # rewritten graph for the compiler, runs the Function and keeps its backward (measured:
 # tools/proto_train_fg.py, gradients equal the unsharded model's under eager, aot_eager and Inductor).
 
-# marker key -> the conversion (x -> y, with its backward). The key is what the conversion is made of, so
-# tracing the same conversion again (a recompile, another shape) reuses its entry: the table holds one per
-# distinct conversion (kind, group, cut), however often the rewrite runs.
-_CONVERSIONS: dict[str, Any] = {}
+# The markers' keys name the rewrite that traced them (``TracedConversions``): two compiles' never meet, and
+# the registry (``state.CONVERSIONS``) holds a compile's conversions only while it traces; once bound, the
+# graph calls each one itself, and the conversions go with the program that holds the graph.
 _REGATHER_GRAPH_ID = 1 << 20  # (ids apart from the user's checkpointed regions')
 aten = torch.ops.aten
 _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -170,21 +171,43 @@ _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
 def tp_conversion(x: torch.Tensor, key: str) -> torch.Tensor:
     with torch.no_grad():
-        return _CONVERSIONS[key](x).clone()
+        return state.CONVERSIONS[key][1](x).clone()
 
 
 @tp_conversion.register_fake
 def _tp_conversion_fake(x: torch.Tensor, key: str) -> torch.Tensor:
-    out = _CONVERSIONS[key](x.detach())
+    out = state.CONVERSIONS[key][1](x.detach())
     return out.new_empty(out.shape)
+
+
+class TracedConversions:
+    """``with TracedConversions():`` the conversions this thread's rewrite traces, registered under keys that
+    name this scope (a conversion traced twice in it is one entry) and removed when it ends."""
+
+    def __init__(self) -> None:
+        self.prefix, self.keys, self.outer = f"{id(self):x}:", [], None
+
+    def __enter__(self) -> TracedConversions:
+        self.outer = getattr(state.TRACING, "conversions", None)
+        state.TRACING.conversions = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        state.TRACING.conversions = self.outer
+        for key in self.keys:
+            del state.CONVERSIONS[key]
 
 
 def conversion(x: torch.Tensor, function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
     """``function.apply(x, *args)`` in a traced graph as a marker that :func:`bind_conversions` turns
     back into it. ``args``: plain values (group name, lengths, rank), which name the conversion."""
-    key = repr((function.__name__, args))
-    if key not in _CONVERSIONS:
-        _CONVERSIONS[key] = lambda v: function.apply(v, *args)
+    scope = getattr(state.TRACING, "conversions", None)
+    if scope is None:
+        raise InternalError(f"dynashard: {function.__name__} traced outside a rewrite's TracedConversions")
+    key = scope.prefix + repr((function.__name__, args))
+    if key not in state.CONVERSIONS:
+        state.CONVERSIONS[key] = (function, lambda v: function.apply(v, *args))
+        scope.keys.append(key)
     return torch.ops.dynashard.tp_conversion(x, key)
 
 
@@ -196,10 +219,9 @@ def bind_conversions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     for i, node in enumerate(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.dynashard.tp_conversion.default:
-            key = node.args[1]
-            node.target = _CONVERSIONS[key]
+            function, node.target = state.CONVERSIONS[node.args[1]]
             node.args = (node.args[0],)
-            if key.startswith(f"('{_GatherToShards.__name__}'") and "recompute" not in node.meta:
+            if function is _GatherToShards and "recompute" not in node.meta:
                 # the gather and the layout ops after it, up to the matmuls that read it
                 todo = [node]
                 while todo:

@@ -274,5 +274,6 @@ def rewrite(
     will be differentiated: its conversions carry Megatron's backward (``collectives.copy_to_shards``).
     """
     sharder = _Sharder(gm, plan, group_name, a2a_reduce, train=train)
-    traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args, keep_tags=private.recomputes(gm))
-    return collectives.bind_conversions(traced) if train else traced
+    with collectives.TracedConversions():  # (released once bound: the graph then holds each conversion)
+        traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args, keep_tags=private.recomputes(gm))
+        return collectives.bind_conversions(traced) if train else traced
