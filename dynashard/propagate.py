@@ -38,13 +38,14 @@ from dynashard.lowerings import (
     SigmaOfCut,
     StackedTranspose,
 )
-from dynashard.match import LinearMatch, SpectralNormed, WeightNormed
+from dynashard.match import GroupQuantized, LinearMatch, SpectralNormed, WeightNormed
 from dynashard.match_adapters import find_low_rank_updates
 from dynashard.nodes import all_args
 from dynashard.options import Style
 from dynashard.rules.inplace import SIZE_ARG, alias_roots, grows_cache, mutated_roots
 from dynashard.rules.origins import feeds_features, linear
 from dynashard.rules.partial import keeps_partial, whole_linear_of_partial
+from dynashard.rules.quantized import resize_dequantization
 from dynashard.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard
 from dynashard.split import Split
 
@@ -142,6 +143,8 @@ def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: 
         return
     if isinstance(match.kind, SpectralNormed):
         _lower_spectral(lm, match, style, record)
+    if isinstance(match.kind, GroupQuantized):
+        resize_dequantization(lm, match, style, record)
     for n in match.operand_path:
         if n.target is aten._weight_norm_interface.default:
             _lower_weight_norm(lm, match, style, record, n)
