@@ -48,6 +48,7 @@ from dynashard.options import parse_options
 from dynashard.placement import check_loadable, words
 from dynashard.placement import of as placement_of
 from dynashard.protocol import agreed, resolve_group
+from dynashard.subclass_inputs import inner_tensors
 from dynashard.weights import STORE, cut
 
 FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
@@ -103,7 +104,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
         if source is not None:
-            STORE.materialize([p for p in model.parameters()], source)  # read by no graph (eager code): whole
+            # read by no graph (eager code): whole (a quantized weight: its inner tensors)
+            STORE.materialize([t for p in model.parameters() for t in inner_tensors(p)], source)
             source.agree_on_what_was_read_whole()
     except Exception as e:
         ours = private.backend_error(e) or e

@@ -288,3 +288,108 @@ def test_int8_mlp_parallelized_under_inductor_equals_the_quantized_model(rank, w
     # float32 sums of 256 products in another order, and Inductor's fused kernels: relative 1e-5 of the output
     assert float((model(x) - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     assert dynashard.held_bytes(model) == dynashard.held_bytes(reference) - 2 * 8192  # the int8 data halved
+
+
+def _save_quantized(directory, config) -> T.LlamaConfig:
+    """A tiny Llama saved float, loaded through HF's TorchAoConfig (quantized as HF does it) and saved again:
+    HF writes each quantized weight flattened (``<module>._weight_qdata``, ``_weight_scale``, ...) with torchao's
+    description of it in the safetensors metadata."""
+    torch.manual_seed(0)
+    config_ = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                            vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    T.LlamaForCausalLM(config_).save_pretrained(directory / "float")
+    quantized = T.LlamaForCausalLM.from_pretrained(directory / "float", quantization_config=T.TorchAoConfig(config),
+                                                   dtype=torch.float32)
+    quantized.save_pretrained(directory / "quantized")
+    return config_
+
+
+def _meta_quantized(config_, config) -> nn.Module:
+    with dynashard.empty_weights():
+        model = T.LlamaForCausalLM(config_).eval()
+    # as HF's TorchAoConfig quantizes (on meta: the subclasses' shapes and attributes, no values): lm_head left float
+    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn != "lm_head")
+    return model
+
+
+LOAD_CONFIGS = {
+    "int8 per row": lambda: Int8WeightOnlyConfig(),
+    "int8 PerGroup(16)": lambda: Int8WeightOnlyConfig(granularity=PerGroup(16)),
+    "int4 PerGroup(16)": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)),
+}
+
+
+@on_ranks(cases=list(LOAD_CONFIGS))
+@torch.no_grad()
+def test_quantized_hf_checkpoint_loads_sharded(rank, world, tmp_path, case):
+    """parallelize(meta model quantized alike, checkpoint=save_pretrained dir): each rank reads its rows or
+    whole groups of qdata, scale and zero point; the logits equal the HF-loaded quantized model's."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        config_ = _save_quantized(tmp_path, LOAD_CONFIGS[case]())
+    dist.barrier()
+    config_ = T.LlamaConfig.from_pretrained(tmp_path / "quantized")
+    reference = T.LlamaForCausalLM.from_pretrained(tmp_path / "quantized", dtype=torch.float32).eval()
+    model = _meta_quantized(config_, LOAD_CONFIGS[case]())
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    from dynashard.checkpoint import SafetensorsCheckpoint
+
+    read, real_read = {}, SafetensorsCheckpoint._read
+
+    def counted(self, fqn, dim, pieces, dtype, device):  # (every slice any rank reads from the files)
+        out = real_read(self, fqn, dim, pieces, dtype, device)
+        read[fqn] = read.get(fqn, 0) + sum(t.numel() for t in out)
+        return out
+
+    SafetensorsCheckpoint._read = counted
+    try:
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
+    finally:
+        SafetensorsCheckpoint._read = real_read
+    quantized = [k for k in read if "._weight_" in k]
+    assert len(quantized) == 2 * 7 * 3, sorted(read)  # 7 linears a layer, qdata, scale and zero point each
+    weights = dict(reference.named_parameters())
+    parts = {k: getattr(weights[k.split("._weight_")[0] + ".weight"], k.split("._weight_")[1]) for k in quantized}
+    # each rank read exactly its half of every quantized tensor (rows, or whole groups of columns); per row, the
+    # [out, 1] scales and zero points are read whole (held whole, narrowed in the graph: a pointwise op on the output)
+    whole = {k for k in quantized if case == "int8 per row" and not k.endswith("_qdata")}
+    assert all(read[k] * (1 if k in whole else world) == parts[k].numel() for k in quantized), \
+        {k: (read[k], parts[k].numel()) for k in quantized}
+    got, want = model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+    # the same integers and scales, read in slices; partial sums added in another order: ulps of O(1) logits
+    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    # cut: the q/k/v/o/gate/up/down data, scales, zero points and the embedding, halved; whole: lm_head, norms
+    assert dynashard.held_bytes(model) <= 0.62 * dynashard.held_bytes(reference)
+
+
+@on_ranks
+@torch.no_grad()
+def test_a_quantized_checkpoint_of_another_config_is_refused(rank, world, tmp_path):
+    """The same shapes, another quantization (int4 asymmetric per group into an int8 per-group model): the
+    integers would dequantize to other values. Refused on every rank, naming the difference; the model kept."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        _save_quantized(tmp_path, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    dist.barrier()
+    config_ = T.LlamaConfig.from_pretrained(tmp_path / "quantized")
+    model = _meta_quantized(config_, Int8WeightOnlyConfig(granularity=PerGroup(16)))
+    before = {n: type(p) for n, p in model.named_parameters()}
+    ids = torch.randint(3, 96, (2, 7))
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' is saved as "
+                                         "IntxUnpackedToInt8Tensor, the model has Int8Tensor"):
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
+    assert {n: type(p) for n, p in model.named_parameters()} == before
+    assert all(p.is_meta for p in model.parameters())
+    model = _meta_quantized(config_, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    with pytest.raises(ValueError, match="_weight_scale' is saved as torch.float32 .64, 4., the model's "
+                                         "model.layers.0.self_attn.q_proj.weight.scale is torch.float32 .64, 2."):
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
+    with pytest.raises(ValueError, match="holds none of .'model.layers.0.self_attn.q_proj._weight_qdata'"):
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "float", options=OPTIONS, use_cache=False)
+    with pytest.raises(ValueError, match="weights='rank0' does not deal"):
+        dynashard.parallelize(_meta_quantized(config_, IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                                           granularity=PerGroup(16))),
+                              ids, checkpoint=tmp_path / "quantized", options={**OPTIONS, "weights": "rank0"},
+                              use_cache=False)
