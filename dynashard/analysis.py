@@ -65,8 +65,10 @@ class Analysis:
                 raise InternalError(f"dynashard: internal error: {m.fqn} planned {style}, but {refused}")
             split = self.plan.layouts.weight_split(m.node)
             companions = m.companions if m.kind.cuts_companions(dim) else ()
-            for p in (m.weight, *companions):  # (weight_norm's g [out, 1] or [1, in] on its norm dim)
-                out[index[p]] = (self.params[index[p]][0], dim, split)
+            out[index[m.weight]] = (self.params[index[m.weight]][0], dim, split)
+            for p in companions:  # (weight_norm's g [out, 1] or [1, in] on its norm dim; a quantized weight's scales)
+                out[index[p]] = (self.params[index[p]][0], dim, m.kind.companion_split(dim, m.in_dim, split,
+                                                                                       self.world))
             if self.stacked and style == Style.COLWISE and m.bias in index:
                 out[index[m.bias]] = (self.params[index[m.bias]][0], 0, split)
         return out

@@ -292,23 +292,38 @@ def _got(gm: torch.fx.GraphModule, specs: list[T], lm: LayoutMap, node: torch.fx
 
 
 def linear_of(x: T, out_features: int, style: Style, bias: bool = False, embedding: bool = False,
-              world: int = 2, rank: int = 0, per_rank: bool = False, sequence: bool = False) -> Got:
+              world: int = 2, rank: int = 0, per_rank: bool = False, sequence: bool = False, group: int = 0) -> Got:
     """The record of ``F.linear(x, W[, b])`` (or ``F.embedding(x, W)``: ``x`` ids) cut ``style``, as the
-    driver takes it for a matched linear (a whole one may keep a partial input partial)."""
+    driver takes it for a matched linear (a whole one may keep a partial input partial). ``group``: W is
+    torchao's group-wise int8 ``qdata [out, in]`` dequantized by groups of ``group`` input columns with a
+    scale and a zero point ``[out, in / group]`` (operands x, qdata, scale, zero point), as flattened."""
     in_features = x.shape[-1]
-    w = t(out_features, in_features) if not embedding else t(in_features, out_features)
+    w = t(out_features, in_features, dtype=torch.int8 if group else torch.float32) if not embedding \
+        else t(in_features, out_features)
     b = t(out_features) if bias else None
+    scales = [t(out_features, in_features // group), t(out_features, in_features // group, dtype=torch.int8)] \
+        if group else []
 
-    def fn(x: torch.Tensor, w: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(x, w) if embedding else torch.nn.functional.linear(x, w, *b)
+    def dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        shape = (out_features, in_features // group)
+        q3, z3 = q.view(*shape, group).to(torch.float32), zero.view(*shape, 1).to(torch.float32)
+        return ((q3 - z3) * scale.view(*shape, 1)).view(out_features, in_features)
 
-    specs = [x, w] + ([b] if bias else [])
+    def fn(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if group:
+            return torch.nn.functional.linear(x, dequantized(w, *rest))
+        return torch.nn.functional.embedding(x, w) if embedding else torch.nn.functional.linear(x, w, *rest)
+
+    specs = [x, w] + ([b] if bias else []) + scales
     gm = make_fx(fn, tracing_mode="fake")(*[_example(s) for s in specs])
     lm = seeded(gm, specs, world, rank, per_rank=per_rank, sequence=sequence)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    params = {placeholders[1]: ParamInfo("lin.weight", "lin", True)}
+    params = {placeholders[1]: ParamInfo("lin.weight.qdata", "lin", True, "qdata") if group
+              else ParamInfo("lin.weight", "lin", True)}
     if bias:
         params[placeholders[2]] = ParamInfo("lin.bias", "lin", True)
+    for node, inner in zip(placeholders[2:], ("scale", "zero_point") if group else (), strict=False):
+        params[node] = ParamInfo(f"lin.weight.{inner}", "lin", True, inner)
     (match,), _ = find_linears(gm.graph, params)
     for node in gm.graph.nodes:  # the weight's transpose, an input view: their own rules' records
         if node.op == "call_function" and node is not match.node and node not in lm.records:

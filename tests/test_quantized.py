@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers as T
-from torchao.quantization import Int8WeightOnlyConfig, quantize_
+from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerAxis, PerGroup, quantize_
 
 import dynashard
 from tests.scenarios import Scenarios
@@ -106,24 +106,155 @@ def test_int8_llama_on_real_ranks_equals_the_quantized_model(rank, world):
     assert held <= 0.62 * whole, (held, whole)
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("config", ["int8 per group", "int4 per group"])
-def test_group_wise_quantized_linears_are_kept_whole_with_the_reason(config):
-    """torchao's group-wise forms that run on this CPU (int8 PerGroup(32), and int4 weight-only as
-    IntxWeightOnlyConfig stores it: int4 values in int8, scales per 32 columns; Int4WeightOnlyConfig needs
-    mslk or CUDA here) dequantize through views of the whole weight's shape: held whole, said in explain, the
-    logits the quantized model's; each is matched, so explain shows a row for it."""
-    from torchao.quantization import IntxWeightOnlyConfig, PerGroup
+GROUP_CONFIGS = {  # torchao's group-wise forms that run on this CPU (Int4WeightOnlyConfig needs mslk or CUDA)
+    "int8 PerGroup(32)": lambda: Int8WeightOnlyConfig(granularity=PerGroup(32)),
+    "int4 PerGroup(32)": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+}
 
+
+def _grouped_mlp(config: str, ffn: int = 256) -> nn.Module:
     torch.manual_seed(0)
-    model = MLP()
-    quantize_(model, Int8WeightOnlyConfig(granularity=PerGroup(32)) if config.startswith("int8")
-              else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
-    report = dynashard.explain(model, torch.randn(2, 5, 64), world_size=2, verify=True, options=OPTIONS)
-    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)
-    assert all("quantized by groups of 32 input columns" in r.reason for r in report.rows), str(report)
-    with pytest.raises(ValueError, match="quantized by groups of 32"):  # a plan asking for a cut is refused
-        dynashard.explain(model, torch.randn(2, 5, 64), world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
+    model = MLP(ffn=ffn)
+    quantize_(model, GROUP_CONFIGS[config]())
+    return model
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("config", list(GROUP_CONFIGS))
+def test_group_wise_quantized_mlp_is_cut_on_group_boundaries(config, world):
+    """qdata int8 [out, in] (int4 values one a byte), scale and zero point [out, in / 32]: up's rows cut with
+    their scales (a group never spans rows); down's 256 columns are 8 groups of 32, dealt 4/4, 3/3/2 (up asked
+    for units of 32: 86/85/85 columns would split groups) and 2/2/2/2."""
+    report = dynashard.explain(_grouped_mlp(config), torch.randn(2, 5, 64), world_size=world, verify=True,
+                               options=OPTIONS)  # (verify: every simulated rank's output against the model's)
+    assert report.layers == {"up": "colwise", "down": "rowwise"}, str(report)
+    groups = {2: 4, 3: 3, 4: 2}[world]  # rank 0's groups of 32 (of up's rows and of down's columns)
+    assert {r.fqn: r.weight_bytes for r in report.rows} == {"up": groups * 32 * 64, "down": 64 * groups * 32}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("config", ["int8 PerGroup(16)", "int4 PerGroup(32)"])
+def test_group_wise_quantized_llama(config, world):
+    """Heads of 8 features: o_proj's input cut in units of lcm(8, g). int8 in groups of 16 is cut as its float
+    twin at 2 and 3 ranks. int4 in groups of 32: hidden 64 is 2 groups, so at 3 ranks no cut of o_proj's
+    input (or of q/k/v's colwise partner) is in whole groups: attention kept whole with the reason, the MLP
+    (128 = 4 groups, dealt 2/1/1) still cut."""
+    torch.manual_seed(0)
+    config_ = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                            vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config_).eval()
+    g = int(config.split("(")[1].rstrip(")"))
+    quantize_(model, Int8WeightOnlyConfig(granularity=PerGroup(g)) if config.startswith("int8")
+              else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g)))
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    report = dynashard.explain(model, ids, world_size=world, verify=True, options=OPTIONS, use_cache=False)
+    if config.startswith("int8") or world == 2:
+        assert report.layers == LLAMA_PLAN, str(report)
+        return
+    want = {**LLAMA_PLAN, **{k: "replicate" for k in LLAMA_PLAN if ".self_attn." in k}}
+    assert report.layers == want, str(report)
+    reasons = {r.fqn: r.reason for r in report.rows}
+    assert "groups of 32 input columns, and its input cannot be cut in whole groups over 3 ranks" in \
+        reasons["model.layers.0.self_attn.o_proj"], str(report)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", list(GROUP_CONFIGS))
+def test_rowwise_group_quantized_never_splits_a_group(config, monkeypatch):
+    """Where the input's cut is not in whole groups and its partner is not re-cut (here: the wish suppressed),
+    a plan asking rowwise gathers down's input and cuts its own whole groups, 3/3/2 of 8 (the auto plan keeps
+    such a layer whole: the Llama test); a plan with a replicated input narrows it to whole groups; fewer
+    groups than ranks is refused."""
+    x = torch.randn(2, 5, 64)
+    plan = {"up": "colwise", "down": "rowwise"}
+    with monkeypatch.context() as patched:  # (up not re-cut in groups: 86/85/85 of down's 256 input features)
+        patched.setattr("dynashard.plan.rules.quantized._ask_for_groups", lambda *args: None)
+        report = dynashard.explain(_grouped_mlp(config), x, world_size=3, verify=True,
+                                   options={**OPTIONS, "plan": plan})
+    assert report.layers == plan, str(report)
+    rows = {r.fqn: r for r in report.rows}
+    assert rows["down"].weight_bytes == 64 * 3 * 32, str(report)  # (rank 0: 3 groups)
+    assert "all_gather" in rows["up"].collectives, str(report)  # (charged to the origin gathered)
+    report = dynashard.explain(_grouped_mlp(config), x, world_size=3, verify=True,
+                               options={**OPTIONS, "plan": {"down": "rowwise"}})
+    assert {r.fqn: r.weight_bytes for r in report.rows} == {"up": 256 * 64, "down": 64 * 3 * 32}, str(report)
+    with pytest.raises(ValueError, match="2 group.s. of 32 input columns .the unit of its quantization. cannot give "
+                                         "all 4 ranks some"):
+        dynashard.explain(_grouped_mlp(config), x, world_size=4, options={**OPTIONS, "plan": {"up": "rowwise"}})
+
+
+@pytest.mark.unit
+def test_one_group_a_row_is_matched_and_cut_by_rows():
+    """IntxWeightOnlyConfig(PerAxis(0)): one scale a row, whose dequantization views are 2-D ([out, in], [out,
+    1]). Before: no linear matched at all (no row in explain, a plan naming it refused as matching nothing).
+    Rows cut like any group; columns never (one group: a rank would hold all or nothing)."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(2, 5, 64)
+    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerAxis(0)))
+    report = dynashard.explain(model, x, world_size=2, verify=True, options={**OPTIONS, "plan": {"up": "colwise"}})
+    assert report.layers == {"up": "colwise", "down": "replicate"}, str(report)
+    report = dynashard.explain(model, x, world_size=2, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)  # (down: 1 group of 256)
+    assert "quantized by groups of 256 input columns, and its input cannot be cut in whole groups" in \
+        report.rows[1].reason, str(report)
+    with pytest.raises(ValueError, match="1 group.s. of 256 input columns"):
+        dynashard.explain(model, x, world_size=2, options={**OPTIONS, "plan": {"down": "rowwise"}})
+
+
+@pytest.mark.unit
+def test_group_quantized_kept_whole_under_per_rank_weights():
+    with pytest.raises(ValueError, match="quantized by groups of 32 input columns: kept whole under "
+                                         "weights='per_rank'"):
+        dynashard.explain(_grouped_mlp("int4 PerGroup(32)"), torch.randn(2, 5, 64), world_size=2,
+                          options={**OPTIONS, "plan": {"up": "colwise"}, "weights": "per_rank", "inputs": "per_rank"})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("config", list(GROUP_CONFIGS))
+def test_group_quantized_held_bytes(config, world):
+    """Each rank holds its groups of qdata, scale and zero point (a fake group: the shards are real tensors)."""
+    from dynashard import _torch as private
+
+    private.init_fake_process_group(world)
+    try:
+        model = _grouped_mlp(config)
+        whole = dynashard.held_bytes(model)
+        x = torch.randn(2, 5, 64)
+        dynashard.parallelize(model, x, options={**OPTIONS, "compiler": "eager"})
+        assert model(x).shape == (2, 5, 64)
+        # per layer 8 groups of 32 x 64 int8 values, f32 scales and int8 zero points; rank 0 holds 4 (3) of 8
+        quantized = 2 * 8 * (32 * 64 + 64 * 4 + 64)
+        held_groups = {2: 4, 3: 3}[world]
+        cut = quantized * (8 - held_groups) // 8
+        # (+ up's colwise bias, held cut too when the graph adds it in addmm (int4's), not after a view (int8's))
+        assert whole - dynashard.held_bytes(model) in (cut, cut + 256 * 4 * (8 - held_groups) // 8), \
+            (whole, dynashard.held_bytes(model), cut)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@on_ranks
+@torch.no_grad()
+def test_group_quantized_llama_on_real_ranks_equals_the_quantized_model(rank, world):
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config).eval()
+    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    reference = copy.deepcopy(model)
+    fast = torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})
+    for length in (7, 5):
+        ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(length))
+        got, want = fast(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+        # the same int4 values and scales dequantized on each rank, partial sums added in another order: ulps
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), length
+    held, whole = dynashard.held_bytes(model), dynashard.held_bytes(reference)
+    # cut: q/k/v/o/gate/up/down's int4 data (one a byte), scales and zero points, halved; the embedding half;
+    # whole: lm_head, norms
+    assert held <= 0.62 * whole, (held, whole)
 
 
 @pytest.mark.unit
@@ -157,3 +288,108 @@ def test_int8_mlp_parallelized_under_inductor_equals_the_quantized_model(rank, w
     # float32 sums of 256 products in another order, and Inductor's fused kernels: relative 1e-5 of the output
     assert float((model(x) - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     assert dynashard.held_bytes(model) == dynashard.held_bytes(reference) - 2 * 8192  # the int8 data halved
+
+
+def _save_quantized(directory, config) -> T.LlamaConfig:
+    """A tiny Llama saved float, loaded through HF's TorchAoConfig (quantized as HF does it) and saved again:
+    HF writes each quantized weight flattened (``<module>._weight_qdata``, ``_weight_scale``, ...) with torchao's
+    description of it in the safetensors metadata."""
+    torch.manual_seed(0)
+    config_ = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                            vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    T.LlamaForCausalLM(config_).save_pretrained(directory / "float")
+    quantized = T.LlamaForCausalLM.from_pretrained(directory / "float", quantization_config=T.TorchAoConfig(config),
+                                                   dtype=torch.float32)
+    quantized.save_pretrained(directory / "quantized")
+    return config_
+
+
+def _meta_quantized(config_, config) -> nn.Module:
+    with dynashard.empty_weights():
+        model = T.LlamaForCausalLM(config_).eval()
+    # as HF's TorchAoConfig quantizes (on meta: the subclasses' shapes and attributes, no values): lm_head left float
+    quantize_(model, config, filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn != "lm_head")
+    return model
+
+
+LOAD_CONFIGS = {
+    "int8 per row": lambda: Int8WeightOnlyConfig(),
+    "int8 PerGroup(16)": lambda: Int8WeightOnlyConfig(granularity=PerGroup(16)),
+    "int4 PerGroup(16)": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)),
+}
+
+
+@on_ranks(cases=list(LOAD_CONFIGS))
+@torch.no_grad()
+def test_quantized_hf_checkpoint_loads_sharded(rank, world, tmp_path, case):
+    """parallelize(meta model quantized alike, checkpoint=save_pretrained dir): each rank reads its rows or
+    whole groups of qdata, scale and zero point; the logits equal the HF-loaded quantized model's."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        config_ = _save_quantized(tmp_path, LOAD_CONFIGS[case]())
+    dist.barrier()
+    config_ = T.LlamaConfig.from_pretrained(tmp_path / "quantized")
+    reference = T.LlamaForCausalLM.from_pretrained(tmp_path / "quantized", dtype=torch.float32).eval()
+    model = _meta_quantized(config_, LOAD_CONFIGS[case]())
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    from dynashard.load.checkpoint import SafetensorsCheckpoint
+
+    read, real_read = {}, SafetensorsCheckpoint._read
+
+    def counted(self, fqn, dim, pieces, dtype, device):  # (every slice any rank reads from the files)
+        out = real_read(self, fqn, dim, pieces, dtype, device)
+        read[fqn] = read.get(fqn, 0) + sum(t.numel() for t in out)
+        return out
+
+    SafetensorsCheckpoint._read = counted
+    try:
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
+    finally:
+        SafetensorsCheckpoint._read = real_read
+    quantized = [k for k in read if "._weight_" in k]
+    assert len(quantized) == 2 * 7 * 3, sorted(read)  # 7 linears a layer, qdata, scale and zero point each
+    weights = dict(reference.named_parameters())
+    parts = {k: getattr(weights[k.split("._weight_")[0] + ".weight"], k.split("._weight_")[1]) for k in quantized}
+    # each rank read exactly its half of every quantized tensor (rows, or whole groups of columns); per row, the
+    # [out, 1] scales and zero points are read whole (held whole, narrowed in the graph: a pointwise op on the output)
+    whole = {k for k in quantized if case == "int8 per row" and not k.endswith("_qdata")}
+    assert all(read[k] * (1 if k in whole else world) == parts[k].numel() for k in quantized), \
+        {k: (read[k], parts[k].numel()) for k in quantized}
+    got, want = model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+    # the same integers and scales, read in slices; partial sums added in another order: ulps of O(1) logits
+    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    # cut: the q/k/v/o/gate/up/down data, scales, zero points and the embedding, halved; whole: lm_head, norms
+    assert dynashard.held_bytes(model) <= 0.62 * dynashard.held_bytes(reference)
+
+
+@on_ranks
+@torch.no_grad()
+def test_a_quantized_checkpoint_of_another_config_is_refused(rank, world, tmp_path):
+    """The same shapes, another quantization (int4 asymmetric per group into an int8 per-group model): the
+    integers would dequantize to other values. Refused on every rank, naming the difference; the model kept."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        _save_quantized(tmp_path, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    dist.barrier()
+    config_ = T.LlamaConfig.from_pretrained(tmp_path / "quantized")
+    model = _meta_quantized(config_, Int8WeightOnlyConfig(granularity=PerGroup(16)))
+    before = {n: type(p) for n, p in model.named_parameters()}
+    ids = torch.randint(3, 96, (2, 7))
+    with pytest.raises(ValueError, match="'model.layers.0.self_attn.q_proj.weight' is saved as "
+                                         "IntxUnpackedToInt8Tensor, the model has Int8Tensor"):
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
+    assert {n: type(p) for n, p in model.named_parameters()} == before
+    assert all(p.is_meta for p in model.parameters())
+    model = _meta_quantized(config_, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    with pytest.raises(ValueError, match="_weight_scale' is saved as torch.float32 .64, 4., the model's "
+                                         "model.layers.0.self_attn.q_proj.weight.scale is torch.float32 .64, 2."):
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
+    with pytest.raises(ValueError, match="holds none of .'model.layers.0.self_attn.q_proj._weight_qdata'"):
+        dynashard.parallelize(model, ids, checkpoint=tmp_path / "float", options=OPTIONS, use_cache=False)
+    with pytest.raises(ValueError, match="weights='rank0' does not deal"):
+        dynashard.parallelize(_meta_quantized(config_, IntxWeightOnlyConfig(weight_dtype=torch.int4,
+                                                                           granularity=PerGroup(16))),
+                              ids, checkpoint=tmp_path / "quantized", options={**OPTIONS, "weights": "rank0"},
+                              use_cache=False)

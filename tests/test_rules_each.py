@@ -276,6 +276,20 @@ LINEAR_CASES = [
                  whole(reads="LL", lowering="VocabParallelLookup", collectives=("all_reduce",)), id="embedding-vocab"),
     pytest.param(t(4, 3, dtype=torch.int64), 6, Style.COLWISE, {"embedding": True}, keep(S(-1, 6), reads="LL"),
                  id="embedding-colwise"),
+    # rules/quantized.py: torchao's group-wise int8 (groups of 16 of 64 input columns; operands x, qdata, scale,
+    # zero point, read through the dequantization: -). Colwise cuts rows (no group split); rowwise reads an input
+    # cut in whole groups as it is, else cuts the weight in whole groups (the input narrowed or gathered to them)
+    # and asks the input's origin for units of 16 (a COARSEN wish)
+    pytest.param(t(4, 64), 6, Style.COLWISE, {"group": 16}, keep(S(-1, 6), reads="L---"), id="colwise-group-quantized"),
+    pytest.param(t(4, 64, cut=-1), 6, Style.ROWWISE, {"group": 16},
+                 whole(reads="L---", lowering="RowwiseLinear", collectives=("all_reduce",)),
+                 id="rowwise-group-quantized-whole-groups"),
+    pytest.param(t(4, 64), 6, Style.ROWWISE, {"group": 16, "world": 3},
+                 whole(reads="N---", lowering="RowwiseLinear", collectives=("all_reduce",)),
+                 id="rowwise-group-quantized-narrows-to-groups"),
+    pytest.param(t(4, 64, cut=-1), 6, Style.ROWWISE, {"group": 16, "world": 3},
+                 whole(reads="G---", lowering="RowwiseLinear", collectives=("all_reduce",), wishes=("coarsen",)),
+                 id="rowwise-group-quantized-asks-for-groups"),
     # rules/partial.py's whole_linear_of_partial: a whole linear is linear in its input (a LoRA's B)
     pytest.param(t(4, 8, partial=True), 6, Style.REPLICATE, {}, summed(reads="L-"), id="whole-of-partial"),
     pytest.param(t(4, 8, partial=True), 6, Style.REPLICATE, {"bias": True}, whole(reads="L-L", reduced=True),
@@ -310,6 +324,7 @@ def test_every_rule_module_has_cases():
     covered = {RULES[op].fn.__module__.rsplit(".", 1)[-1] for op in named if op in RULES}
     covered |= {reg.fn.__module__.rsplit(".", 1)[-1] for reg in TAG_RULES.values()}
     covered |= {"origins"} if LINEAR_CASES else set()
+    covered |= {"quantized"} if any(p.values[3].get("group") for p in LINEAR_CASES) else set()
     covered |= {"partial"} if any(s.partial for p in CASES for s in _operands(p.values[1])) else set()
     assert modules <= covered, f"rule modules without cases: {sorted(modules - covered)}"
 
@@ -320,7 +335,11 @@ def _operands(args):
 
 @pytest.mark.parametrize(("x", "out_features", "style", "options", "expect"), LINEAR_CASES)
 def test_linear(x, out_features, style, options, expect):
-    expect.check(linear_of(x, out_features, style, **options))
+    got = linear_of(x, out_features, style, **options)
+    expect.check(got)
+    if options.get("group") and style == Style.ROWWISE:  # (the weight's columns: whole groups on every rank)
+        split = got.record.weight_split
+        assert all(c * split.unit % options["group"] == 0 for cs in split.counts(got.lm.world) for c in cs), split
 
 
 @pytest.mark.parametrize(("op", "args", "expect", "target", "world", "options"), CASES)

@@ -142,8 +142,8 @@ def find_linears(
                 out_features=int(out_f),
                 operand_path=path,
                 kind=(WeightNormed(normed[3]) if normed else SpectralNormed(spectral) if spectral
-                      else GroupQuantized(grouped.group) if grouped is not None else DENSE),
-                companions=(normed[1],) if normed else (),
+                      else GroupQuantized(grouped) if grouped is not None else DENSE),
+                companions=(normed[1],) if normed else grouped.companions if grouped is not None else (),
             )
         )
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -1,17 +1,27 @@
 """Group-wise quantized linears: an integer weight dequantized by groups of input columns before the matmul.
 
 Before (torchao's ``Int8WeightOnlyConfig(granularity=PerGroup(g))`` and ``IntxWeightOnlyConfig(weight_dtype=
-torch.int4, granularity=PerGroup(g))`` on CPU, flattened by subclass_inputs.py; qdata int8 ``[out, in]``,
-scale and zero_point ``[out, in / g]``)::
+torch.int4, granularity=PerGroup(g))`` on CPU, flattened by subclass_inputs.py; both hold qdata int8 ``[out, in]``
+(int4 values unpacked one per byte), scale float ``[out, in / g]``, zero_point int8 ``[out, in / g]``, and
+``block_size (1, g)``)::
 
     q3 = aten.view(qdata, [out, G, g]); z3 = aten.view(zero_point, [out, G, 1]); s3 = aten.view(scale, [out, G, 1])
     w = aten.view(aten.mul(aten.sub(q3.to(f32), z3.to(f32)), s3), [out, in])    # (no sub: symmetric)
     y = aten.mm(x, aten.t(w))
 
+(one group a row, ``g = in``: ``PerAxis(0)`` or ``PerGroup(in)``, the views are ``[out, in]`` and ``[out, 1]``.)
+
 After: one :class:`~dynashard.capture.records.LinearMatch` on ``qdata`` (its path: the dequantization, then ``t``) of
-kind :class:`GroupQuantized`, held whole on every rank with the reason in ``explain``: the dequantization's
-views name the whole weight's shape, and no lowering re-emits them for a cut yet (a cut on group boundaries,
-rows with their scales, or whole groups of columns, is the next step). Never cut with a wrong shape.
+kind :class:`~dynashard.capture.records.GroupQuantized`, whose companions are scale and zero_point. A cut of the
+weight's rows (colwise) never splits a group: qdata, scale and zero_point are cut alike on dim 0. A cut of its
+columns (rowwise) is exact only where every rank's columns are whole groups: then scale and zero_point are cut
+on dim 1 by the same split counted in groups (:func:`groups_of`), and the rowwise rule asks the partner that
+feeds it for units of whole groups (plan/rules/origins.py). The dequantization's views name the whole weight's
+sizes; each is re-emitted at this rank's (:func:`resize_dequantization`).
+
+Invariants: a cut is only lowered when everything the dequantization reads is one of these three inner tensors,
+read nowhere else (:attr:`Dequantized.refused` otherwise: the layer is kept whole with that reason); a split
+of the columns that is not in whole groups is never used (:func:`groups_of` answers None).
 
 (Per-row int8, torchao's default, is no group form: ``mm(x, t(qdata).to(f32)) * scale``, gpt-fast's int8
 form, matched and cut in match.py.)
@@ -25,6 +35,7 @@ import torch
 import torch.fx
 
 from dynashard.capture.linear_forms import converted_source
+from dynashard.layout.split import Split
 
 aten = torch.ops.aten
 
@@ -34,11 +45,28 @@ class Dequantized:
     qdata: torch.fx.Node
     path: tuple[torch.fx.Node, ...]  # from qdata's view to the [out, in] view, in order
     group: int
+    companions: tuple[torch.fx.Node, ...] = ()  # scale, then zero_point if subtracted: [out, G] placeholders
+    views: tuple[torch.fx.Node, ...] = ()  # the [out, G, g] / [out, G, 1] views of qdata and companions
+    refused: str | None = None  # why no cut of it is lowered (something else in the dequantization)
 
 
 def _view_of(node: torch.fx.Node) -> torch.fx.Node | None:
     is_view = node.op == "call_function" and node.target in (aten.view.default, aten.reshape.default)
     return node.args[0] if is_view else None
+
+
+def _grouped_input(node: object, shape: tuple[int, int, int]) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(placeholder, view)`` when ``node`` is ``view(p, shape)`` of a 2-D placeholder ``p`` read by that view
+    alone, the view read once (a scale or a zero point is then this dequantization's only)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    p = _view_of(node)
+    if p is None or p.op != "placeholder" or len(p.users) != 1 or len(node.users) != 1:
+        return None
+    v = node.meta.get("val")
+    if v is None or tuple(v.shape) != shape or p.meta["val"].dim() != 2:
+        return None
+    return p, node
 
 
 def dequantized_source(node: torch.fx.Node) -> Dequantized | None:
@@ -49,16 +77,54 @@ def dequantized_source(node: torch.fx.Node) -> Dequantized | None:
     for operand in mul.args:
         if not isinstance(operand, torch.fx.Node):
             continue
-        between = [mul]
+        between, sub = [mul], None
         if operand.op == "call_function" and operand.target is aten.sub.Tensor:  # (minus the zero point)
             between.append(operand)
-            operand = operand.args[0]
+            sub, operand = operand, operand.args[0]
         grouped = converted_source(operand) if isinstance(operand, torch.fx.Node) else None
         qdata = _view_of(grouped) if grouped is not None else None
         if qdata is None or qdata.op != "placeholder" or qdata.meta["val"].dtype.is_floating_point:
             continue
-        shape = grouped.meta["val"].shape
-        if len(shape) != 3 or qdata.meta["val"].dim() != 2:
+        shape, whole = tuple(grouped.meta["val"].shape), tuple(qdata.meta["val"].shape)
+        if qdata.meta["val"].dim() != 2 or len(shape) != 3 and shape != whole:  # ([out, in]: one group a row)
             continue
-        return Dequantized(qdata, (grouped, operand, *reversed(between), node), int(shape[2]))
+        path = (grouped, operand, *reversed(between), node)
+        return _with_companions(Dequantized(qdata, path, int(shape[-1])), mul, operand, sub)
     return None
+
+
+def _with_companions(found: Dequantized, mul: torch.fx.Node, converted: torch.fx.Node, sub: torch.fx.Node | None
+                     ) -> Dequantized:
+    """``found`` with its scale and zero point, or with the reason a cut of it would not be exact."""
+    out, in_f = (int(s) for s in found.qdata.meta["val"].shape)
+    groups, g = in_f // found.group, found.group
+    whole = tuple(int(s) for s in found.path[-1].meta["val"].shape)
+    per_group = (out, groups, 1) if found.path[0].meta["val"].dim() == 3 else (out, 1)
+    left = [a for a in mul.args if a is not (sub if sub is not None else converted)]
+    scale = _grouped_input(left[0], per_group) if len(left) == 1 else None
+    zero = None
+    if sub is not None:
+        z = sub.args[1]
+        zero = _grouped_input(converted_source(z), per_group) if isinstance(z, torch.fx.Node) \
+            and len(z.users) == 1 and converted_source(z) is not None else None
+    if in_f % g or whole != (out, in_f) or scale is None or (sub is not None and zero is None) \
+            or len(found.path[0].users) != 1:
+        return dataclasses.replace(found, refused=(
+            f"quantized by groups of {g} input columns, but its dequantization reads more than its integer data, "
+            "one [out, in / group] scale and zero point (or views them otherwise): no cut of it is exact"))
+    companions = (scale[0],) + ((zero[0],) if zero is not None else ())
+    views = (found.path[0], scale[1]) + ((zero[1],) if zero is not None else ())
+    return dataclasses.replace(found, companions=companions, views=views)
+
+
+def groups_of(split: Split, group: int, world: int) -> Split | None:
+    """``split`` of a weight's columns counted in groups of ``group`` (how its scales are cut); None unless
+    every rank's every piece starts and ends on a group boundary (a cut that would split a group)."""
+    if split.unit % group == 0:
+        return dataclasses.replace(split, unit=split.unit // group)
+    counts = split.counts(world)
+    if any(p * split.unit % group for p in split.parts) or any(c * split.unit % group for cs in counts for c in cs):
+        return None
+    per = split.unit / group
+    return Split(tuple(int(p * per) for p in split.parts), 1, split.whole,
+                 tuple(tuple(int(c * per) for c in cs) for cs in counts))

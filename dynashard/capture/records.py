@@ -8,11 +8,14 @@ experts, weight_norm, spectral_norm, group-quantized); nothing downstream asks f
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx
 
 from dynashard.capture.match_normed import Spectral
+from dynashard.capture.match_quantized import Dequantized, groups_of
+from dynashard.layout.split import Split
 
 
 class LinearKind:
@@ -48,6 +51,18 @@ class LinearKind:
         """Whether the parameters its path reads besides the weight (``companions``) are cut with the
         weight when it is cut on ``dim``."""
         return True
+
+    def refused_world(self, dim: int, world: int) -> str | None:
+        """Why its weight may not be cut on ``dim`` over ``world`` ranks (None: it may)."""
+        return None
+
+    def refused_input(self, split: Split, world: int) -> str | None:
+        """Why the auto plan should not cut it rowwise on an input cut by ``split`` (None: it may)."""
+        return None
+
+    def companion_split(self, dim: int, in_dim: int, split: Split, world: int) -> Split:
+        """How the companions are cut when the weight is cut by ``split`` on ``dim`` (``in_dim``: its input dim)."""
+        return split
 
 
 class Embedding(LinearKind):
@@ -118,16 +133,46 @@ class SpectralNormed(LinearKind):
 
 
 class GroupQuantized(LinearKind):
-    """An integer weight dequantized by groups of input columns (match_quantized.py): held whole for now."""
+    """An integer weight dequantized by groups of input columns (match_quantized.py): its scale and zero point
+    (``companions``, ``[out, in / group]``) cut with its rows, or with its columns in whole groups."""
 
     name = "group-quantized"
 
-    def __init__(self, group: int) -> None:
-        self.group = group
+    def __init__(self, source: Dequantized) -> None:
+        self.source, self.group = source, source.group
 
     def refused(self, stacked: bool, per_rank: bool) -> str | None:
-        return (f"quantized by groups of {self.group} input columns, dequantized before the matmul through views of "
-                "the whole weight's shape: no cut of it is lowered yet (per-row int8 is cut)")
+        if self.source.refused is not None:
+            return self.source.refused
+        if stacked or per_rank:
+            return (f"quantized by groups of {self.group} input columns: kept whole under "
+                    f"{'weights' if stacked else 'inputs'}='per_rank' (cut under the default 'replicated')")
+        return None
+
+    def refused_world(self, dim: int, world: int) -> str | None:
+        groups = self.source.qdata.meta["val"].shape[1] // self.group
+        if dim == 1 and groups < world:  # (its columns: [out, in] qdata)
+            return (f"its {groups} group(s) of {self.group} input columns (the unit of its quantization) cannot give "
+                    f"all {world} ranks some")
+        return None
+
+    def refused_input(self, split: Split, world: int) -> str | None:
+        if groups_of(split, self.group, world) is not None:
+            return None
+        k = math.lcm(split.unit, self.group) // split.unit
+        coarser = split.coarsen(k)
+        if coarser is not None and coarser.fewest_units(world) >= 1:
+            return None  # (plan/rules/quantized.py asks its input's origins for whole groups)
+        return (f"quantized by groups of {self.group} input columns, and its input cannot be cut in whole groups "
+                f"over {world} ranks ({split.size} features in units of {split.unit})")
+
+    def companion_split(self, dim: int, in_dim: int, split: Split, world: int) -> Split:
+        """How the scale and zero point are cut when the weight is cut by ``split`` on ``dim``."""
+        if dim != in_dim:
+            return split
+        groups = groups_of(split, self.group, world)
+        assert groups is not None, f"columns cut across groups of {self.group}: {split}"  # (plan/rules/quantized.py)
+        return groups
 
 
 DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()

@@ -48,6 +48,8 @@ class Checkpoint:
     """Tensors by FQN, read in slices. Build with :func:`open_checkpoint`."""
 
     path: str
+    # the files' own metadata (safetensors' header ``__metadata__``): torchao describes its quantized weights there
+    metadata: dict[str, str] = {}
 
     def keys(self) -> set[str]:
         raise NotImplementedError
@@ -120,8 +122,10 @@ class SafetensorsCheckpoint(Checkpoint):
         self._open: dict[str, object] = {}
         self._safe_open = safe_open
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.metadata = {}
         for file in sorted(set(files.values())):
             handle = self._handle(file)
+            self.metadata.update(handle.metadata() or {})
             for key in handle.keys():
                 if files.get(key) == file:
                     piece = handle.get_slice(key)

@@ -23,6 +23,7 @@ from dynashard.comm.transport import deal_from_first
 from dynashard.errors import UsageError
 from dynashard.load.checkpoint import TensorsCheckpoint, open_checkpoint, owning
 from dynashard.load.integrity import digest, disagreement
+from dynashard.load.loader_quantized import is_quantized, mismatch, saved_keys, with_facades
 from dynashard.weights.freed import mark_storage_less
 from dynashard.weights.store import STORE, ShardSpec
 
@@ -85,6 +86,9 @@ class Loader:
         for name, t in tensors:
             if id(t) in self.names:
                 continue
+            if is_quantized(t):  # (torchao's: its inner tensors, saved flattened: loader_quantized.py)
+                problems += self._match_quantized(name, t, table)
+                continue
             owners = [n for n, u in tensors if u is t]
             found = next((n for n in owners if n in table), None)
             if found is None:
@@ -107,16 +111,50 @@ class Loader:
                              f"{'; '.join(problems[:5])}{more}. Expected a checkpoint saved from this model's "
                              "architecture and config. Nothing was changed.")
 
+    def _match_quantized(self, name: str, t: torch.Tensor, table: dict) -> list[str]:
+        if self.from_first:
+            return [f"{name!r} is a quantized {type(t).__name__}, which weights='rank0' does not deal (rank 0 would "
+                    "send plain tensors); save the quantized model with save_pretrained and pass checkpoint=DIR on "
+                    "every rank with the default weights='replicated'"]
+        found = [(inner, key) for inner, key in saved_keys(name, t) if key in table]
+        if not found:
+            return [f"{name!r} is a quantized {type(t).__name__} in the model, and the checkpoint holds none of "
+                    f"{[k for _, k in saved_keys(name, t)]}: quantize the model as the checkpoint was (HF's "
+                    "TorchAoConfig leaves lm_head and the embeddings float: quantize_(..., filter_fn=...)), or save "
+                    "a float checkpoint quantized with TorchAoConfig and save_pretrained"]
+        problems = [f"{name!r}'s {inner} is not in the checkpoint (expected {key!r})"
+                    for inner, key in saved_keys(name, t) if key not in table]
+        for inner, key in found:
+            shape, dtype = table[key]
+            mine = getattr(t, inner)
+            if tuple(shape) != tuple(mine.shape) or dtype != mine.dtype:
+                problems.append(f"{key!r} is saved as {dtype} {list(shape)}, the model's {name}.{inner} is "
+                                f"{mine.dtype} {list(mine.shape)} (quantized with another config?)")
+        why = mismatch(name, t, self.ck.metadata)
+        problems += [why] if why is not None else []
+        if not problems:
+            for inner, key in found:
+                self.names[id(getattr(t, inner))] = key
+            self.names[id(t)] = name
+        return problems
+
     def make_facades(self) -> None:
         """Parameters to load become storage-less tensors on the device (what a graph traces and the
         store keys shards by); buffers to load are read whole."""
         made: dict[int, torch.Tensor] = {}
+        trusted: list[torch.Tensor] = []
         self.replaced: list[tuple[dict, str, torch.Tensor]] = []  # (module's dict, name, tensor it held)
         for module in self.model.modules():
             for attr, p in list(private.parameter_slots(module).items()):
                 if p is None or not (p.is_meta or self.from_first):
                     continue
                 self.replaced.append((private.parameter_slots(module), attr, p))
+                if id(p) not in made and is_quantized(p):  # (its inner tensors the facades: loader_quantized.py)
+                    made[id(p)], inner = with_facades(p, self._storage_less)
+                    for facade, meta in inner:
+                        mark_storage_less(facade)
+                        self.names[id(facade)] = self.names[id(meta)]
+                        trusted.append(facade)
                 if id(p) not in made:
                     facade = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
                                           requires_grad=p.requires_grad)
@@ -129,7 +167,13 @@ class Loader:
                 if b is not None and id(b) in self.names:
                     self.replaced.append((private.buffer_slots(module), attr, b))
                     private.buffer_slots(module)[attr] = self(b, None)
-        STORE.trust(list(made.values()))  # every rank has the same values (one file, or rank 0's)
+        STORE.trust([*made.values(), *trusted])  # every rank has the same values (one file, or rank 0's)
+
+    def _storage_less(self, t: torch.Tensor) -> torch.Tensor:
+        """An empty tensor of ``t``'s shape and dtype on the device, no bytes (its pages never touched)."""
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        out.untyped_storage().resize_(0)
+        return out
 
     def agree_on_what_was_read_whole(self) -> None:
         """Every rank read the tensors it holds whole (norms, biases, whatever stays replicated) with the

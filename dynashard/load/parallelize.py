@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch as private
+from dynashard.capture.subclass_inputs import inner_tensors
 from dynashard.comm.protocol import agreed, resolve_group
 from dynashard.comm.transport import gather_pieces
 from dynashard.dynamo_backend import dynashard_backend
@@ -106,7 +107,8 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         with torch.no_grad():
             torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
         if source is not None:
-            materialize([p for p in model.parameters()], source)  # read by no graph (eager code): whole
+            # read by no graph (eager code): whole (a quantized weight: its inner tensors)
+            materialize([t for p in model.parameters() for t in inner_tensors(p)], source)
             source.agree_on_what_was_read_whole()
     except Exception as e:
         ours = private.backend_error(e) or e

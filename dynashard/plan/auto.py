@@ -78,8 +78,8 @@ def auto_decisions(
                 expanded.setdefault(o, []).append(m)
             bottlenecks[m.node] = src.origins
             decisions[m.node] = Decision(Style.COLWISE, "")
-        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim, modes["per_rank"])) \
-                is not None:
+        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim, modes["per_rank"])
+              or (m.kind.refused_input(src.split, world) if src is not None else None)) is not None:
             decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")  # (weight_norm, per_rank)
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)

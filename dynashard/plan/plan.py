@@ -80,7 +80,7 @@ def make_plan(
     }
     auto = options.plan == "auto"
     user = None if auto else user_decisions(linears, blocked, options.plan_dict, modes["stacked"], modes["per_rank"],
-                                            options._hf_plan)
+                                            options._hf_plan, world)
 
     def solve(cuts: Cuts) -> dict[torch.fx.Node, Decision]:
         def decide(wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:

@@ -29,7 +29,7 @@ import torch.fx
 
 from dynashard.capture.aliases import alias_roots, mutated_roots
 from dynashard.capture.match_adapters import find_low_rank_updates
-from dynashard.capture.records import LinearMatch, SpectralNormed, WeightNormed
+from dynashard.capture.records import GroupQuantized, LinearMatch, SpectralNormed, WeightNormed
 from dynashard.layout.nodes import all_args
 from dynashard.layout.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard
 from dynashard.layout.split import Split
@@ -39,6 +39,7 @@ from dynashard.plan.decision import split_dim
 from dynashard.plan.rules.inplace import SIZE_ARG, grows_cache
 from dynashard.plan.rules.origins import feeds_features, linear
 from dynashard.plan.rules.partial import keeps_partial, whole_linear_of_partial
+from dynashard.plan.rules.quantized import resize_dequantization
 from dynashard.rewrite.lowerings import (
     AllocateLocal,
     CutMatVec,
@@ -143,6 +144,8 @@ def _lower_weight_uses(lm: LayoutMap, match: LinearMatch, style: Style, record: 
         return
     if isinstance(match.kind, SpectralNormed):
         _lower_spectral(lm, match, style, record)
+    if isinstance(match.kind, GroupQuantized):
+        resize_dequantization(lm, match, style, record)
     for n in match.operand_path:
         if n.target is aten._weight_norm_interface.default:
             _lower_weight_norm(lm, match, style, record, n)

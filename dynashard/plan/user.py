@@ -45,7 +45,7 @@ def _layer_style(style: Style | ParamDim, m) -> Style:
 
 
 def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_rank: bool,
-                   hf_plan: bool = False) -> dict[torch.fx.Node, Decision]:
+                   hf_plan: bool = False, world: int = 1) -> dict[torch.fx.Node, Decision]:
     names = sorted({m.fqn for m in linears})
     for key in plan:
         if not any(key_matches(key, n) for n in names):
@@ -83,6 +83,9 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_ra
                 f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected "
                 "'replicate' for it, or the style that cuts the exact dim."
             )
+        if style != Style.REPLICATE and (refused := m.kind.refused_world(split_dim(m, style), world)) is not None:
+            raise UsageError(f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r} at world size {world}, but "
+                             f"{refused}; expected 'replicate' for it, or 'colwise'.")
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
     for ms in shared_conflicts(linears, decisions).values():
         uses = ", ".join(sorted({f"{m.fqn} as {decisions[m.node].style}" for m in ms}))

@@ -10,6 +10,7 @@
 * ``flex``       -- flex_attention (a higher-order op) on the head dim, its mods told the global head
 * ``loss``       -- loss parallel: log_softmax + nll_loss (cross-entropy) on vocab-sharded logits
 * ``inplace``    -- in-place writes the layout can or cannot follow (a KV cache's index_copy_)
+* ``quantized``  -- group-quantized linears cut in whole groups (for ``origins`` and the propagation)
 """
 
 from dynashard.plan.rules import attention, flex, inplace, loss, pointwise, reductions, shapes, views  # noqa: F401 - register

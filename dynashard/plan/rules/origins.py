@@ -24,13 +24,22 @@ import torch
 
 from dynashard._torch import aten as private_aten
 from dynashard.capture.match_adapters import joins_update
-from dynashard.capture.records import Embedding, Experts, LinearKind, LinearMatch, SpectralNormed, WeightNormed
+from dynashard.capture.records import (
+    Embedding,
+    Experts,
+    GroupQuantized,
+    LinearKind,
+    LinearMatch,
+    SpectralNormed,
+    WeightNormed,
+)
 from dynashard.errors import UsageError
 from dynashard.layout.nodes import size_at, val
 from dynashard.layout.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard, WishKind
 from dynashard.layout.split import Split, even
 from dynashard.options import Style
 from dynashard.plan.rules.partial import stays_partial
+from dynashard.plan.rules.quantized import rowwise_split
 from dynashard.rewrite.lowerings import RowwiseExperts, RowwiseLinear, StackedColwise, VocabParallelLookup
 
 aten = torch.ops.aten
@@ -179,6 +188,9 @@ def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
             "'replicate' in the plan."
         )
     record.weight_split = features_split(lm, match) if usable else even(match.in_features)
+    if isinstance(match.kind, GroupQuantized):  # (columns in whole groups of the quantization)
+        record.weight_split = rowwise_split(lm, match, record.weight_split if usable else None)
+        usable = usable and record.weight_split == features_split(lm, match)
     # an input sharded some other way is gathered, then this rank's features taken (lowerings.py)
     if usable:
         how = Read.LOCAL
@@ -276,4 +288,5 @@ _RECORDS = {
     (Experts, Style.COLWISE): _experts_colwise, (Experts, Style.ROWWISE): _experts_rowwise,
     (WeightNormed, Style.COLWISE): _colwise, (WeightNormed, Style.ROWWISE): _rowwise,  # (v and g cut alike)
     (SpectralNormed, Style.COLWISE): _colwise, (SpectralNormed, Style.ROWWISE): _rowwise,  # (sigma: propagate.py)
+    (GroupQuantized, Style.COLWISE): _colwise, (GroupQuantized, Style.ROWWISE): _rowwise,  # (scales: propagate.py)
 }
