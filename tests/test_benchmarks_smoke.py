@@ -71,3 +71,21 @@ def test_bench_load_smoke(tmp_path):
     record = json.loads(out.read_text())
     assert set(record["results"]) == {"safetensors"}, record["results"]
     assert all(r["peak_rss_mib"] > 0 and r["max_abs_diff"] < 1e-3 for r in record["results"].values()), record
+
+
+@pytest.mark.slow  # ~85 s: three torchrun launches (cold, warm, the profiled warm); HF's TP systems left out
+def test_bench_start_smoke(tmp_path):
+    """bench_start.py is a driver: a fresh torchrun per system. The smoke run takes dynashard's cold and warm
+    starts on a tiny checkpoint: the warm one must hit the Inductor cache the cold one filled (its
+    ``TORCH_LOGS=dynashard`` lines say so), and the profiled warm run must find dynashard's backend."""
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_start", "--smoke", "--systems", "ds_cold,ds_warm",
+           "--dir", str(tmp_path / "checkpoint"), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    cold, warm = results["ds_cold"]["runs"][0], results["ds_warm"]["runs"][0]
+    assert all(r["max_abs_diff"] < 1e-3 and r["t_first_s"] > 0 for r in (cold, warm)), results
+    assert any("Inductor cache: 1 miss" in line for line in cold["dynashard_log"]), cold["dynashard_log"]
+    assert any("Inductor cache: 1 hit" in line for line in warm["dynashard_log"]), warm["dynashard_log"]
+    assert results["ds_warm_profiled"]["profile_rank0_cumulative_s"]["dynashard backend"] > 0, results
