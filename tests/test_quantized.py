@@ -359,6 +359,10 @@ def test_quantized_hf_checkpoint_loads_sharded(rank, world, tmp_path, case):
     got, want = model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
     # the same integers and scales, read in slices; partial sums added in another order: ulps of O(1) logits
     assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    # full_tensor of a cut quantized weight: its inner tensors gathered, the subclass rebuilt (the same integers)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        whole = dynashard.full_tensor(dict(model.named_parameters())[name])
+        assert type(whole) is type(weights[name]) and torch.equal(whole.dequantize(), weights[name].dequantize()), name
     # cut: the q/k/v/o/gate/up/down data, scales, zero points and the embedding, halved; whole: lm_head, norms
     assert dynashard.held_bytes(model) <= 0.62 * dynashard.held_bytes(reference)
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from dynashard import _torch as private
+from dynashard._torch.subclass import is_traceable_subclass
 from dynashard.comm.transport import gather_pieces
 from dynashard.errors import UsageError
 from dynashard.weights.store import STORE
@@ -379,7 +380,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     another handle of that shard's memory: ``.detach()``, ``.data``, a ``state_dict()`` value, or such a
     parameter's ``.grad``), gathered
     from every rank of its group: every rank must call it, in the same order. Any other tensor is returned
-    as it is."""
+    as it is. A tensor subclass (torchao's quantized weights) is rebuilt from its inner tensors, each
+    gathered so."""
+    if is_traceable_subclass(t) and not is_facade(t):
+        names, ctx = t.__tensor_flatten__()
+        inner = {name: full_tensor(getattr(t, name)) for name in names}  # (the same order on every rank)
+        if all(inner[name] is getattr(t, name) for name in names):
+            return t
+        return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
     facade = STORE.facade_of(t) if not is_facade(t) else t
     owner = getattr(t, "_dynashard_param", None)  # a sharded parameter's gradient (gradients.ShardGrad)
     piece = None
