@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_
 
 import dynashard
 from dynashard.weights.checksum import checksum, close
@@ -593,3 +594,40 @@ def test_random_reused_weights(world, heads, dh, layers, shared_block, flash, ru
     once = dynashard.explain(model, idx, world_size=world, options=options)
     assert sorted({(r.fqn, str(r.style)) for r in report.rows}) == sorted({(r.fqn, str(r.style)) for r in once.rows}), (
         f"{report}\n--- run once:\n{once}")
+
+
+QUANTIZED = {  # torchao's weight-only forms that run on this CPU: per row, and by groups of g input columns
+    "int8 per row": lambda g: Int8WeightOnlyConfig(),
+    "int8 PerGroup": lambda g: Int8WeightOnlyConfig(granularity=PerGroup(g)),
+    "int4 PerGroup": lambda g: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g)),
+}
+
+
+# (each example quantizes, plans and simulates one MLP, and plans its float twin; FUZZ_EXAMPLES=40 passed when written)
+@fuzz(5, 20, world=st.integers(2, 4), g=st.sampled_from([8, 16, 32]), kh=st.integers(1, 4), kf=st.integers(1, 8),
+      config=st.sampled_from(sorted(QUANTIZED)), plan_draw=st.booleans(), shape3d=st.booleans(), data=st.data())
+def test_random_quantized_mlps(world, g, kh, kf, config, plan_draw, shape3d, data):
+    """torchao-quantized MLPs whose widths are whole numbers of groups (any count against the world): every
+    simulated rank equal to the quantized model (a split group would dequantize with another row's or
+    group's scale); a user plan the quantization cannot follow is refused naming the groups, never run."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    hidden, ffn = g * kh, g * kf
+    float_model = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+    model = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+    model.load_state_dict(float_model.state_dict())
+    quantize_(model, QUANTIZED[config](g))
+    x = torch.randn(*((2, 3) if shape3d else (5,)), hidden)
+    options = {"min_shard_numel": 0}
+    if plan_draw:
+        styles = st.sampled_from(["colwise", "rowwise", "replicate"])
+        options["plan"] = {"0": data.draw(styles, label="up"), "2": data.draw(styles, label="down")}
+    try:
+        report = dynashard.explain(model, x, world_size=world, options=options, verify=True)
+    except ValueError as e:  # (UsageError): only a plan of the user's, and only for the groups or as the float twin
+        assert plan_draw, e
+        if "group" not in str(e):
+            with pytest.raises(ValueError):
+                dynashard.explain(float_model, x, world_size=world, options=options)
+        return
+    whole = [r for r in report.rows if str(r.style) == "replicate" and not plan_draw]
+    assert all(r.reason for r in whole), str(report)  # (a layer left whole says why)
