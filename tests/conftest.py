@@ -50,3 +50,20 @@ def pytest_collection_finish(session):
     from tests.scenarios import select
 
     select(session.items)
+
+
+@pytest.fixture
+def fake_group():
+    """A fake process group of 2 ranks (this process rank 0) with Dynamo reset around the test: one
+    rank's compile of a sharded program, no spawned ranks."""
+    import torch.distributed as dist
+
+    from dynashard import _torch as private
+
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -20,10 +20,8 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch as private
 from tests import models
 from tests.multiproc import SUBPROCESS_DEADLINE_S
 
@@ -95,17 +93,6 @@ def test_the_optimizer_hook_lives_while_freed_weights_do():
         "training": 1,
         "parallelized model gone, its optimizer alive": 0,
     }, seen
-
-
-@pytest.fixture()
-def fake_group():
-    torch._dynamo.reset()
-    private.init_fake_process_group(2, 0)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 def test_a_shards_optimizer_state_is_described_when_read_and_the_model_dies_whole(fake_group):

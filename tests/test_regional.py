@@ -18,10 +18,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import dynashard
-from dynashard import _torch as private
 from dynashard import dynamo_backend
 from tests import models
 from tests.scenarios import Scenarios
@@ -75,17 +73,6 @@ class _Plans:
             return plan(*args, **kwargs)
 
         monkeypatch.setattr(dynamo_backend, "_plan", counted)
-
-
-@pytest.fixture
-def fake_group():
-    torch._dynamo.reset()
-    private.init_fake_process_group(2, 0)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 @pytest.mark.unit
