@@ -171,16 +171,18 @@ def analyse(
     return Analysis(aten_gm, params, plan, world, rank, stacked, aten_phs, names)
 
 
-def shard_fakes(analysis: Analysis, fake_args: list[Any]) -> list[Any]:
-    """``fake_args`` with every sharded weight replaced by a fake of this rank's shard shape."""
+def shard_fakes(sharded: dict[int, tuple[str, int, Split]], fake_args: list[Any], world: int, rank: int,
+                stacked: bool) -> list[Any]:
+    """``fake_args`` with every input the plan cuts (``Analysis.sharded_inputs``) replaced by a fake of this
+    rank's shard shape (stacked: ``[world, *shard]``)."""
     out = list(fake_args)
     fake_mode = private.fake_mode_of(fake_args)
-    for i, (_, dim, split) in analysis.sharded_inputs().items():
+    for i, (_, dim, split) in sharded.items():
         full = fake_args[i]
         shape = list(full.shape)
-        shape[dim] = split.local(analysis.world, analysis.rank)
-        if analysis.stacked:
-            shape = [analysis.world, *shape]
+        shape[dim] = split.local(world, rank)
+        if stacked:
+            shape = [world, *shape]
         with fake_mode:
             out[i] = torch.empty(shape, dtype=full.dtype, device=full.device).requires_grad_(full.requires_grad)
     return out

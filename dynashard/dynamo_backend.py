@@ -24,22 +24,22 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch as private
-from dynashard.analysis import Analysis, analyse, shard_fakes
+from dynashard.analysis import Analysis, analyse, inline_regions, shard_fakes
 from dynashard.capture import subclass_inputs
 from dynashard.comm.collectives import BACKWARD, group_name, reduce_scatter_is_slow
 from dynashard.comm.protocol import COMPILE, agreed, peer_failure, resolve_group, wrap
 from dynashard.errors import NotSupportedError, UsageError
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.report import progress
-from dynashard.report.table import GraphReport
+from dynashard.report.table import GraphReport, plan_summary
 from dynashard.rewrite.interpreter import rewrite
 from dynashard.rewrite.lowerings import DropoutOfCut, RowwiseExperts
-from dynashard.runtime import gate, regions
+from dynashard.runtime import compile_cache, gate, regions
 from dynashard.runtime.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
 from dynashard.runtime.uncompiled_calls import watch
 from dynashard.training import fsdp
 from dynashard.weights.freed import materialize
-from dynashard.weights.store import STORE, ShardSpec, Source
+from dynashard.weights.store import STORE, EarlierCuts, ShardSpec, Source
 
 log = logging.getLogger(__name__)
 # A model torch.compile wraps with this backend and then runs around the wrapper (model.generate) is
@@ -85,33 +85,52 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     key = regions.graph_key(gm, example_inputs, opts, group, world, rank) if source is None else None
     if (region := regions.find(key, group, agree)) is not None:  # a block compiled before, for the next block
         return regions.reuse(region, example_inputs, group, opts, agree, started)
-    progress.stage("tracing the graph to aten ops")
     fake_args = private.backend_fakes(gm)
-    analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank)
-    planned = time.perf_counter()
-    sharded = analysis.sharded_inputs() if analysis else {}
+    train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
+    earlier = STORE.earlier_cuts(example_inputs)
+    material, not_cached = compile_cache.key_material(gm, example_inputs, fake_args, opts, group, world, rank,
+                                                      earlier, train) if compile_cache.enabled() else (None, "off")
+    cached = compile_cache.load(material) if material is not None else None
+    if cached is not None and not _still_valid(cached[0], example_inputs):
+        cached = None  # (traced afresh: the trace's checks then say what is wrong)
+    analysis = error = None
+    if cached is not None:
+        planned, cached_gm = cached
+        inline_regions(gm)  # (the graph compiled whole below is the one a miss compiles)
+        log.debug("dynashard: compile cache hit (rank %d): the plan and this rank's rewritten graph read from %s",
+                  rank, compile_cache.directory())
+    else:
+        progress.stage("tracing the graph to aten ops")
+        facts = compile_cache.shape_facts(fake_args)
+        analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank, earlier)
+        planned = _planned(analysis, fake_args) if analysis is not None else None
+    planned_at = time.perf_counter()
+    sharded = planned.sharded if planned else {}
     _refuse_fsdp_managed(gm, sharded, example_inputs)
-    named = [(fqn, example_inputs[i]) for i, (fqn, _) in analysis.params.items()] if analysis else []
-    named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in analysis.params]
-    fingerprint = analysis.plan.fingerprint([str(getattr(a, "shape", a)) for a in fake_args]) if analysis else None
+    named = [(fqn, example_inputs[i]) for i, fqn in planned.params.items()] if planned else []
+    named += [(name, example_inputs[i]) for i, (name, _, _) in sharded.items() if i not in planned.params]
+    fingerprint = planned.fingerprint if planned else None
     if agree:
         progress.stage("agreeing on the plan and weights with the other ranks")
         STORE.agree(named, fingerprint, group, opts.weights, check_values=bool(sharded), error=error)
     elif error is not None:
         raise error
-    if analysis is not None and source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
+    if planned is not None and source is not None:  # dynashard.parallelize(checkpoint=...): every rank reads
         with agreed(group, "reading the weights left whole from the checkpoint"):
-            materialize([example_inputs[i] for i in analysis.params if i not in sharded], source)
-    train = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_inputs)
+            materialize([example_inputs[i] for i in planned.params if i not in sharded], source)
     grad_guard = torch.no_grad() if torch.is_grad_enabled() and not train else contextlib.nullcontext()
     live = fsdp.live_slots(example_inputs)
+    cache_word = "hit" if cached is not None else "miss" if material is not None else f"not used ({not_cached})"
     if not sharded:  # left whole: compiled as it is (gradients included)
         progress.stage(f"compiling the unsharded graph ({progress.compiler_name(opts.compiler)})")
-        cache = private.inductor_cache_counts()
+        counts = private.inductor_cache_counts()
         compiled = private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
-        if analysis is not None:
-            STORE.note_read_whole([example_inputs[i] for i in analysis.params])
-        progress.log_compile(gm, fake_args, analysis, started, planned, cache)
+        if planned is not None:
+            STORE.note_read_whole([example_inputs[i] for i in planned.params])
+            if cached is None and material is not None and compile_cache.shape_facts(fake_args) == facts:
+                _store(material, planned, None)
+        progress.log_compile(gm, fake_args, planned.summary if planned else None, started, planned_at, counts,
+                             cache_word)
         if live:
             compiled = fsdp.ReadLive(compiled, live)
         return CheckFirst(compiled, group, check) if agree and check is not None else compiled
@@ -119,10 +138,17 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     with agreed(group, "compiling", doing="rewriting and compiling"):
         if train:
             check_trainable(analysis, example_inputs, opts.compiler)
-        progress.stage("rewriting the graph for this rank")
-        new_fakes = shard_fakes(analysis, fake_args)
-        sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group), reduce_scatter_is_slow(group),
-                             train=train)
+        new_fakes = shard_fakes(sharded, fake_args, world, rank, planned.stacked)
+        if cached is not None:
+            sharded_gm = cached_gm
+        else:
+            progress.stage("rewriting the graph for this rank")
+            sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group),
+                                 reduce_scatter_is_slow(group), train=train)
+            if material is not None and compile_cache.shape_facts(fake_args) == facts:
+                sharded_gm = _store(material, planned, sharded_gm) or sharded_gm
+            elif material is not None:
+                log.debug("dynashard: compile cache: not stored (tracing added shape guards, which a hit would lose)")
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         # Each input slot keeps what Dynamo said of its value: a parameter's slot, now holding its shard
@@ -135,12 +161,12 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         if train and compiler == "eager" and private.recomputes(sharded_gm):
             compiler = "aot_eager"  # (AOTAutograd's partitioner recomputes a checkpointed region; eager keeps all)
         progress.stage(f"compiling the sharded graph ({progress.compiler_name(compiler)})")
-        cache = private.inductor_cache_counts()
+        counts = private.inductor_cache_counts()
         with grad_guard:
             compiled = private.compile_graph(compiler, sharded_gm, new_fakes, opts.mode,
                                              on_backward_error=_name_dead_peers(group) if train and agree else None)
     specs = {
-        i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=analysis.stacked))
+        i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=planned.stacked))
         for i, (fqn, dim, split) in sharded.items()
     }
     progress.stage("cutting the weights" if source is None else "loading the shards")
@@ -149,15 +175,45 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     else:  # dynashard.parallelize reads the shards from a checkpoint: a failed read fails every rank
         with agreed(group, "loading the shards (checkpoint reads, or rank 0's deal)", doing="loading the shards"):
             cut_and_free(specs, example_inputs, group, source)
-    STORE.note_read_whole([example_inputs[i] for i in analysis.params if i not in sharded])
-    held = {i: ShardSpec(dim, split, world, rank, group_name(group))
-            for i, (dim, split) in analysis.held_outputs().items()}
-    progress.log_compile(gm, fake_args, analysis, started, planned, cache)
+    STORE.note_read_whole([example_inputs[i] for i in planned.params if i not in sharded])
+    held = {i: ShardSpec(dim, split, world, rank, group_name(group)) for i, (dim, split) in planned.held.items()}
+    progress.log_compile(gm, fake_args, planned.summary, started, planned_at, counts, cache_word)
     program = ShardedProgram(compiled, specs, sharded_gm, opts, group, fingerprint, check, train=train, held=held,
                              gate=gate_slot)
     program.live = live
-    regions.remember(key, program, analysis)
+    regions.remember(key, program, planned)
     return program
+
+
+def _planned(analysis: Analysis, fake_args: list[Any]) -> compile_cache.Planned:
+    """What the compile needs of ``analysis`` after planning (and what the compile cache keeps of it)."""
+    return compile_cache.Planned(
+        params={i: fqn for i, (fqn, _) in analysis.params.items()}, sharded=analysis.sharded_inputs(),
+        held=analysis.held_outputs(), fingerprint=analysis.plan.fingerprint(
+            [str(getattr(a, "shape", a)) for a in fake_args]),
+        stacked=analysis.stacked, summary=plan_summary(analysis.plan))
+
+
+def _store(material: str, planned: compile_cache.Planned, graph: torch.fx.GraphModule | None,
+           ) -> torch.fx.GraphModule | None:
+    """The entry written; the graph as a later hit reads it (compiled in its place), or None."""
+    back, why = compile_cache.store(material, planned, graph)
+    if why is not None:
+        log.debug("dynashard: compile cache: not stored: %s", why)
+    return back
+
+
+def _still_valid(planned: compile_cache.Planned, example_inputs: list[Any]) -> bool:
+    """A cached plan meets the checks a traced one must pass (``_check_weights``); else the compile traces,
+    and the trace's checks name what is wrong."""
+    for i in planned.params:
+        if example_inputs[i].is_meta:
+            return False
+    for i in planned.sharded:
+        if i in planned.params and STORE.read_whole(example_inputs[i]):
+            return False
+    return not any(i not in planned.sharded and torch.is_tensor(t) and STORE.is_sharded(t)
+                   for i, t in enumerate(example_inputs))
 
 
 def _refuse_fsdp_managed(gm: torch.fx.GraphModule, sharded: dict[int, Any], example_inputs: list[Any]) -> None:
@@ -291,11 +347,11 @@ def _untrainable_partial(lm: Any) -> str | None:
 
 
 def _plan(
-    gm, fake_args, example_inputs, opts: Options, world: int, rank: int
+    gm, fake_args, example_inputs, opts: Options, world: int, rank: int, earlier: EarlierCuts
 ) -> tuple[Analysis | None, Exception | None]:
     """This rank's analysis, or the error it raised (to be shared with every rank)."""
     try:
-        analysis = analyse(gm, fake_args, opts, world, rank, STORE.earlier_cuts(example_inputs))
+        analysis = analyse(gm, fake_args, opts, world, rank, earlier)
         if log.isEnabledFor(logging.DEBUG) or (log.isEnabledFor(logging.INFO) and progress.speaks()):
             progress.log_plan_table(GraphReport.build(analysis, example_inputs), rank, world)
             log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)

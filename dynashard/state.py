@@ -45,6 +45,8 @@ STATE: dict[str, str] = {
         "whether the gloo exit hook is registered; set at the first gloo compile, for the process",
     "dynashard.runtime.uncompiled_calls._HOOK":
         "the module registration hook's handle; set as the backend imports, for the process",
+    "dynashard.runtime.compile_cache._DIGEST":
+        "the digest of dynashard's source (the compile cache's keys); set at the first lookup, for the process",
     "dynashard.runtime.gate._OPEN":
         "slot -> the handshake of a program call in flight; popped when the call returns",
     "dynashard.runtime.gate._SLOTS":

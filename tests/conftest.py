@@ -11,6 +11,10 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+# dynashard's compile cache off for the tests (the ranks they spawn inherit it): every test traces and plans
+# its graphs, whatever ran before it; tests/test_compile_cache.py turns it on in a directory of its own.
+os.environ["DYNASHARD_CACHE"] = "0"
+
 
 @pytest.hookimpl(trylast=True)  # (after -m and -k have deselected: the files' counts are of what runs)
 def pytest_collection_modifyitems(config, items):

@@ -533,3 +533,20 @@ from dynashard._torch.dtensor import dtensor_local as dtensor_local  # noqa: E40
 from dynashard._torch.dtensor import follow_placements_in_dcp as follow_placements_in_dcp  # noqa: E402
 from dynashard._torch.dtensor import is_strided_shard as is_strided_shard  # noqa: E402
 from dynashard._torch.dtensor import strided_shard as strided_shard  # noqa: E402
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_<user>``).
+
+    NOTE: torch 2.13 resolves it in ``torch._inductor.runtime.cache_dir_utils.cache_dir`` (2.11-2.15 alike)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def caches_disabled() -> bool:
+    """``torch._inductor.config.force_disable_caches`` (also set by ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``):
+    the user asked that no compile cache be read or written."""
+    from torch._inductor import config
+
+    return bool(config.force_disable_caches)

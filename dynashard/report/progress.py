@@ -34,7 +34,7 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard.errors import UsageError
-from dynashard.report.table import GraphReport, format_table, plan_summary
+from dynashard.report.table import GraphReport, format_table
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +178,11 @@ def compiler_name(compiler: str) -> str:
     return {"inductor": "Inductor", "eager": "eager, no compiler"}.get(compiler, compiler)
 
 
-def log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], analysis: Any, started: float, planned: float,
-                cache_before: tuple[int, int, int]) -> None:
+def log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], plan: str | None, started: float, planned: float,
+                cache_before: tuple[int, int, int], dynashard_cache: str) -> None:
     """One line per compile Dynamo asks for (INFO on rank 0, DEBUG elsewhere): which graph, its inputs, why
-    it was compiled (a frame's first compile, or the guard of an earlier compile that failed), the plan,
-    whether Inductor's FX graph cache served it, and the time."""
+    it was compiled (a frame's first compile, or the guard of an earlier compile that failed), the plan
+    (``plan_summary``), whether dynashard's compile cache and Inductor's FX graph cache served it, the time."""
     if not log.isEnabledFor(level()):
         return
     name, compile_id, reason = private.compile_info()
@@ -197,10 +197,10 @@ def log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], analysis: Any, s
         failed, found, guard = first.partition(": ")
         why = f"recompiled: a guard of {failed} failed: {guard.split('  # ')[0]}" if found else f"recompiled: {first}"
         why += f" (and {len(more)} more lines)" if more else ""
-    plan = plan_summary(analysis.plan) if analysis is not None else "no plan"
-    log.log(level(), "dynashard: compiled graph %s of %s for inputs %s (%s shapes); %s; plan: %s%s; %.2f s "
-            "(planning %.2f s)", compile_id or "?", name, shapes, "dynamic" if dynamic else "static", why, plan,
-            _cache_words(cache_before), time.perf_counter() - started, planned - started)
+    log.log(level(), "dynashard: compiled graph %s of %s for inputs %s (%s shapes); %s; plan: %s; dynashard "
+            "cache: %s%s; %.2f s (planning %.2f s)", compile_id or "?", name, shapes, "dynamic" if dynamic else
+            "static", why, plan or "no plan", dynashard_cache, _cache_words(cache_before),
+            time.perf_counter() - started, planned - started)
 
 
 def _cache_words(before: tuple[int, int, int]) -> str:

@@ -120,16 +120,15 @@ def find(key: str | None, group: dist.ProcessGroup, agree: bool) -> Region | Non
     return region if program is not None else None
 
 
-def remember(key: str | None, program: ShardedProgram, analysis: Any) -> None:
+def remember(key: str | None, program: ShardedProgram, planned: Any) -> None:
     """Keep ``program`` for later compiles of this frame with ``key`` (the latest program compiled for it)."""
     now = private_regions.dynamo_compile_id()
     if key is None or now is None:
         return
     for stale in [k for k, r in _REGIONS.items() if r.program() is None]:
         del _REGIONS[stale]
-    sharded = analysis.sharded_inputs()
-    _REGIONS[key] = Region(weakref.ref(program), {i: fqn for i, (fqn, _) in analysis.params.items()},
-                           tuple(i for i in analysis.params if i not in sharded), program.fingerprint, now[0])
+    _REGIONS[key] = Region(weakref.ref(program), dict(planned.params),
+                           tuple(i for i in planned.params if i not in planned.sharded), program.fingerprint, now[0])
 
 
 def reuse(region: Region, example_inputs: list[Any], group: dist.ProcessGroup, opts: Options, agree: bool,

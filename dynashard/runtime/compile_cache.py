@@ -1,0 +1,206 @@
+"""The compile cache: a later process compiling the same graph reads this rank's plan and rewritten graph
+from disk instead of tracing and planning again.
+
+What the backend makes of a captured graph before the compiler sees it -- the aten trace, the plan, the
+rewrite (two ``make_fx`` traces, most of the backend's time) -- is a function of the Dynamo graph, its
+inputs, the options, the group, the grad and autocast state, the earlier cuts, dynashard's code and
+torch's release. An entry is stored under a digest of all of them and holds, beside the rewritten graph,
+the whole text the digest was made from: a lookup compares that text, so an entry from another graph,
+option, rank, world, dynashard or torch is never used, even on a digest collision. Inductor's FX graph
+cache then serves the compile of the rewritten graph (its own key, its own guards).
+
+Every rank looks up its own entry (a rank's rewrite is its own: uneven cuts differ); the plan fingerprint
+each entry carries goes through the same agreement as a traced plan's (``WeightStore.agree``), so ranks
+never run different plans, whether each hit, missed or traced.
+
+Not cached (a miss, with the reason at DEBUG): graphs with gradients (their rewrite binds autograd
+Functions made for it), ``per_rank`` inputs or weights, FSDP2 or DTensor inputs, tensor constants,
+a rewrite that added shape guards (they would be lost on a hit), and a graph that does not pickle.
+
+Where: ``$DYNASHARD_CACHE_DIR``, else ``dynashard/`` in Inductor's cache directory
+(``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``). ``DYNASHARD_CACHE=0`` turns it
+off, as does ``torch._inductor.config.force_disable_caches``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+import dynashard
+from dynashard import _torch as private
+from dynashard._torch import aten as private_aten
+from dynashard.capture.subclass_inputs import INNER
+from dynashard.comm.collectives import group_name
+from dynashard.layout.split import Split
+from dynashard.options import Options
+from dynashard.training import fsdp
+from dynashard.weights.store import EarlierCuts
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bumped when an entry's layout changes
+
+
+@dataclasses.dataclass
+class Planned:
+    """What the backend decided for one graph on this rank, traced or read from the cache: all the
+    compile needs after the plan (the rewritten graph aside)."""
+
+    params: dict[int, str]  # input slot -> parameter FQN, every parameter the graph reads
+    sharded: dict[int, tuple[str, int, Split]]  # input slot -> (name, dim, how), every input the plan cuts
+    held: dict[int, tuple[int, Split]]  # output -> (dim, how), caches the graph returns as this rank's shard
+    fingerprint: str  # the plan's, agreed across ranks
+    stacked: bool  # weights="per_rank"
+    summary: str  # the plan in a line, for the compile's log line
+
+
+@dataclasses.dataclass
+class Entry:
+    material: str  # what the key was made from, compared on every lookup
+    planned: Planned
+    graph: bytes  # the rewritten graph, pickled (GraphModule's own reduction: its code and attributes)
+
+
+def enabled() -> bool:
+    return os.environ.get("DYNASHARD_CACHE", "1").strip().lower() not in ("0", "off", "false", "no") and \
+        not private.caches_disabled()
+
+
+def directory() -> Path:
+    explicit = os.environ.get("DYNASHARD_CACHE_DIR", "").strip()
+    return Path(explicit) if explicit else Path(private.inductor_cache_dir()) / "dynashard"
+
+
+def key_material(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any], opts: Options,
+                 group: dist.ProcessGroup, world: int, rank: int, earlier: EarlierCuts, train: bool,
+                 ) -> tuple[str | None, str]:
+    """(The text the entry's key is made from, or None; why not, when None). Not cached: training graphs
+    (their rewrite binds autograd Functions made for it), per_rank inputs or weights, FSDP2 or DTensor inputs,
+    tensor constants (their values are not in the key)."""
+    if train:
+        return None, "a training graph"
+    if opts.weights == "per_rank" or opts.inputs == "per_rank":
+        return None, "per_rank inputs or weights"
+    if fsdp.live_slots(example_inputs):
+        return None, "FSDP2 or DTensor inputs"
+    parts: list[Any] = [FORMAT, _code_digest(), torch.__version__, torch.version.git_version, sys.version_info[:2],
+                        repr(dataclasses.replace(opts, group=None)), group_name(group), dist.get_backend(group),
+                        world, rank, torch.is_grad_enabled(), _autocast_state(),
+                        (sorted(earlier.split.items()), sorted(earlier.whole))]
+    for m in gm.modules():
+        if not isinstance(m, torch.fx.GraphModule):
+            continue
+        for node in m.graph.find_nodes(op="get_attr"):
+            if isinstance(getattr(m, str(node.target), None), torch.Tensor):
+                return None, "tensor constants in the graph"
+        parts.append(m.code)
+    slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value, fake in zip(slots, example_inputs, fake_args, strict=True):
+        if private.from_fsdp_module(node):
+            return None, "FSDP2 inputs"
+        parts.append((private.placeholder_source_name(node), node.meta.get(INNER, ""), _describe(fake),
+                      _describe(value)))
+    return repr(parts), ""
+
+
+def _describe(v: Any) -> Any:
+    """A value's shape, strides, dtype, device and kind; symbolic sizes as their expression and example."""
+    def size(d: Any) -> Any:
+        return (str(d), private_aten.size_hint(d)) if isinstance(d, torch.SymInt) else d
+
+    if isinstance(v, torch.Tensor):
+        return (type(v).__name__, [size(d) for d in v.shape], [size(d) for d in v.stride()], str(v.dtype),
+                str(v.device), v.requires_grad, v.is_meta, isinstance(v, torch.nn.Parameter))
+    if isinstance(v, torch.SymInt):
+        return ("SymInt", size(v))
+    return (type(v).__name__, repr(v))
+
+
+def _autocast_state() -> tuple:
+    return tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda"))
+
+
+def _code_digest() -> str:
+    """A digest of dynashard's own source: an entry written by other code is never read."""
+    if not _DIGEST:
+        root = Path(dynashard.__file__).parent
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _DIGEST.append(h.hexdigest())
+    return _DIGEST[0]
+
+
+_DIGEST: list[str] = []
+
+
+def _path(material: str) -> Path:
+    digest = hashlib.sha256(material.encode()).hexdigest()
+    return directory() / digest[:2] / f"{digest}.pkl"
+
+
+def load(material: str) -> tuple[Planned, torch.fx.GraphModule] | None:
+    """The entry for ``material``, or None: absent, unreadable, or made from other text."""
+    path = _path(material)
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+        if not isinstance(entry, Entry) or entry.material != material:
+            log.debug("dynashard: compile cache entry %s was made for another graph: not used", path)
+            return None
+        graph = pickle.loads(entry.graph)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign entry is a miss, never an error
+        log.debug("dynashard: compile cache entry %s could not be read (%s: %s): not used", path, type(e).__name__, e)
+        return None
+    return entry.planned, graph
+
+
+def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
+          ) -> tuple[torch.fx.GraphModule | None, str | None]:
+    """Write the entry (atomically): (the graph as a hit will read it back, None) or (None, why not).
+
+    The caller compiles the graph read back, not ``graph``: the compiler's own cache (Inductor's FX graph
+    cache keys the graph's code, stack-trace comments included) then sees the same graph on a miss as on
+    every later hit."""
+    try:
+        copy = torch.fx.GraphModule(graph, graph.graph) if graph is not None else None  # (code and attributes)
+        data = pickle.dumps(Entry(material, planned, pickle.dumps(copy)))
+        back = pickle.loads(pickle.loads(data).graph)  # (a graph that pickles but does not load back: not stored)
+    except Exception as e:  # noqa: BLE001
+        return None, f"the rewritten graph does not pickle ({type(e).__name__}: {e})"
+    path = _path(material)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(data)
+        os.replace(f.name, path)
+    except OSError as e:
+        return None, f"the cache directory is not writable ({e})"
+    return back, None
+
+
+def shape_facts(fake_args: list[Any]) -> Any:
+    """What the fakes' ShapeEnv knows (guards, replacements, ranges, runtime asserts): a rewrite that
+    changed it is not cached, since a hit would not make the same change."""
+    env = getattr(private.fake_mode_of(fake_args), "shape_env", None)
+    if env is None:
+        return None
+    return (len(env.guards), repr(env.replacements), repr(env.var_to_range),
+            sum(len(v) for v in env.deferred_runtime_asserts.values()))
+
+

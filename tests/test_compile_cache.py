@@ -1,0 +1,191 @@
+"""The compile cache (dynashard/runtime/compile_cache.py): a compile in a later process reads this rank's
+plan and rewritten graph from disk instead of tracing and planning again, and never an entry made for
+anything else.
+
+A "restart" here is ``torch._dynamo.reset()`` and a fresh copy of the model (its weights whole again):
+what a new process has, less the imports. The test session turns the cache off (tests/conftest.py);
+these tests turn it on, each with a directory of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+
+import dynashard
+from dynashard import dynamo_backend
+from dynashard.runtime import compile_cache
+from tests import models
+from tests.scenarios import Scenarios
+
+SCENARIOS_DEADLINE_S = 240  # one world-2 spawn: ~30 s on the 2-core machine (compiler="eager"); an 8x margin
+pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
+on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
+OPTIONS = {"min_shard_numel": 0, "compiler": "eager"}
+# float32, a sharded matmul sums the same products in another order: a few ulps of the logits' scale
+# (measured < 1e-6 relative); 1e-4 leaves room.
+RTOL = 1e-4
+
+
+@pytest.fixture
+def cache_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNASHARD_CACHE", "1")
+    monkeypatch.setenv("DYNASHARD_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+class _Plans:
+    """Counts the traced plans (``dynamo_backend._plan``: the aten trace and the plan) while installed."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        plan = dynamo_backend._plan
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return plan(*args, **kwargs)
+
+        monkeypatch.setattr(dynamo_backend, "_plan", counted)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+def _compile_fresh(model: torch.nn.Module, dynamic: bool | None = None, **options):
+    """A copy of ``model`` compiled after a Dynamo reset (a restart), and its output."""
+    torch._dynamo.reset()
+    fresh = copy.deepcopy(model)
+    compiled = torch.compile(fresh, backend="dynashard", dynamic=dynamic, options={**OPTIONS, **options})
+    with torch.no_grad():
+        return fresh, compiled(_ids())
+
+
+def _entries(directory) -> list:
+    return sorted(directory.rglob("*.pkl")) if directory.exists() else []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache_on, monkeypatch, caplog, dynamic):
+    torch.manual_seed(0)
+    model = models.LlamaDecoder()
+    plans = _Plans(monkeypatch)
+    _, first = _compile_fresh(model, dynamic)
+    assert plans.count == 1 and len(_entries(cache_on)) == 1, (plans.count, _entries(cache_on))
+    with caplog.at_level(logging.INFO, logger="dynashard"):
+        fresh, again = _compile_fresh(model, dynamic)
+    assert plans.count == 1, "the second compile traced and planned again"
+    assert "dynashard cache: hit" in caplog.text, caplog.text
+    # Bit for bit: the same graph on the same inputs (the fake group's collectives move nothing).
+    assert torch.equal(first, again)
+    assert dynashard.held_bytes(fresh) < 0.6 * sum(p.nbytes for p in model.parameters())
+
+
+@pytest.mark.unit
+def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, monkeypatch):
+    """Each thing the plan depends on, changed alone, misses: options, dtype, shapes, gradients, dynashard's code."""
+    torch.manual_seed(0)
+    model = models.LlamaDecoder()
+    plans = _Plans(monkeypatch)
+    _compile_fresh(model)
+    _compile_fresh(model)
+    assert plans.count == 1
+    _compile_fresh(model, plan={"layers.0.down_proj": "replicate"})
+    assert plans.count == 2, "another plan option read the first entry"
+    _compile_fresh(model.double())
+    assert plans.count == 3, "another dtype read the first entry"
+    model.float()
+    torch._dynamo.reset()
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.compile(fresh, backend="dynashard", options=OPTIONS)(_ids()[:1])
+    assert plans.count == 4, "another batch size read the first entry"
+    digest = list(compile_cache._DIGEST)
+    monkeypatch.setattr(compile_cache, "_DIGEST", ["another dynashard"])
+    _compile_fresh(model)
+    assert plans.count == 5, "an entry of other dynashard code was read"
+    monkeypatch.setattr(compile_cache, "_DIGEST", digest)
+    # Gradients: traced every time, never stored (the rewrite binds autograd Functions made for it).
+    before = len(_entries(cache_on))
+    torch._dynamo.reset()
+    fresh = copy.deepcopy(model)
+    torch.compile(fresh, backend="dynashard", options=OPTIONS)(_ids()).sum().backward()
+    assert len(_entries(cache_on)) == before
+
+
+@pytest.mark.unit
+def test_a_damaged_or_foreign_entry_is_a_miss(fake_group, cache_on, monkeypatch):
+    torch.manual_seed(0)
+    model = models.LlamaDecoder()
+    plans = _Plans(monkeypatch)
+    _, first = _compile_fresh(model)
+    (entry,) = _entries(cache_on)
+    # Another graph's entry under this key (a digest collision, or a file copied over): its text differs.
+    stored = pickle.loads(entry.read_bytes())
+    entry.write_bytes(pickle.dumps(compile_cache.Entry(stored.material + " ", stored.planned, stored.graph)))
+    _, second = _compile_fresh(model)
+    assert plans.count == 2 and torch.equal(first, second)
+    entry.write_bytes(b"not a pickle")
+    _, third = _compile_fresh(model)
+    assert plans.count == 3 and torch.equal(first, third)
+    _, fourth = _compile_fresh(model)  # (the third compile wrote a good entry again)
+    assert plans.count == 3 and torch.equal(first, fourth)
+
+
+@pytest.mark.unit
+def test_off_writes_nothing(fake_group, cache_on, monkeypatch):
+    monkeypatch.setenv("DYNASHARD_CACHE", "0")
+    _compile_fresh(models.LlamaDecoder())
+    assert not _entries(cache_on)
+    monkeypatch.setenv("DYNASHARD_CACHE", "1")
+    with torch._inductor.config.patch(force_disable_caches=True):  # (Inductor's switch for every cache)
+        _compile_fresh(models.LlamaDecoder())
+    assert not _entries(cache_on)
+
+
+@pytest.mark.gloo
+@on_ranks(cases=["every_rank_hits", "rank_1_misses"])
+def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, tmp_path):
+    """Two "processes" on each rank: the first traces, the second reads its entry (or, for rank 1 in
+    ``rank_1_misses``, finds none and traces while rank 0 reads: the plan fingerprints agree). Each
+    against the unsharded model, with ``parallelize`` and with a plain compile."""
+    import os
+
+    os.environ["DYNASHARD_CACHE"] = "1"
+    os.environ["DYNASHARD_CACHE_DIR"] = str(tmp_path / f"rank{rank}")
+    try:
+        model = models.LlamaDecoder()
+        with torch.no_grad():
+            ref = model(_ids())
+        plans = 0
+        plan = dynamo_backend._plan
+
+        def counted(*args, **kwargs):
+            nonlocal plans
+            plans += 1
+            return plan(*args, **kwargs)
+
+        dynamo_backend._plan = counted
+        for restart in range(2):
+            if restart and case == "rank_1_misses" and rank == 1:
+                for f in (tmp_path / f"rank{rank}").rglob("*.pkl"):
+                    f.unlink()
+            torch._dynamo.reset()
+            fresh = copy.deepcopy(model)
+            dynashard.parallelize(fresh, _ids(), options=OPTIONS)
+            with torch.no_grad():
+                out = torch.compile(fresh, backend="dynashard", options=OPTIONS)(_ids())
+            err = float((out - ref).abs().max() / ref.abs().max())
+            assert err < RTOL, (restart, err)
+            held = dynashard.held_bytes(fresh) / sum(p.nbytes for p in model.parameters())
+            assert held < 0.6, held
+        traced = 4 if case == "rank_1_misses" and rank == 1 else 2  # parallelize and compile, per start traced
+        assert plans == traced, plans
+    finally:
+        dynamo_backend._plan = plan
+        os.environ["DYNASHARD_CACHE"] = "0"
