@@ -27,14 +27,14 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from dynashard.capture.aliases import alias_roots, mutated_roots
-from dynashard.capture.match_adapters import find_low_rank_updates
+from dynashard.capture.aliases import alias_roots
 from dynashard.capture.records import GroupQuantized, LinearMatch, SpectralNormed, WeightNormed
 from dynashard.layout.nodes import all_args
 from dynashard.layout.shard import Collective, CollectiveKind, LayoutMap, Read, Record, Shard
 from dynashard.layout.split import Split
 from dynashard.options import Style
 from dynashard.plan import rules
+from dynashard.plan.context import PlanContext
 from dynashard.plan.decision import split_dim
 from dynashard.plan.rules.inplace import SIZE_ARG, grows_cache
 from dynashard.plan.rules.origins import feeds_features, linear
@@ -56,29 +56,19 @@ StyleChooser = Callable[[LinearMatch, Shard | None], Style]
 
 
 def propagate(
-    graph: torch.fx.Graph,
-    linears: dict[torch.fx.Node, LinearMatch],
+    ctx: PlanContext,
     choose: StyleChooser,
-    world: int,
-    rank: int,
-    per_rank: bool = False,
-    sequence: bool = False,
-    uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
-    stacked: bool = False,
     splits: dict[torch.fx.Node, Split] | None = None,
     states: dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]] | None = None,
 ) -> LayoutMap:
-    """Walk ``graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
+    """Walk ``ctx.graph`` once in order; ``choose(match, input_layout)`` gives each linear's style.
 
-    ``uniform_inputs`` are the placeholders that hold the same value on every rank (parameters
-    under replicated weights); they matter only with ``per_rank``. ``sequence``: sequence_parallel.
-    ``states``: graph inputs held sharded (placeholder -> split, dim, origins: a KV cache the graph
-    writes head-sharded k/v into).
+    ``splits``: the colwise outputs' cuts. ``states``: graph inputs held sharded (placeholder ->
+    split, dim, origins: a KV cache the graph writes head-sharded k/v into).
     """
-    lm = LayoutMap(world=world, rank=rank, styles={}, per_rank=per_rank, sequence=sequence, stacked=stacked,
-                   splits=dict(splits or {}), written=mutated_roots(graph),
-                   updates=find_low_rank_updates(graph, linears))
-    for node in graph.nodes:
+    linears = ctx.by_node
+    lm = LayoutMap(ctx.mesh, styles={}, splits=dict(splits or {}), written=ctx.written, updates=ctx.updates)
+    for node in ctx.graph.nodes:
         if node in (states or {}):  # a cache held sharded (a graph input, or allocated by the graph)
             split, dim, origins = states[node]
             lm.states[node] = shard = lm.shard(split, origins, dim)
@@ -86,7 +76,7 @@ def propagate(
             lm.commit(node, Record(shard, lowering=allocated))
             continue
         if node.op in ("placeholder", "get_attr"):
-            if node.op == "get_attr" or node in uniform_inputs:
+            if node.op == "get_attr" or node in ctx.uniform_inputs:
                 lm.uniform.add(node)
             lm.commit(node, Record())
             continue
@@ -100,16 +90,16 @@ def propagate(
             if kept is not None:
                 lm.commit(node, kept)
                 continue
-        record = _record(lm, node, graph, linears, choose)
+        record = _record(ctx, lm, node, choose)
         if record.partial is None or node not in linears or lm.styles[node] != Style.REPLICATE:
             record.reduced = partial  # (a whole linear keeps a partial input partial: whole_linear_of_partial)
         lm.commit(node, record)
     return lm
 
 
-def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: dict[torch.fx.Node, LinearMatch],
-            choose: StyleChooser) -> Record:
+def _record(ctx: PlanContext, lm: LayoutMap, node: torch.fx.Node, choose: StyleChooser) -> Record:
     """``node``'s record: its linear's, the graph output's, or its rule's (a gather where none applies)."""
+    linears = ctx.by_node
     if node in linears:
         match = linears[node]
         style = choose(match, lm.layouts[match.input] if feeds_features(lm, match) else None)
@@ -121,7 +111,7 @@ def _record(lm: LayoutMap, node: torch.fx.Node, graph: torch.fx.Graph, linears: 
         return record
     if node.op == "output":  # (partial sums reduced) returned whole, but a cache the graph allocated
         # or grew by cat is returned as it is held (program.py wraps it)
-        roots = alias_roots(graph)
+        roots = alias_roots(ctx.graph)
         record = Record()
         for arg in all_args(node):
             root, lay = roots.get(arg, arg), lm.layouts.get(arg)
