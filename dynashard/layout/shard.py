@@ -170,6 +170,12 @@ class Record:
     reduced: frozenset[torch.fx.Node] = frozenset()  # partial operands read all-reduced
     weight_split: Split | None = None  # a sharded linear's weight cut
     collectives: list[Collective] = dataclasses.field(default_factory=list)  # its own: a reduce, a loss's gather
+    filed: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)  # final: LayoutMap.file
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("filed"):
+            raise AssertionError(f"dynashard: a filed record is final; {name!r} set after it was filed")
+        super().__setattr__(name, value)
 
     def read(self, producer: torch.fx.Node, how: Read) -> Record:
         self.reads[producer] = how
@@ -226,9 +232,20 @@ class LayoutMap:
         return self.mesh.stacked
 
     def commit(self, node: torch.fx.Node, record: Record) -> None:
-        """File ``node``'s record; charge the collectives its reads imply (one per value and
-        conversion, shared by every consumer)."""
+        """:meth:`place` ``node``'s record and :meth:`file` it, complete."""
+        self.place(node, record)
+        self.file(node, record)
+
+    def file(self, node: torch.fx.Node, record: Record) -> None:
+        """``node``'s record, final from here on (setting any of its fields raises)."""
+        object.__setattr__(record, "filed", True)
         self.records[node] = record
+
+    def place(self, node: torch.fx.Node, record: Record) -> None:
+        """What later rules read of ``node`` (its layout, outputs, partial sums), and the collectives
+        its reads imply (one per value and conversion, shared by every consumer), charged in graph
+        order. A node on a linear's weight path is placed when visited and filed with its lowering
+        once that linear is decided (``plan/propagate.py``)."""
         self.layouts[node] = record.layout
         if record.outputs is not None:
             self.outputs[node] = list(record.outputs)
