@@ -110,9 +110,10 @@ def finish(ctx: PlanContext, cuts: Cuts, decisions: dict[torch.fx.Node, Decision
     would be cut differently, kept whole (with every other use of their weights).
 
     Each round propagates the styles with the colwise biases held cut, and either returns the plan
-    or replaces the sharded linears of the first unsafe write or weight cut apart (and every other
-    use of their weights) with replicated ones (an error for a user plan). A replicated linear
-    makes no shard, so each round shards fewer linears: at most one round per linear, plus one.
+    or replicates the sharded linears of the first unsafe write or weight cut apart (and every other
+    use of their weights; an error for a user plan). Each such round replicates at least one more
+    linear, so the loop ends within one round per linear, plus one; the assertion after it guards
+    that (a round that replicated nothing would repeat itself forever).
     """
     for _ in range(len(ctx.linears) + 1):
         biases = _held_biases(ctx, decisions, cuts.splits)
