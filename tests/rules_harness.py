@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from dynashard.capture.aliases import mutated_roots
 from dynashard.capture.match import find_linears
 from dynashard.capture.records import ParamInfo
+from dynashard.layout.mesh import Mesh
 from dynashard.layout.nodes import all_args, is_size
 from dynashard.layout.shard import LayoutMap, Read, Record, Shard
 from dynashard.layout.split import Split
@@ -224,7 +225,7 @@ def trace(op: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[torch.fx.G
 
 def seeded(gm: torch.fx.GraphModule, specs: list[T], world: int, rank: int, **modes: bool) -> LayoutMap:
     """A layout map with every placeholder's layout as its spec says (origins: the placeholder)."""
-    lm = LayoutMap(world=world, rank=rank, styles={}, written=mutated_roots(gm.graph), **modes)
+    lm = LayoutMap(Mesh(world, rank, **modes), styles={}, written=frozenset(mutated_roots(gm.graph)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, specs, strict=True):
         if spec.cut is not None:

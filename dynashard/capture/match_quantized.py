@@ -17,7 +17,7 @@ weight's rows (colwise) never splits a group: qdata, scale and zero_point are cu
 columns (rowwise) is exact only where every rank's columns are whole groups: then scale and zero_point are cut
 on dim 1 by the same split counted in groups (:func:`groups_of`), and the rowwise rule asks the partner that
 feeds it for units of whole groups (plan/rules/origins.py). The dequantization's views name the whole weight's
-sizes; each is re-emitted at this rank's (:func:`resize_dequantization`).
+sizes; each is re-emitted at this rank's (:func:`~dynashard.plan.rules.quantized.dequantization_resizes`).
 
 Invariants: a cut is only lowered when everything the dequantization reads is one of these three inner tensors,
 read nowhere else (:attr:`Dequantized.refused` otherwise: the layer is kept whole with that reason); a split

@@ -19,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch.fx
 
+from dynashard.layout.mesh import Mesh
 from dynashard.layout.nodes import all_args, op_name, size_at, val
 from dynashard.layout.split import Split
 from dynashard.options import Style
@@ -168,6 +170,12 @@ class Record:
     reduced: frozenset[torch.fx.Node] = frozenset()  # partial operands read all-reduced
     weight_split: Split | None = None  # a sharded linear's weight cut
     collectives: list[Collective] = dataclasses.field(default_factory=list)  # its own: a reduce, a loss's gather
+    filed: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)  # final: LayoutMap.file
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("filed"):
+            raise AssertionError(f"dynashard: a filed record is final; {name!r} set after it was filed")
+        super().__setattr__(name, value)
 
     def read(self, producer: torch.fx.Node, how: Read) -> Record:
         self.reads[producer] = how
@@ -179,13 +187,8 @@ class LayoutMap:
     """The records of one graph on one rank, in graph order, and what they add up to: the
     collectives and the wishes. ``layouts``, ``outputs`` and ``partial`` index the records."""
 
-    world: int
-    rank: int
+    mesh: Mesh  # the ranks, and what a replicated value and a weight mean on them (the modes)
     styles: dict[torch.fx.Node, Style]  # linear node -> style
-    per_rank: bool = False  # inputs="per_rank": replicated values are this rank's rows only
-    # sequence_parallel: rowwise outputs are reduce-scattered along the sequence (a Shard of it)
-    sequence: bool = False
-    stacked: bool = False  # weights="per_rank": sharded weights hold one block of every rank's weight
     uniform: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # same value on every rank
     records: dict[torch.fx.Node, Record] = dataclasses.field(default_factory=dict)
     layouts: dict[torch.fx.Node, Shard | None] = dataclasses.field(default_factory=dict)
@@ -194,7 +197,7 @@ class LayoutMap:
     splits: dict[torch.fx.Node, Split] = dataclasses.field(default_factory=dict)  # colwise output splits (plan)
     wishes: list[Wish] = dataclasses.field(default_factory=list)
     collectives: list[Collective] = dataclasses.field(default_factory=list)
-    written: set[torch.fx.Node] = dataclasses.field(default_factory=set)  # values an in-place op writes into
+    written: frozenset[torch.fx.Node] = frozenset()  # values an in-place op writes into
     # in-place writes into a gather of a Shard, copied back into that shard (the plan's rules.inplace.follow_writes):
     # the in-place node -> the value gathered
     write_backs: dict[torch.fx.Node, torch.fx.Node] = dataclasses.field(default_factory=dict)
@@ -204,14 +207,45 @@ class LayoutMap:
     # values of states the graph allocates itself (rules.inplace.FACTORIES) that it returns: as shards
     held_outputs: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     # low-rank updates (LoRA) by each member's node (match_adapters.find_low_rank_updates)
-    updates: dict[torch.fx.Node, Any] = dataclasses.field(default_factory=dict)
+    updates: Mapping[torch.fx.Node, Any] = dataclasses.field(default_factory=dict)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
     _summed: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 
+    @property
+    def world(self) -> int:
+        return self.mesh.world
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def per_rank(self) -> bool:
+        return self.mesh.per_rank
+
+    @property
+    def sequence(self) -> bool:
+        return self.mesh.sequence
+
+    @property
+    def stacked(self) -> bool:
+        return self.mesh.stacked
+
     def commit(self, node: torch.fx.Node, record: Record) -> None:
-        """File ``node``'s record; charge the collectives its reads imply (one per value and
-        conversion, shared by every consumer)."""
+        """:meth:`place` ``node``'s record and :meth:`file` it, complete."""
+        self.place(node, record)
+        self.file(node, record)
+
+    def file(self, node: torch.fx.Node, record: Record) -> None:
+        """``node``'s record, final from here on (setting any of its fields raises)."""
+        object.__setattr__(record, "filed", True)
         self.records[node] = record
+
+    def place(self, node: torch.fx.Node, record: Record) -> None:
+        """What later rules read of ``node`` (its layout, outputs, partial sums), and the collectives
+        its reads imply (one per value and conversion, shared by every consumer), charged in graph
+        order. A node on a linear's weight path is placed when visited and filed with its lowering
+        once that linear is decided (``plan/propagate.py``)."""
         self.layouts[node] = record.layout
         if record.outputs is not None:
             self.outputs[node] = list(record.outputs)

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import torch.fx
 
-from dynashard.capture.match_adapters import LowRankUpdate, find_low_rank_updates
+from dynashard.capture.match_adapters import LowRankUpdate
 from dynashard.capture.records import LinearMatch
 from dynashard.layout.shard import LayoutMap, Shard, Wish
-from dynashard.options import Options, Style
+from dynashard.options import Style
+from dynashard.plan.context import PlanContext
 from dynashard.plan.decision import Decision, shared_conflicts, split_dim, style_along
 from dynashard.plan.propagate import propagate
 from dynashard.plan.recut import Cuts
@@ -42,19 +43,14 @@ _GATHER_MIN_IN_FEATURES = 256
 _LOW_RANK = 4
 
 
-def auto_decisions(
-    linears, blocked, graph, options: Options, world: int, rank: int, modes: dict, cuts: Cuts,
-    wishes: list[Wish],
-) -> dict[torch.fx.Node, Decision]:
+def auto_decisions(ctx: PlanContext, cuts: Cuts, wishes: list[Wish]) -> dict[torch.fx.Node, Decision]:
     """Styles from one walk of the graph (tentatively colwise, rowwise where the input arrives
     sharded); ``wishes`` collects what the shape rules asked for on the way."""
+    linears, blocked, by_node, updates, mesh = ctx.linears, ctx.blocked, ctx.by_node, ctx.updates, ctx.mesh
     decisions: dict[torch.fx.Node, Decision] = {}
     partners: dict[torch.fx.Node, list[str]] = {}
     expanded: dict[torch.fx.Node, list[LinearMatch]] = {}  # origin -> the expanding layers it fed
     bottlenecks: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}  # expanding layer -> its origins
-
-    by_node = {m.node: m for m in linears}
-    updates = find_low_rank_updates(graph, by_node)
 
     def choose(m: LinearMatch, src: Shard | None) -> str:
         numel = m.numel
@@ -64,35 +60,34 @@ def auto_decisions(
             decisions[m.node] = Decision(Style.REPLICATE, blocked[m.node])
         elif (follows := adapter_decision(m, updates, decisions)) is not None:
             decisions[m.node] = follows
-        elif numel < options.min_shard_numel:
+        elif numel < ctx.options.min_shard_numel:
             decisions[m.node] = Decision(
-                Style.REPLICATE, f"small: {numel} weight elements < min_shard_numel={options.min_shard_numel}"
+                Style.REPLICATE, f"small: {numel} weight elements < min_shard_numel={ctx.options.min_shard_numel}"
             )
-        elif (refused := m.kind.refused(modes["stacked"], modes["per_rank"])) is not None:
+        elif (refused := m.kind.refused(mesh.stacked, mesh.per_rank)) is not None:
             decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")
-        elif (own := m.kind.auto_style(_reduce_name(modes))) is not None:
+        elif (own := m.kind.auto_style(mesh.reduce_name)) is not None:
             decisions[m.node] = Decision(Style(own[0]), own[1])
         elif src is not None and _bottleneck([by_node[o] for o in src.origins if o in by_node], m) \
-                and m.kind.refused_dim(m.out_dim, modes["per_rank"]) is None:
+                and m.kind.refused_dim(m.out_dim, mesh.per_rank) is None:
             for o in src.origins:
                 expanded.setdefault(o, []).append(m)
             bottlenecks[m.node] = src.origins
             decisions[m.node] = Decision(Style.COLWISE, "")
-        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim, modes["per_rank"])
-              or (m.kind.refused_input(src.split, world) if src is not None else None)) is not None:
+        elif (refused := m.kind.refused_dim(m.in_dim if src is not None else m.out_dim, mesh.per_rank)
+              or (m.kind.refused_input(src.split, mesh.world) if src is not None else None)) is not None:
             decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")  # (weight_norm, per_rank)
         elif src is not None:
             names = sorted(by_node[o].fqn for o in src.origins)
             for o in src.origins:
                 partners.setdefault(o, []).append(m.fqn)
-            reduce = _reduce_name(modes)
-            decisions[m.node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {reduce}",
+            decisions[m.node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {mesh.reduce_name}",
                                          frozenset(names))
         else:
             decisions[m.node] = Decision(Style.COLWISE, "")
         return decisions[m.node].style
 
-    walked = propagate(graph, by_node, choose, world, rank, splits=cuts.splits, states=cuts.states, **modes)
+    walked = propagate(ctx, choose, cuts.splits, cuts.states)
     wishes.extend(walked.wishes)
     for node, origins in bottlenecks.items():  # cut colwise for nothing: pair with the origins after all
         if node in partners or _only_loss_parallel(walked, by_node[node]):
@@ -103,8 +98,7 @@ def auto_decisions(
             if not expanded[o]:
                 del expanded[o]
             partners.setdefault(o, []).append(by_node[node].fqn)
-        reduce = _reduce_name(modes)
-        decisions[node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {reduce} "
+        decisions[node] = Decision(Style.ROWWISE, f"input sharded by {', '.join(names)}; one {mesh.reduce_name} "
                                    "(cut colwise, its shard would reach no rowwise partner)", frozenset(names))
     for m in linears:
         d = decisions[m.node]
@@ -132,7 +126,7 @@ def auto_decisions(
                 f"{_GATHER_MIN_IN_FEATURES}: a gather would not pay"
             )
     for ms in shared_conflicts(linears, decisions).values():
-        _settle_shared(ms, decisions, blocked, modes["stacked"], modes["per_rank"])
+        _settle_shared(ctx, ms, decisions)
     follow_bases(linears, updates, decisions, lambda m: m.node not in cuts.forced and not blocked[m.node])
     return decisions
 
@@ -194,7 +188,7 @@ def _only_loss_parallel(walked: LayoutMap, m: LinearMatch) -> bool:
     return any(mine) and all(mine)
 
 
-def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacked: bool, per_rank: bool) -> None:
+def _settle_shared(ctx: PlanContext, ms: list[LinearMatch], decisions: dict) -> None:
     """One split for a shared weight: a use replicated only for cost follows the sharded uses'
     dim (a tied LM head follows its vocab-parallel embedding); otherwise all stay whole."""
     names = ", ".join(sorted({f"{m.fqn} ({decisions[m.node].style})" for m in ms}))
@@ -203,8 +197,8 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
         return ", ".join(sorted({f"{o.fqn} ({decisions[o.node].style} {o.kind})" for o in ms if o.node is not m.node}))
 
     dims = {split_dim(m, decisions[m.node].style) for m in ms} - {None}
-    stuck = any(blocked[m.node] or m.kind.refused(stacked, False) is not None
-                or any(m.kind.refused_dim(d, per_rank) is not None for d in dims) for m in ms)
+    stuck = any(ctx.blocked[m.node] or m.kind.refused(ctx.mesh.stacked, False) is not None
+                or any(m.kind.refused_dim(d, ctx.mesh.per_rank) is not None for d in dims) for m in ms)
     if len(dims) == 1 and not stuck:
         (dim,) = dims
         for m in ms:
@@ -216,23 +210,17 @@ def _settle_shared(ms: list[LinearMatch], decisions: dict, blocked: dict, stacke
         decisions[m.node] = Decision(Style.REPLICATE, f"weight shared by uses that would split it differently: {names}")
 
 
-def follow_earlier_splits(linears, decisions: dict, blocked: dict, presplit: dict[torch.fx.Node, int],
-                           prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> None:
+def follow_earlier_splits(ctx: PlanContext, decisions: dict) -> None:
     """A weight an earlier graph split (and freed) is split the same way here, if it can be; one an
     earlier graph reads whole stays whole (cutting it would free what that graph reads)."""
-    for m in linears:
-        if m.weight in prewhole and decisions[m.node].style != Style.REPLICATE:
+    for m in ctx.linears:
+        if m.weight in ctx.prewhole and decisions[m.node].style != Style.REPLICATE:
             decisions[m.node] = Decision(Style.REPLICATE,
                                          "kept whole: a graph compiled earlier reads this weight whole")
             continue
-        dim = presplit.get(m.weight)
-        if dim is None or split_dim(m, decisions[m.node].style) == dim or blocked[m.node] \
+        dim = ctx.presplit.get(m.weight)
+        if dim is None or split_dim(m, decisions[m.node].style) == dim or ctx.blocked[m.node] \
                 or m.kind.refused_dim(dim) is not None:
             continue
         decisions[m.node] = Decision(style_along(m, dim), f"weight already split on dim {dim} by an earlier graph")
 
-
-def _reduce_name(modes: dict) -> str:
-    """A rowwise output's collective, as the reasons name it (sequence_parallel: all_reduce where
-    the sequence is shorter than the world; the collectives column says which)."""
-    return "reduce_scatter" if modes["per_rank"] or modes["sequence"] else "all_reduce"

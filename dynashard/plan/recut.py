@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable, Sequence
 
 import torch.fx
 
@@ -35,6 +36,7 @@ from dynashard.capture.records import LinearMatch
 from dynashard.layout.shard import Wish, WishKind
 from dynashard.layout.split import Split, even
 from dynashard.options import Style
+from dynashard.plan.context import PlanContext
 from dynashard.plan.decision import Decision
 from dynashard.plan.propagate import propagate
 
@@ -56,10 +58,14 @@ class Cuts:
     allow_states: bool = True
 
 
-def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts, modes: dict, world: int, rank: int,
-                       auto: bool) -> dict[torch.fx.Node, Decision]:
+def recut_until_stable(ctx: PlanContext, cuts: Cuts, decide: Callable[[list[Wish]], dict[torch.fx.Node, Decision]]
+                       ) -> dict[torch.fx.Node, Decision]:
     """The planning fixpoint: decide styles -> propagate -> collect the rules' wishes -> re-cut
     the origins they name -> again, until no wish changes a cut.
+
+    Each round changes only ``cuts`` (an origin's split made finer or coarser, an origin forced
+    whole, a graph input held sharded); ``decide(wishes)`` gives the round's styles from them (and
+    collects the wishes met while deciding).
 
     A fused qkv needs two rounds (component boundaries, then whole heads), GQA a third. Stopping
     at the round limit is safe (the final layout is recomputed from the final cuts: at worst a
@@ -68,9 +74,8 @@ def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts,
     for _ in range(_MAX_ROUNDS):
         wishes: list[Wish] = []
         decisions = decide(wishes)
-        layouts = propagate(graph, by_node, lambda m, _src, d=decisions: d[m.node].style, world, rank,
-                            splits=cuts.splits, states=cuts.states, **modes)
-        if not _grant(wishes + layouts.wishes, cuts, auto, list(by_node.values()), world):
+        layouts = propagate(ctx, lambda m, _src, d=decisions: d[m.node].style, cuts.splits, cuts.states)
+        if not _grant(ctx, wishes + layouts.wishes, cuts):
             return decisions
     log.warning(
         "dynashard: planning stopped re-cutting after %d rounds with wishes still changing cuts (%s); the plan "
@@ -80,7 +85,7 @@ def recut_until_stable(decide, graph: torch.fx.Graph, by_node: dict, cuts: Cuts,
     return decide([])
 
 
-def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch], world: int) -> bool:
+def _grant(ctx: PlanContext, wishes: list[Wish], cuts: Cuts) -> bool:
     """Re-cut (or, for the auto plan, keep whole) the origins the shape rules asked about.
 
     A fused origin asked to stay whole keeps only its components with fewer units than ranks
@@ -91,7 +96,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     twice in one graph, an expert weight used once per expert); a weight shared by uses of different
     kinds (a tied head and its embedding) keeps its cut. True if anything changed.
     """
-    by_node = {m.node: m for m in linears}
+    linears, by_node, world = ctx.linears, ctx.by_node, ctx.mesh.world
     splits, forced = cuts.splits, cuts.forced
     uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for m in linears:
@@ -118,7 +123,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
             o = family[o][0] if o in family else o
             current = splits.get(o, even(m.out_features))
             if w.kind == WishKind.REPLICATE:
-                if auto and o not in forced:
+                if ctx.auto and o not in forced:
                     whole.setdefault(o, w)
             elif w.kind == WishKind.CUT:
                 boundaries.setdefault(o, set()).update(w.arg)
@@ -161,7 +166,7 @@ def _grant(wishes: list[Wish], cuts: Cuts, auto: bool, linears: list[LinearMatch
     return changed
 
 
-def _recut_siblings(recut: dict, splits: dict, linears: list[LinearMatch], uses: dict, family: dict) -> None:
+def _recut_siblings(recut: dict, splits: dict, linears: Sequence[LinearMatch], uses: dict, family: dict) -> None:
     """The same layer of the other blocks (``layers.3.attn.wqkv`` for ``layers.0.attn.wqkv``: the same
     name but for its block numbers, the same width, the same cut so far) is re-cut as ``recut`` re-cut it.
 

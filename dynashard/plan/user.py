@@ -27,6 +27,7 @@ import torch.fx
 
 from dynashard.errors import UsageError
 from dynashard.options import ParamDim, Style
+from dynashard.plan.context import PlanContext
 from dynashard.plan.decision import Decision, shared_conflicts, split_dim
 
 
@@ -44,13 +45,14 @@ def _layer_style(style: Style | ParamDim, m) -> Style:
     return Style.COLWISE if cut == m.out_dim else Style.ROWWISE
 
 
-def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_rank: bool,
-                   hf_plan: bool = False, world: int = 1) -> dict[torch.fx.Node, Decision]:
+def user_decisions(ctx: PlanContext) -> dict[torch.fx.Node, Decision]:
+    """The styles of ``ctx.options.plan_dict``, checked against what each linear allows."""
+    linears, blocked, plan, mesh = ctx.linears, ctx.blocked, ctx.options.plan_dict, ctx.mesh
     names = sorted({m.fqn for m in linears})
     for key in plan:
         if not any(key_matches(key, n) for n in names):
             close = difflib.get_close_matches(key, names, n=5, cutoff=0.3) or names[:5]
-            if hf_plan:  # (names the layers of every configuration of its architecture: options.py)
+            if ctx.options._hf_plan:  # (names the layers of every configuration of its architecture: options.py)
                 warnings.warn(f"dynashard: plan key {key!r} of a Hugging Face plan matches no linear layer in the "
                               f"compiled graph, so it has no effect (closest linear FQNs: {close}).", UserWarning,
                               stacklevel=2)
@@ -73,18 +75,18 @@ def user_decisions(linears, blocked, plan: dict[str, str], stacked: bool, per_ra
                 "cannot be sharded. Expected a weight used only by linear layers; set its style to "
                 "'replicate' or remove it from the plan."
             )
-        if style != Style.REPLICATE and (refused := m.kind.refused(stacked, per_rank)) is not None:
+        if style != Style.REPLICATE and (refused := m.kind.refused(mesh.stacked, mesh.per_rank)) is not None:
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected 'replicate' "
                 "for it, or the default inputs='replicated', weights='replicated'."
             )
-        if style != Style.REPLICATE and (refused := m.kind.refused_dim(split_dim(m, style), per_rank)) is not None:
+        if style != Style.REPLICATE and (refused := m.kind.refused_dim(split_dim(m, style), mesh.per_rank)) is not None:
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected "
                 "'replicate' for it, or the style that cuts the exact dim."
             )
-        if style != Style.REPLICATE and (refused := m.kind.refused_world(split_dim(m, style), world)) is not None:
-            raise UsageError(f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r} at world size {world}, but "
+        if style != Style.REPLICATE and (refused := m.kind.refused_world(split_dim(m, style), mesh.world)) is not None:
+            raise UsageError(f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r} at world size {mesh.world}, but "
                              f"{refused}; expected 'replicate' for it, or 'colwise'.")
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
     for ms in shared_conflicts(linears, decisions).values():

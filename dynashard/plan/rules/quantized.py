@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 
+import torch.fx
+
 from dynashard.capture.match_quantized import groups_of
 from dynashard.capture.records import GroupQuantized, LinearMatch
 from dynashard.layout.shard import LayoutMap, Record, Resize, Shard, WishKind
@@ -52,17 +54,25 @@ def _ask_for_groups(lm: LayoutMap, match: LinearMatch, src: Shard) -> None:
                 f"units of its input cannot give all {lm.world} ranks some")
 
 
-def resize_dequantization(lm: LayoutMap, match: LinearMatch, style: Style, record: Record) -> None:
-    """The dequantization's views (of qdata, scale, zero point, and back to ``[out, in]``) at this rank's
-    sizes: its rows (colwise), or its groups of columns (rowwise)."""
+def dequantization_views(match: LinearMatch) -> tuple[torch.fx.Node, ...]:
+    """The views a group-quantized linear's dequantization takes (of qdata, scale, zero point, and back to
+    ``[out, in]``), each emitted at this rank's sizes once the linear is cut; none for a form left whole."""
     kind = match.kind
-    assert isinstance(kind, GroupQuantized) and kind.source.refused is None, f"{match.fqn}: {kind}"
+    if not isinstance(kind, GroupQuantized) or kind.source.refused is not None:
+        return ()
+    return (*kind.source.views, match.operand_path[len(kind.source.path) - 1])  # (last: the [out, in] view)
+
+
+def dequantization_resizes(lm: LayoutMap, match: LinearMatch, style: Style, record: Record
+                           ) -> dict[torch.fx.Node, Resize]:
+    """The dequantization's views at this rank's sizes: its rows (colwise), or its groups of columns
+    (rowwise); ``record`` is the linear's."""
+    assert isinstance(match.kind, GroupQuantized) and match.kind.source.refused is None, f"{match.fqn}: {match.kind}"
     local = record.weight_split.local(lm.world, lm.rank)
-    last = match.operand_path[len(kind.source.path) - 1]  # the [out, in] view
     if style == Style.COLWISE:
-        for view in (*kind.source.views, last):
-            lm.records[view].resize = Resize(0, match.out_features, local)
-        return
-    for view in (*kind.source.views, last):  # (dim 1 is the groups, or the columns of a 2-D view of qdata)
+        return {view: Resize(0, match.out_features, local) for view in dequantization_views(match)}
+    out = {}
+    for view in dequantization_views(match):  # (dim 1 is the groups, or the columns of a 2-D view of qdata)
         full = int(view.meta["val"].shape[1])
-        lm.records[view].resize = Resize(1, full, local * full // match.in_features)
+        out[view] = Resize(1, full, local * full // match.in_features)
+    return out
