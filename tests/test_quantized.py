@@ -18,7 +18,15 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers as T
-from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerAxis, PerGroup, quantize_
+from torchao.quantization import (
+    Float8WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    PerAxis,
+    PerGroup,
+    PerTensor,
+    quantize_,
+)
 
 import dynashard
 from tests.scenarios import Scenarios
@@ -288,6 +296,110 @@ def test_int8_mlp_parallelized_under_inductor_equals_the_quantized_model(rank, w
     # float32 sums of 256 products in another order, and Inductor's fused kernels: relative 1e-5 of the output
     assert float((model(x) - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     assert dynashard.held_bytes(model) == dynashard.held_bytes(reference) - 2 * 8192  # the int8 data halved
+
+
+FLOAT8_CONFIGS = {  # torchao's float8 weight-only (Float8Tensor: float8 qdata [out, in], f32 scale; runs on CPU)
+    "per row": lambda: Float8WeightOnlyConfig(),
+    "per tensor": lambda: Float8WeightOnlyConfig(granularity=PerTensor()),
+}
+
+
+def _float8_mlp(config: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    quantize_(model, FLOAT8_CONFIGS[config]())
+    return model
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", list(FLOAT8_CONFIGS))
+def test_float8_weight_only_mlp_is_cut_as_its_float_twin(config, dtype, world):
+    """Float8WeightOnlyConfig dequantizes ``t(qdata).to(f32) * t(scale)`` before the matmul. Before: no linear
+    matched (no row in explain, both layers silently whole). Now up's float8 rows are cut with their scales, down's
+    columns with every scale whole (a row's scale covers its columns); a [1, 1] scale is whole either way."""
+    model = _float8_mlp(config, dtype)
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    # verify=True raises if a simulated rank's output differs from the float8 model's beyond the dtype's tolerance
+    # (the same float8 values and scales dequantized on every rank; down's partial sums added in another order)
+    report = dynashard.explain(model, x, world_size=world, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "colwise", "down": "rowwise"}, str(report)
+    rows = -(-256 // world)  # rank 0's rows of up (and columns of down): 128, 86, 64; one float8 byte each
+    assert {r.fqn: r.weight_bytes for r in report.rows} == {"up": rows * 64, "down": 64 * rows}, str(report)
+    twin = MLP().to(dtype)
+    assert dynashard.explain(twin, x, world_size=world, options=OPTIONS).layers == report.layers
+
+
+@pytest.mark.unit
+def test_float8_per_group_is_kept_whole_with_the_reason():
+    """Float8WeightOnlyConfig(PerGroup(32)) expands its [out, in / 32] scales through views of fixed sizes, which
+    no cut re-sizes yet: matched, kept whole with the reason (auto), a plan asking a cut refused."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(2, 5, 64)
+    quantize_(model, Float8WeightOnlyConfig(granularity=PerGroup(32)))
+    report = dynashard.explain(model, x, world_size=2, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)
+    assert all("float8 weight whose scales are not one a row nor one for the whole tensor" in r.reason
+               for r in report.rows), str(report)
+    with pytest.raises(ValueError, match="float8 weight whose scales are not one a row"):
+        dynashard.explain(model, x, world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", list(FLOAT8_CONFIGS))
+def test_float8_held_bytes(config):
+    """Each rank holds its half of the float8 data, and of the per-row scales (a fake group of 2: the shards are
+    real tensors); a per-tensor scale is held whole."""
+    from dynashard import _torch as private
+
+    private.init_fake_process_group(2)
+    try:
+        model = _float8_mlp(config)
+        whole = dynashard.held_bytes(model)
+        x = torch.randn(2, 5, 64)
+        dynashard.parallelize(model, x, options={**OPTIONS, "compiler": "eager"})
+        assert model(x).shape == (2, 5, 64)
+        # 2 x 256 x 64 float8 bytes, halved; up's 256 f32 row scales halved (down's 64: whole, it is rowwise)
+        cut = 2 * 256 * 64 // 2 + (256 * 4 // 2 if config == "per row" else 0)
+        # (+ up's colwise bias, held cut when the graph reads it only through the cut: 256 f32, halved)
+        assert whole - dynashard.held_bytes(model) in (cut, cut + 256 * 4 // 2), (whole, dynashard.held_bytes(model))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 4])
+def test_float8_llama_is_cut_as_its_float_twin(world):
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config).eval()
+    quantize_(model, Float8WeightOnlyConfig())
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    report = dynashard.explain(model, ids, world_size=world, verify=True, options=OPTIONS, use_cache=False)
+    assert report.layers == LLAMA_PLAN, str(report)
+    assert not report.outside, report.outside
+
+
+@on_ranks(cases=list(FLOAT8_CONFIGS))
+@torch.no_grad()
+def test_float8_llama_on_real_ranks_equals_the_quantized_model(rank, world, case):
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config).eval()
+    quantize_(model, FLOAT8_CONFIGS[case]())
+    reference = copy.deepcopy(model)
+    fast = torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})
+    for length in (7, 5):
+        ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(length))
+        got, want = fast(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+        # the same float8 values and scales dequantized on each rank, partial sums added in another order: ulps
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), length
+    held, whole = dynashard.held_bytes(model), dynashard.held_bytes(reference)
+    # cut: q/k/v/o/gate/up/down's float8 data (and per-row scales), halved; the embedding half; whole: lm_head, norms
+    assert held <= 0.62 * whole, (held, whole)
 
 
 def _save_quantized(directory, config) -> T.LlamaConfig:

@@ -25,6 +25,19 @@ of the columns that is not in whole groups is never used (:func:`groups_of` answ
 
 (Per-row int8, torchao's default, is no group form: ``mm(x, t(qdata).to(f32)) * scale``, gpt-fast's int8
 form, matched and cut in match.py.)
+
+Float8 weight-only (torchao's ``Float8WeightOnlyConfig``: ``Float8Tensor``, qdata float8 ``[out, in]``, scale f32
+``[out, 1]`` per row (``PerRow()``, the default) or ``[1, 1]`` (``PerTensor()``)) dequantizes the transposed weight
+before the matmul, no views (:func:`scaled_source`)::
+
+    w = aten.mul(aten._to_copy(aten.t(qdata), dtype=f32), aten.t(scale))     # (then ._to_copy(bf16) for bf16)
+    y = aten.mm(x, w)
+
+One :class:`~dynashard.capture.records.LinearMatch` on ``qdata`` of kind ``Float8Scaled``: rows cut with their
+scales (colwise), columns cut with every scale whole (rowwise: a row's scale covers all its columns); a scale
+for the whole tensor is held whole either way. Every rank dequantizes its elements exactly as the unsharded
+model does. ``PerGroup(g)`` expands its ``[out, in / g]`` scales through views of fixed sizes: matched, kept whole
+with that reason (``Scaled.refused``).
 """
 
 from __future__ import annotations
@@ -128,3 +141,51 @@ def groups_of(split: Split, group: int, world: int) -> Split | None:
     per = split.unit / group
     return Split(tuple(int(p * per) for p in split.parts), 1, split.whole,
                  tuple(tuple(int(c * per) for c in cs) for cs in counts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A float8 weight dequantized by one scale a row, or one for the whole tensor (module docstring)."""
+
+    qdata: torch.fx.Node
+    transpose: torch.fx.Node  # t(qdata)
+    path: tuple[torch.fx.Node, ...]  # t(qdata), its conversion to the scale's dtype, the mul
+    scale: torch.fx.Node | None  # the [out, 1] or [1, 1] placeholder (None when refused)
+    per_row: bool = False
+    refused: str | None = None  # why no cut of it is lowered
+
+
+def _float8_placeholder(node: object) -> bool:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v is not None and node.op == "placeholder" and v.dim() == 2 and v.dtype in _FLOAT8
+
+
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+           if hasattr(torch, n)}
+
+
+def scaled_source(node: torch.fx.Node) -> Scaled | None:
+    """The float8 weight ``node`` dequantizes, ``mul(to(t(qdata)), scale_operand)`` (module docstring), if it is
+    that: refused (kept whole, with the reason) unless the scale operand is ``t`` of an ``[out, 1]`` or ``[1, 1]``
+    placeholder read by nothing else."""
+    if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    for converted, other in (node.args, reversed(node.args)):
+        transpose = converted_source(converted) if isinstance(converted, torch.fx.Node) else None
+        if transpose is None or transpose.op != "call_function" or transpose.target is not aten.t.default:
+            continue
+        qdata = transpose.args[0]
+        if not _float8_placeholder(qdata) or len(transpose.users) != 1 or len(converted.users) != 1:
+            continue
+        out, _ = (int(s) for s in qdata.meta["val"].shape)
+        path = (transpose, converted, node)
+        scale = other.args[0] if isinstance(other, torch.fx.Node) and other.target is aten.t.default else None
+        shape = tuple(scale.meta["val"].shape) if isinstance(scale, torch.fx.Node) and "val" in scale.meta else None
+        if scale is None or scale.op != "placeholder" or shape not in ((out, 1), (1, 1)) \
+                or len(scale.users) != 1 or len(other.users) != 1:
+            return Scaled(qdata, transpose, path, None, refused=(
+                "a float8 weight whose scales are not one a row nor one for the whole tensor (torchao's PerRow or "
+                "PerTensor; PerGroup's are expanded through views of fixed sizes), or are read elsewhere: "
+                "no cut of it is lowered"))
+        return Scaled(qdata, transpose, path, scale, per_row=shape == (out, 1) and out != 1)
+    return None
