@@ -402,6 +402,80 @@ def test_float8_llama_on_real_ranks_equals_the_quantized_model(rank, world, case
     assert held <= 0.62 * whole, (held, whole)
 
 
+@pytest.fixture
+def float8_on_cpu(monkeypatch):
+    """Float8DynamicActivationFloat8WeightConfig on this CPU. torchao asserts CUDA SM 8.9+ (or MI300, XPU) when
+    quantizing, but torch 2.13's CPU ``_scaled_mm`` runs the float8 matmul it traces: with that check skipped
+    (torchao's own function, replaced here only), the quantized tensor, its graph and kernel are torchao's and
+    torch's. The GPU check (benchmarks/gpu_check.py) runs the same config on CUDA unpatched."""
+    import torchao.quantization.quant_api as quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return {"per tensor": (lambda: Float8DynamicActivationFloat8WeightConfig(), torch.float32),
+            "per row": (lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), torch.bfloat16)}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("config", ["per tensor", "per row"])
+def test_float8_dynamic_activation_mlp_is_cut(float8_on_cpu, config, world):
+    """_scaled_mm(quantized x, t(qdata), x_scale, t(w_scale), bias): before, no linear matched (both whole, no row).
+    Now up's float8 rows are cut with their scales (its bias too), down's columns with every scale whole; down's
+    input scale (amax over the whole input, or each row's features) is taken from the gathered input, so each
+    rank quantizes its features exactly as the unsharded model does; the bias added once after the all_reduce.
+    (per row needs bf16 weights in torchao: its partial sums are rounded to bf16, as the float twin's.)"""
+    make, dtype = float8_on_cpu[config]
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    quantize_(model, make())
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    report = dynashard.explain(model, x, world_size=world, verify=True, options=OPTIONS)  # (each rank vs the model)
+    assert report.layers == {"up": "colwise", "down": "rowwise"}, str(report)
+    rows = {r.fqn: r for r in report.rows}
+    assert "all_gather (before amax.default)" in rows["up"].collectives, str(report)  # (the input's scale)
+    assert rows["up"].weight_bytes == -(-256 // world) * 64, str(report)
+
+
+@pytest.mark.unit
+def test_float8_training_linear_is_kept_whole_with_the_reason():
+    """torchao's Float8Linear (convert_to_float8_training) casts its float weight to float8 in the graph, scaled
+    by the max over the whole weight: a cut would scale each rank's part by its own max. Before: no row (not
+    matched); now each is kept whole with that reason, and a plan asking a cut is refused naming it."""
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(2, 5, 64)
+    convert_to_float8_training(model)
+    report = dynashard.explain(model, x, world_size=2, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)
+    assert all("torchao's Float8Linear" in r.reason for r in report.rows), str(report)
+    with pytest.raises(ValueError, match="a float weight cast to float8 in the graph"):
+        dynashard.explain(model, x, world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
+
+
+@on_ranks
+@torch.no_grad()
+def test_float8_dynamic_activation_on_real_ranks_equals_the_quantized_model(rank, world):
+    import torchao.quantization.quant_api as quant_api
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    # (float8_on_cpu's why; a scenario runs in a rank process of its own: the patch ends with it)
+    quant_api._check_hardware_support = lambda granularity: None
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    dynashard.parallelize(model, x, options={**OPTIONS, "compiler": "eager"})
+    got, want = model(x).float(), reference(x).float()
+    # the same float8 values and scales; down's two bf16 partial sums (rounded to bf16 each, as a bf16 float twin's)
+    # added: a few bf16 ulps (2**-8 relative) of the output's magnitude
+    assert float((got - want).abs().max()) <= 2 ** -6 * max(1.0, float(want.abs().max()))
+    assert dynashard.held_bytes(model) < dynashard.held_bytes(reference) - 256 * 64  # (half of 2 x 16 KiB float8)
+
+
 def _save_quantized(directory, config) -> T.LlamaConfig:
     """A tiny Llama saved float, loaded through HF's TorchAoConfig (quantized as HF does it) and saved again:
     HF writes each quantized weight flattened (``<module>._weight_qdata``, ``_weight_scale``, ...) with torchao's

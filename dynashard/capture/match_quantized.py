@@ -38,6 +38,17 @@ scales (colwise), columns cut with every scale whole (rowwise: a row's scale cov
 for the whole tensor is held whole either way. Every rank dequantizes its elements exactly as the unsharded
 model does. ``PerGroup(g)`` expands its ``[out, in / g]`` scales through views of fixed sizes: matched, kept whole
 with that reason (``Scaled.refused``).
+
+Float8 with dynamic float8 activations (``Float8DynamicActivationFloat8WeightConfig``, the same ``Float8Tensor``
+with the input quantized in the graph) multiplies in float8 (:func:`scaled_mm_source`)::
+
+    xq = to(clamp(x / x_scale), float8); y = aten._scaled_mm(xq, aten.t(qdata), x_scale, aten.t(scale), bias, ...)
+
+matched on qdata with the same companions. The input's scale (``amax`` over the whole input, or over each row's
+features) is computed before the matmul from the input as the graph holds it: a rowwise layer's cut input is
+gathered for that ``amax`` (rules/reductions.py), so each rank quantizes its features with the whole row's scale.
+A float weight cast to float8 in the graph (torchao's training ``Float8Linear``: the weight's scale is the max over
+the whole weight, a cut would take each rank's own) is matched and kept whole with that reason.
 """
 
 from __future__ import annotations
@@ -164,28 +175,57 @@ _FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e
            if hasattr(torch, n)}
 
 
+_UNSCALED = ("a float8 weight whose scales are not one a row nor one for the whole tensor (torchao's PerRow or "
+             "PerTensor; PerGroup's are expanded through views of fixed sizes), or are read elsewhere: no cut of it "
+             "is lowered")
+
+
+def _scaled(qdata: torch.fx.Node, transpose: torch.fx.Node, path: tuple[torch.fx.Node, ...], operand: object
+            ) -> Scaled:
+    """How float8 ``qdata`` is scaled by ``operand`` (``t`` of an ``[out, 1]`` or ``[1, 1]`` placeholder read by
+    nothing else), or refused."""
+    out = int(qdata.meta["val"].shape[0])
+    scale = operand.args[0] if isinstance(operand, torch.fx.Node) and operand.target is aten.t.default else None
+    shape = tuple(scale.meta["val"].shape) if isinstance(scale, torch.fx.Node) and "val" in scale.meta else None
+    if scale is None or scale.op != "placeholder" or shape not in ((out, 1), (1, 1)) or len(scale.users) != 1 \
+            or len(operand.users) != 1:
+        return Scaled(qdata, transpose, path, None, refused=_UNSCALED)
+    return Scaled(qdata, transpose, path, scale, per_row=shape == (out, 1) and out != 1)
+
+
 def scaled_source(node: torch.fx.Node) -> Scaled | None:
-    """The float8 weight ``node`` dequantizes, ``mul(to(t(qdata)), scale_operand)`` (module docstring), if it is
-    that: refused (kept whole, with the reason) unless the scale operand is ``t`` of an ``[out, 1]`` or ``[1, 1]``
-    placeholder read by nothing else."""
+    """The float8 weight ``node`` dequantizes, ``mul(to(t(qdata)), t(scale))`` (module docstring), if it is that."""
     if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
         return None
-    for converted, other in (node.args, reversed(node.args)):
+    for converted, other in (node.args, node.args[::-1]):
         transpose = converted_source(converted) if isinstance(converted, torch.fx.Node) else None
         if transpose is None or transpose.op != "call_function" or transpose.target is not aten.t.default:
             continue
         qdata = transpose.args[0]
-        if not _float8_placeholder(qdata) or len(transpose.users) != 1 or len(converted.users) != 1:
-            continue
-        out, _ = (int(s) for s in qdata.meta["val"].shape)
-        path = (transpose, converted, node)
-        scale = other.args[0] if isinstance(other, torch.fx.Node) and other.target is aten.t.default else None
-        shape = tuple(scale.meta["val"].shape) if isinstance(scale, torch.fx.Node) and "val" in scale.meta else None
-        if scale is None or scale.op != "placeholder" or shape not in ((out, 1), (1, 1)) \
-                or len(scale.users) != 1 or len(other.users) != 1:
-            return Scaled(qdata, transpose, path, None, refused=(
-                "a float8 weight whose scales are not one a row nor one for the whole tensor (torchao's PerRow or "
-                "PerTensor; PerGroup's are expanded through views of fixed sizes), or are read elsewhere: "
-                "no cut of it is lowered"))
-        return Scaled(qdata, transpose, path, scale, per_row=shape == (out, 1) and out != 1)
+        if _float8_placeholder(qdata) and len(transpose.users) == 1 and len(converted.users) == 1:
+            return _scaled(qdata, transpose, (transpose, converted, node), other)
     return None
+
+
+_FLOAT8_CAST = (aten._to_copy.default, aten.clamp.default, aten.mul.Tensor, aten.t.default)
+
+
+def scaled_mm_source(node: torch.fx.Node) -> Scaled | None:
+    """How a ``_scaled_mm``'s second operand reads its weight (module docstring); None if it reads no 2-D
+    placeholder through ``t`` (and, for a weight cast in the graph, pointwise casting ops)."""
+    mat2 = node.args[1]
+    if len(node.args) < 4 or node.args[5:6] not in ((), (None,)) or not isinstance(mat2, torch.fx.Node):
+        return None  # (scale_result: an output scaled again is no linear layer's)
+    if mat2.target is aten.t.default and _float8_placeholder(mat2.args[0]) and len(mat2.users) == 1:
+        return _scaled(mat2.args[0], mat2, (mat2,), node.args[3])
+    walked, cast = mat2, []
+    while isinstance(walked, torch.fx.Node) and walked.op == "call_function" and walked.target in _FLOAT8_CAST:
+        cast.append(walked)
+        walked = walked.args[0]
+    transpose = next((n for n in cast if n.target is aten.t.default), None)
+    if transpose is None or not isinstance(walked, torch.fx.Node) or walked.op != "placeholder" \
+            or walked.meta["val"].dim() != 2 or not walked.meta["val"].dtype.is_floating_point:
+        return None
+    return Scaled(walked, transpose, tuple(reversed(cast)), None, refused=(
+        "a float weight cast to float8 in the graph (torchao's Float8Linear, convert_to_float8_training): its scale "
+        "is the max over the whole weight, which a cut would take over each rank's part: kept whole"))
