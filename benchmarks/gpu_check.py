@@ -6,7 +6,8 @@ skipped (with a reason naming what did not run). The stage is FAIL if any check 
 passed (the line still names every skip), else SKIP. ``--dry-run``: on CPU at tiny sizes, every part that
 needs CUDA reported as a skip; what it proves is that the stages still run, not anything about a GPU.
 
-  S0 facts: versions (torch, CUDA, cuDNN, NCCL, Triton, transformers, GPU), import dynashard, one compile
+  S0 facts: versions (torch, CUDA, cuDNN, NCCL, Triton, transformers, GPU), import dynashard, one compile,
+     torchao float8 MLPs at simulated world 2 (benchmarks/gpu_float8.py)
   S1 pytest -m cuda, each SDPA backend forced in its own process (flash, efficient, cuDNN, math): HF
      Llama, Qwen2, GPT-2 in bf16 under explain(verify=True) and under Inductor (tests/test_cuda.py)
   S2 real ranks sharing cuda:0 over gloo (benchmarks/gpu_ranks.py)
@@ -182,7 +183,7 @@ def s0_facts(st: Stage, args: argparse.Namespace) -> None:
     def versions() -> dict[str, Any]:
         facts: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
                                  "cuda_available": torch.cuda.is_available()}
-        for name in ("triton", "transformers", "pytest", "numpy", "safetensors"):
+        for name in ("triton", "transformers", "torchao", "pytest", "numpy", "safetensors"):
             try:
                 facts[name] = __import__(name).__version__
             except Exception as e:  # noqa: BLE001 - a missing package is a fact to print
@@ -238,9 +239,18 @@ def s0_facts(st: Stage, args: argparse.Namespace) -> None:
         return {"summary": f"MLP at world 2 on {device}, verify err {worst:.1e}, {compiler} vs eager {err:.1e}",
                 "verify_err": worst, "compile_err": err}
 
+    def float8() -> dict[str, Any]:
+        from benchmarks.gpu_float8 import NoFloat8, explain_check
+
+        try:
+            return explain_check("cpu" if args.dry_run else "cuda")
+        except NoFloat8 as e:
+            raise Skipped(str(e)) from None
+
     st.run("versions", versions)
     st.run("import", imported)
     st.run("compile", one_compile)
+    st.run("float8", float8)
     if args.dry_run:
         st.skip("cuda", f"{NO_CUDA}: the versions of CUDA, NCCL, cuDNN and the GPU, and the compile on a GPU "
                        "through Inductor (Triton) not run; the compile ran on CPU with compiler='eager'")

@@ -11,7 +11,9 @@ any timing (gloo syncs the host; nothing here is fast). Each rank checks, on its
 - 16 greedy tokens of ``generate()`` (``model.forward`` compiled, HF's default cache) equal to the
   unsharded model's, float32 (bfloat16 near-ties could flip an argmax without anything being wrong);
 - one training step (``parallelize``, SGD over the shards, loss through HF's ``labels``): the loss
-  before and after the step equal the unsharded twin's.
+  before and after the step equal the unsharded twin's;
+- torchao float8 MLPs (weight-only, dynamic float8 activations per tensor and per row) compiled with dynashard,
+  eager and Inductor, against the unsharded float8 model (benchmarks/gpu_float8.py; a skip without torchao).
 
 Rank worker: torchrun --standalone --nproc-per-node N -m benchmarks.gpu_ranks --device cuda --out DIR
 """
@@ -130,7 +132,9 @@ def rank_main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda:0" if args.device == "cuda" else "cpu"
     results = {}
-    for name, fn in (("logits", logits), ("generate", generate), ("train", train_step)):
+    from benchmarks.gpu_float8 import rank_check
+
+    for name, fn in (("logits", logits), ("generate", generate), ("train", train_step), ("float8", rank_check)):
         start = time.perf_counter()
         try:
             results[name] = {"ok": True, **fn(device, args.compiler)}
@@ -181,7 +185,7 @@ def _stage(st: Any, args: argparse.Namespace, tmp: str) -> None:
         for r in range(world):
             path = os.path.join(tmp, str(world), f"rank{r}_of{world}.json")
             per_rank[r] = json.load(open(path)) if os.path.exists(path) else {}
-        for check in ("logits", "generate", "train"):
+        for check in ("logits", "generate", "train", "float8"):
             st.run(f"w{world} {check}", lambda w=world, c=check, p=per_rank: _judge(w, c, p, log=logs[w]))
     if args.dry_run:
         st.skip("w4", f"{NO_CUDA}: 4 ranks not run (the code of world 2, which ran)")
@@ -197,10 +201,16 @@ def _judge(world: int, check: str, per_rank: dict[int, dict], log: str) -> dict[
     if bad:
         raise AssertionError("; ".join(f"rank {r}: {e}" for r, e in bad.items()))
     g0 = got[0]
+    if "skipped" in g0:
+        from benchmarks.gpu_check import Skipped
+
+        raise Skipped(g0["skipped"])
     summary = {"logits": lambda: f"rel err fp32 {g0['float32']:.1e}, bf16 {g0['bfloat16']:.1e}",
                "generate": lambda: f"{NEW_TOKENS} tokens as unsharded",
                "train": lambda: f"loss {g0['loss_before']:.4f}->{g0['loss_after']:.4f} as unsharded "
-                                f"(rel {g0['rel_err']:.1e}), held {g0['held_fraction']:.2f}"}[check]()
+                                f"(rel {g0['rel_err']:.1e}), held {g0['held_fraction']:.2f}",
+               "float8": lambda: "rel err " + ", ".join(f"{k} {v:.1e}" for k, v in g0["errors"].items())
+                                 + "".join(f"; not run: {k} ({v})" for k, v in g0["skipped_configs"].items())}[check]()
     return {"summary": summary, "per_rank": got}
 
 

@@ -18,7 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerGroup, quantize_
+from torchao.quantization import (
+    Float8WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    PerGroup,
+    PerTensor,
+    quantize_,
+)
 
 import dynashard
 from dynashard.weights.checksum import checksum, close
@@ -598,6 +605,8 @@ def test_random_reused_weights(world, heads, dh, layers, shared_block, flash, ru
 
 QUANTIZED = {  # torchao's weight-only forms that run on this CPU: per row, and by groups of g input columns
     "int8 per row": lambda g: Int8WeightOnlyConfig(),
+    "float8 per row": lambda g: Float8WeightOnlyConfig(),
+    "float8 per tensor": lambda g: Float8WeightOnlyConfig(granularity=PerTensor()),
     "int8 PerGroup": lambda g: Int8WeightOnlyConfig(granularity=PerGroup(g)),
     "int4 PerGroup": lambda g: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g)),
 }

@@ -18,7 +18,15 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers as T
-from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, PerAxis, PerGroup, quantize_
+from torchao.quantization import (
+    Float8WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    PerAxis,
+    PerGroup,
+    PerTensor,
+    quantize_,
+)
 
 import dynashard
 from tests.scenarios import Scenarios
@@ -288,6 +296,184 @@ def test_int8_mlp_parallelized_under_inductor_equals_the_quantized_model(rank, w
     # float32 sums of 256 products in another order, and Inductor's fused kernels: relative 1e-5 of the output
     assert float((model(x) - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     assert dynashard.held_bytes(model) == dynashard.held_bytes(reference) - 2 * 8192  # the int8 data halved
+
+
+FLOAT8_CONFIGS = {  # torchao's float8 weight-only (Float8Tensor: float8 qdata [out, in], f32 scale; runs on CPU)
+    "per row": lambda: Float8WeightOnlyConfig(),
+    "per tensor": lambda: Float8WeightOnlyConfig(granularity=PerTensor()),
+}
+
+
+def _float8_mlp(config: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    quantize_(model, FLOAT8_CONFIGS[config]())
+    return model
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", list(FLOAT8_CONFIGS))
+def test_float8_weight_only_mlp_is_cut_as_its_float_twin(config, dtype, world):
+    """Float8WeightOnlyConfig dequantizes ``t(qdata).to(f32) * t(scale)`` before the matmul. Before: no linear
+    matched (no row in explain, both layers silently whole). Now up's float8 rows are cut with their scales, down's
+    columns with every scale whole (a row's scale covers its columns); a [1, 1] scale is whole either way."""
+    model = _float8_mlp(config, dtype)
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    # verify=True raises if a simulated rank's output differs from the float8 model's beyond the dtype's tolerance
+    # (the same float8 values and scales dequantized on every rank; down's partial sums added in another order)
+    report = dynashard.explain(model, x, world_size=world, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "colwise", "down": "rowwise"}, str(report)
+    rows = -(-256 // world)  # rank 0's rows of up (and columns of down): 128, 86, 64; one float8 byte each
+    assert {r.fqn: r.weight_bytes for r in report.rows} == {"up": rows * 64, "down": 64 * rows}, str(report)
+    twin = MLP().to(dtype)
+    assert dynashard.explain(twin, x, world_size=world, options=OPTIONS).layers == report.layers
+
+
+@pytest.mark.unit
+def test_float8_per_group_is_kept_whole_with_the_reason():
+    """Float8WeightOnlyConfig(PerGroup(32)) expands its [out, in / 32] scales through views of fixed sizes, which
+    no cut re-sizes yet: matched, kept whole with the reason (auto), a plan asking a cut refused."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(2, 5, 64)
+    quantize_(model, Float8WeightOnlyConfig(granularity=PerGroup(32)))
+    report = dynashard.explain(model, x, world_size=2, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)
+    assert all("float8 weight whose scales are not one a row nor one for the whole tensor" in r.reason
+               for r in report.rows), str(report)
+    with pytest.raises(ValueError, match="float8 weight whose scales are not one a row"):
+        dynashard.explain(model, x, world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config", list(FLOAT8_CONFIGS))
+def test_float8_held_bytes(config):
+    """Each rank holds its half of the float8 data, and of the per-row scales (a fake group of 2: the shards are
+    real tensors); a per-tensor scale is held whole."""
+    from dynashard import _torch as private
+
+    private.init_fake_process_group(2)
+    try:
+        model = _float8_mlp(config)
+        whole = dynashard.held_bytes(model)
+        x = torch.randn(2, 5, 64)
+        dynashard.parallelize(model, x, options={**OPTIONS, "compiler": "eager"})
+        assert model(x).shape == (2, 5, 64)
+        # 2 x 256 x 64 float8 bytes, halved; up's 256 f32 row scales halved (down's 64: whole, it is rowwise)
+        cut = 2 * 256 * 64 // 2 + (256 * 4 // 2 if config == "per row" else 0)
+        # (+ up's colwise bias, held cut when the graph reads it only through the cut: 256 f32, halved)
+        assert whole - dynashard.held_bytes(model) in (cut, cut + 256 * 4 // 2), (whole, dynashard.held_bytes(model))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 4])
+def test_float8_llama_is_cut_as_its_float_twin(world):
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config).eval()
+    quantize_(model, Float8WeightOnlyConfig())
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    report = dynashard.explain(model, ids, world_size=world, verify=True, options=OPTIONS, use_cache=False)
+    assert report.layers == LLAMA_PLAN, str(report)
+    assert not report.outside, report.outside
+
+
+@on_ranks(cases=list(FLOAT8_CONFIGS))
+@torch.no_grad()
+def test_float8_llama_on_real_ranks_equals_the_quantized_model(rank, world, case):
+    torch.manual_seed(0)
+    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(config).eval()
+    quantize_(model, FLOAT8_CONFIGS[case]())
+    reference = copy.deepcopy(model)
+    fast = torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})
+    for length in (7, 5):
+        ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(length))
+        got, want = fast(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+        # the same float8 values and scales dequantized on each rank, partial sums added in another order: ulps
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), length
+    held, whole = dynashard.held_bytes(model), dynashard.held_bytes(reference)
+    # cut: q/k/v/o/gate/up/down's float8 data (and per-row scales), halved; the embedding half; whole: lm_head, norms
+    assert held <= 0.62 * whole, (held, whole)
+
+
+@pytest.fixture
+def float8_on_cpu(monkeypatch):
+    """Float8DynamicActivationFloat8WeightConfig on this CPU. torchao asserts CUDA SM 8.9+ (or MI300, XPU) when
+    quantizing, but torch 2.13's CPU ``_scaled_mm`` runs the float8 matmul it traces: with that check skipped
+    (torchao's own function, replaced here only), the quantized tensor, its graph and kernel are torchao's and
+    torch's. The GPU check (benchmarks/gpu_check.py) runs the same config on CUDA unpatched."""
+    import torchao.quantization.quant_api as quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return {"per tensor": (lambda: Float8DynamicActivationFloat8WeightConfig(), torch.float32),
+            "per row": (lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), torch.bfloat16)}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("config", ["per tensor", "per row"])
+def test_float8_dynamic_activation_mlp_is_cut(float8_on_cpu, config, world):
+    """_scaled_mm(quantized x, t(qdata), x_scale, t(w_scale), bias): before, no linear matched (both whole, no row).
+    Now up's float8 rows are cut with their scales (its bias too), down's columns with every scale whole; down's
+    input scale (amax over the whole input, or each row's features) is taken from the gathered input, so each
+    rank quantizes its features exactly as the unsharded model does; the bias added once after the all_reduce.
+    (per row needs bf16 weights in torchao: its partial sums are rounded to bf16, as the float twin's.)"""
+    make, dtype = float8_on_cpu[config]
+    torch.manual_seed(0)
+    model = MLP().to(dtype)
+    quantize_(model, make())
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    report = dynashard.explain(model, x, world_size=world, verify=True, options=OPTIONS)  # (each rank vs the model)
+    assert report.layers == {"up": "colwise", "down": "rowwise"}, str(report)
+    rows = {r.fqn: r for r in report.rows}
+    assert "all_gather (before amax.default)" in rows["up"].collectives, str(report)  # (the input's scale)
+    assert rows["up"].weight_bytes == -(-256 // world) * 64, str(report)
+
+
+@pytest.mark.unit
+def test_float8_training_linear_is_kept_whole_with_the_reason():
+    """torchao's Float8Linear (convert_to_float8_training) casts its float weight to float8 in the graph, scaled
+    by the max over the whole weight: a cut would scale each rank's part by its own max. Before: no row (not
+    matched); now each is kept whole with that reason, and a plan asking a cut is refused naming it."""
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(2, 5, 64)
+    convert_to_float8_training(model)
+    report = dynashard.explain(model, x, world_size=2, verify=True, options=OPTIONS)
+    assert report.layers == {"up": "replicate", "down": "replicate"}, str(report)
+    assert all("torchao's Float8Linear" in r.reason for r in report.rows), str(report)
+    with pytest.raises(ValueError, match="a float weight cast to float8 in the graph"):
+        dynashard.explain(model, x, world_size=2, options={**OPTIONS, "plan": {"up": "colwise"}})
+
+
+@on_ranks
+@torch.no_grad()
+def test_float8_dynamic_activation_on_real_ranks_equals_the_quantized_model(rank, world):
+    import torchao.quantization.quant_api as quant_api
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    # (float8_on_cpu's why; a scenario runs in a rank process of its own: the patch ends with it)
+    quant_api._check_hardware_support = lambda granularity: None
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    dynashard.parallelize(model, x, options={**OPTIONS, "compiler": "eager"})
+    got, want = model(x).float(), reference(x).float()
+    # the same float8 values and scales; down's two bf16 partial sums (rounded to bf16 each, as a bf16 float twin's)
+    # added: a few bf16 ulps (2**-8 relative) of the output's magnitude
+    assert float((got - want).abs().max()) <= 2 ** -6 * max(1.0, float(want.abs().max()))
+    assert dynashard.held_bytes(model) < dynashard.held_bytes(reference) - 256 * 64  # (half of 2 x 16 KiB float8)
 
 
 def _save_quantized(directory, config) -> T.LlamaConfig:

@@ -33,10 +33,11 @@ import torch.fx
 from dynashard.capture.linear_forms import converted_source, squeezed_source
 from dynashard.capture.match_experts import find_experts
 from dynashard.capture.match_normed import normed_source, plan_name, spectral_source
-from dynashard.capture.match_quantized import dequantized_source
+from dynashard.capture.match_quantized import dequantized_source, scaled_mm_source, scaled_source
 from dynashard.capture.records import (
     DENSE,
     EMBEDDING,
+    Float8Scaled,
     GroupQuantized,
     LinearMatch,
     ParamInfo,
@@ -47,7 +48,7 @@ from dynashard.capture.records import (
 from dynashard.layout.nodes import val
 
 aten = torch.ops.aten
-_MATMULS = (aten.mm.default, aten.addmm.default)
+_MATMULS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
 
 
 def _transposed_source(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -116,11 +117,18 @@ def find_linears(
             continue  # a scaled addmm is not a linear layer; it stays as written
         mat2 = node.args[2] if is_addmm else node.args[1]
         weight, path, transpose = _weight_path(mat2)
+        scaled = scaled_source(weight) if transpose is None and weight not in params else None
+        if node.target is aten._scaled_mm.default:  # (float8: the kernel reads the float8 weight and its scale)
+            scaled, path = scaled_mm_source(node), ()
+            if scaled is None:
+                continue
+        if scaled is not None:  # (a float8 weight, dequantized transposed: its float8 data is the weight)
+            weight, path, transpose = scaled.qdata, (*scaled.path, *path), scaled.transpose
         form = "out_in" if transpose is not None else "in_out"
         grouped = dequantized_source(weight) if transpose is not None and weight not in params else None
         if grouped is not None:  # (a group-wise quantized weight: its integer data is the weight)
             weight, path = grouped.qdata, (*grouped.path, *path)
-        if weight not in params or not (params[weight].is_parameter or _quantized(weight, path)):
+        if weight not in params or not (params[weight].is_parameter or scaled or _quantized(weight, path)):
             continue
         shape = weight.meta["val"].shape
         if len(shape) != 2 and not any(squeezed_source(n) is not None for n in path):  # (a 1x1 conv's: checked there)
@@ -137,18 +145,27 @@ def find_linears(
                 weight_form=form,
                 transpose=transpose,
                 input=node.args[1] if is_addmm else node.args[0],
-                bias=node.args[0] if is_addmm else None,
+                bias=node.args[0] if is_addmm else _scaled_mm_bias(node),
                 in_features=int(in_f),
                 out_features=int(out_f),
                 operand_path=path,
                 kind=(WeightNormed(normed[3]) if normed else SpectralNormed(spectral) if spectral
-                      else GroupQuantized(grouped) if grouped is not None else DENSE),
-                companions=(normed[1],) if normed else grouped.companions if grouped is not None else (),
+                      else GroupQuantized(grouped) if grouped is not None
+                      else Float8Scaled(scaled) if scaled is not None else DENSE),
+                companions=((normed[1],) if normed else grouped.companions if grouped is not None
+                            else (scaled.scale,) if scaled is not None and scaled.scale is not None else ()),
             )
         )
     order = {n: i for i, n in enumerate(graph.nodes)}
     matches = sorted(matches + _embeddings(graph, params) + find_experts(graph, params), key=lambda m: order[m.node])
     return matches, _other_uses(matches)
+
+
+def _scaled_mm_bias(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``_scaled_mm``'s bias (its fifth argument), None for ``mm``."""
+    if node.target is not aten._scaled_mm.default:
+        return None
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("bias")
 
 
 def _embeddings(graph: torch.fx.Graph, params: dict[torch.fx.Node, ParamInfo]) -> list[LinearMatch]:

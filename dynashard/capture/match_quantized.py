@@ -25,6 +25,30 @@ of the columns that is not in whole groups is never used (:func:`groups_of` answ
 
 (Per-row int8, torchao's default, is no group form: ``mm(x, t(qdata).to(f32)) * scale``, gpt-fast's int8
 form, matched and cut in match.py.)
+
+Float8 weight-only (torchao's ``Float8WeightOnlyConfig``: ``Float8Tensor``, qdata float8 ``[out, in]``, scale f32
+``[out, 1]`` per row (``PerRow()``, the default) or ``[1, 1]`` (``PerTensor()``)) dequantizes the transposed weight
+before the matmul, no views (:func:`scaled_source`)::
+
+    w = aten.mul(aten._to_copy(aten.t(qdata), dtype=f32), aten.t(scale))     # (then ._to_copy(bf16) for bf16)
+    y = aten.mm(x, w)
+
+One :class:`~dynashard.capture.records.LinearMatch` on ``qdata`` of kind ``Float8Scaled``: rows cut with their
+scales (colwise), columns cut with every scale whole (rowwise: a row's scale covers all its columns); a scale
+for the whole tensor is held whole either way. Every rank dequantizes its elements exactly as the unsharded
+model does. ``PerGroup(g)`` expands its ``[out, in / g]`` scales through views of fixed sizes: matched, kept whole
+with that reason (``Scaled.refused``).
+
+Float8 with dynamic float8 activations (``Float8DynamicActivationFloat8WeightConfig``, the same ``Float8Tensor``
+with the input quantized in the graph) multiplies in float8 (:func:`scaled_mm_source`)::
+
+    xq = to(clamp(x / x_scale), float8); y = aten._scaled_mm(xq, aten.t(qdata), x_scale, aten.t(scale), bias, ...)
+
+matched on qdata with the same companions. The input's scale (``amax`` over the whole input, or over each row's
+features) is computed before the matmul from the input as the graph holds it: a rowwise layer's cut input is
+gathered for that ``amax`` (rules/reductions.py), so each rank quantizes its features with the whole row's scale.
+A float weight cast to float8 in the graph (torchao's training ``Float8Linear``: the weight's scale is the max over
+the whole weight, a cut would take each rank's own) is matched and kept whole with that reason.
 """
 
 from __future__ import annotations
@@ -128,3 +152,80 @@ def groups_of(split: Split, group: int, world: int) -> Split | None:
     per = split.unit / group
     return Split(tuple(int(p * per) for p in split.parts), 1, split.whole,
                  tuple(tuple(int(c * per) for c in cs) for cs in counts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A float8 weight dequantized by one scale a row, or one for the whole tensor (module docstring)."""
+
+    qdata: torch.fx.Node
+    transpose: torch.fx.Node  # t(qdata)
+    path: tuple[torch.fx.Node, ...]  # t(qdata), its conversion to the scale's dtype, the mul
+    scale: torch.fx.Node | None  # the [out, 1] or [1, 1] placeholder (None when refused)
+    per_row: bool = False
+    refused: str | None = None  # why no cut of it is lowered
+
+
+def _float8_placeholder(node: object) -> bool:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return v is not None and node.op == "placeholder" and v.dim() == 2 and v.dtype in _FLOAT8
+
+
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+           if hasattr(torch, n)}
+
+
+_UNSCALED = ("a float8 weight whose scales are not one a row nor one for the whole tensor (torchao's PerRow or "
+             "PerTensor; PerGroup's are expanded through views of fixed sizes), or are read elsewhere: no cut of it "
+             "is lowered")
+
+
+def _scaled(qdata: torch.fx.Node, transpose: torch.fx.Node, path: tuple[torch.fx.Node, ...], operand: object
+            ) -> Scaled:
+    """How float8 ``qdata`` is scaled by ``operand`` (``t`` of an ``[out, 1]`` or ``[1, 1]`` placeholder read by
+    nothing else), or refused."""
+    out = int(qdata.meta["val"].shape[0])
+    scale = operand.args[0] if isinstance(operand, torch.fx.Node) and operand.target is aten.t.default else None
+    shape = tuple(scale.meta["val"].shape) if isinstance(scale, torch.fx.Node) and "val" in scale.meta else None
+    if scale is None or scale.op != "placeholder" or shape not in ((out, 1), (1, 1)) or len(scale.users) != 1 \
+            or len(operand.users) != 1:
+        return Scaled(qdata, transpose, path, None, refused=_UNSCALED)
+    return Scaled(qdata, transpose, path, scale, per_row=shape == (out, 1) and out != 1)
+
+
+def scaled_source(node: torch.fx.Node) -> Scaled | None:
+    """The float8 weight ``node`` dequantizes, ``mul(to(t(qdata)), t(scale))`` (module docstring), if it is that."""
+    if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    for converted, other in (node.args, node.args[::-1]):
+        transpose = converted_source(converted) if isinstance(converted, torch.fx.Node) else None
+        if transpose is None or transpose.op != "call_function" or transpose.target is not aten.t.default:
+            continue
+        qdata = transpose.args[0]
+        if _float8_placeholder(qdata) and len(transpose.users) == 1 and len(converted.users) == 1:
+            return _scaled(qdata, transpose, (transpose, converted, node), other)
+    return None
+
+
+_FLOAT8_CAST = (aten._to_copy.default, aten.clamp.default, aten.mul.Tensor, aten.t.default)
+
+
+def scaled_mm_source(node: torch.fx.Node) -> Scaled | None:
+    """How a ``_scaled_mm``'s second operand reads its weight (module docstring); None if it reads no 2-D
+    placeholder through ``t`` (and, for a weight cast in the graph, pointwise casting ops)."""
+    mat2 = node.args[1]
+    if len(node.args) < 4 or node.args[5:6] not in ((), (None,)) or not isinstance(mat2, torch.fx.Node):
+        return None  # (scale_result: an output scaled again is no linear layer's)
+    if mat2.target is aten.t.default and _float8_placeholder(mat2.args[0]) and len(mat2.users) == 1:
+        return _scaled(mat2.args[0], mat2, (mat2,), node.args[3])
+    walked, cast = mat2, []
+    while isinstance(walked, torch.fx.Node) and walked.op == "call_function" and walked.target in _FLOAT8_CAST:
+        cast.append(walked)
+        walked = walked.args[0]
+    transpose = next((n for n in cast if n.target is aten.t.default), None)
+    if transpose is None or not isinstance(walked, torch.fx.Node) or walked.op != "placeholder" \
+            or walked.meta["val"].dim() != 2 or not walked.meta["val"].dtype.is_floating_point:
+        return None
+    return Scaled(walked, transpose, tuple(reversed(cast)), None, refused=(
+        "a float weight cast to float8 in the graph (torchao's Float8Linear, convert_to_float8_training): its scale "
+        "is the max over the whole weight, which a cut would take over each rank's part: kept whole"))

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from dynashard.capture.match_normed import Spectral
-from dynashard.capture.match_quantized import Dequantized, groups_of
+from dynashard.capture.match_quantized import Dequantized, Scaled, groups_of
 from dynashard.layout.split import Split
 
 
@@ -173,6 +173,27 @@ class GroupQuantized(LinearKind):
         groups = groups_of(split, self.group, world)
         assert groups is not None, f"columns cut across groups of {self.group}: {split}"  # (plan/rules/quantized.py)
         return groups
+
+
+class Float8Scaled(LinearKind):
+    """A float8 weight dequantized before the matmul (match_quantized.py, ``scaled_source``): its ``[out, 1]``
+    scales (``companions``) cut with its rows, held whole when its columns are cut; a ``[1, 1]`` scale whole."""
+
+    name = "float8"
+
+    def __init__(self, source: Scaled) -> None:
+        self.source = source
+
+    def refused(self, stacked: bool, per_rank: bool) -> str | None:
+        if self.source.refused is not None:
+            return self.source.refused
+        if stacked or per_rank:
+            return (f"a float8 weight: kept whole under {'weights' if stacked else 'inputs'}='per_rank' (cut under "
+                    "the default 'replicated')")
+        return None
+
+    def cuts_companions(self, dim: int) -> bool:
+        return self.source.per_row and dim == 0  # (qdata [out, in]: a row's scale lies along dim 0 only)
 
 
 DENSE, EMBEDDING, EXPERTS = LinearKind(), Embedding(), Experts()

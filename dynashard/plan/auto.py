@@ -56,6 +56,8 @@ def auto_decisions(ctx: PlanContext, cuts: Cuts, wishes: list[Wish]) -> dict[tor
         numel = m.numel
         if m.node in cuts.forced:
             decisions[m.node] = cuts.forced[m.node]
+        elif (refused := m.kind.refused(False, False)) is not None:  # (what it is, before how it is read)
+            decisions[m.node] = Decision(Style.REPLICATE, f"kept whole: {refused}")
         elif blocked[m.node]:
             decisions[m.node] = Decision(Style.REPLICATE, blocked[m.node])
         elif (follows := adapter_decision(m, updates, decisions)) is not None:

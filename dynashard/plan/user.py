@@ -69,6 +69,9 @@ def user_decisions(ctx: PlanContext) -> dict[torch.fx.Node, Decision]:
             decisions[m.node] = Decision(Style.REPLICATE, "not named by the plan")
             continue
         style = _layer_style(plan[keys[-1]], m)
+        if style != Style.REPLICATE and (refused := m.kind.refused(False, False)) is not None:
+            raise UsageError(f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r}, but {refused}; expected "
+                             "'replicate' for it.")
         if style != Style.REPLICATE and blocked[m.node]:
             raise UsageError(
                 f"dynashard: plan asks for {style} on {m.fqn!r}, but its {blocked[m.node]}, so it "

@@ -35,6 +35,14 @@ class LayerRow:
 _RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 4e-3}
 
 
+def _matmul_dtype(m: Any, weight: torch.Tensor) -> torch.dtype:
+    """What the matmul computes in: its operand's dtype (autocast's), or a float8 matmul's output dtype (its
+    partial sums are rounded to that)."""
+    dtype = m.operand.meta.get("val", weight).dtype
+    out = m.node.meta.get("val")
+    return out.dtype if dtype.itemsize == 1 and dtype.is_floating_point and out is not None else dtype
+
+
 @dataclasses.dataclass
 class GraphReport:
     rows: list[LayerRow]
@@ -99,7 +107,7 @@ class GraphReport:
                     collectives=", ".join(sorted({c for c, _ in comms})) or "-",
                     comm_bytes=sum(b for _, b in comms),
                     weight_bytes=numel * val.element_size(),
-                    dtype=m.operand.meta.get("val", val).dtype,  # what the matmul computes in (autocast's)
+                    dtype=_matmul_dtype(m, val),
                 )
             )
         caches = []

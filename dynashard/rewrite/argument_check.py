@@ -60,6 +60,8 @@ REEXPRESSED: dict[Any, dict[str, str]] = {
     **{op: {"size": _LOCAL_SHAPE} for op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
                                             aten.expand.default, aten.zeros.default, aten.empty.memory_format,
                                             aten.full.default, aten.new_empty.default, aten.new_zeros.default)},
+    aten._scaled_mm.default: {"bias": "a rowwise float8 linear: added once, after the partial sums are combined "
+                                      "(lowerings.RowwiseLinear)"},
     aten.permute.default: {"dims": _STACKED},
     aten.transpose.int: {"dim0": _STACKED, "dim1": _STACKED},
 }

@@ -361,6 +361,11 @@ def _rowwise_input(sharder: Any, node: torch.fx.Node, m: LinearMatch, in_shard: 
 def _matmul(sharder: Any, m: LinearMatch, x: Any) -> Any:
     """``x @ W'`` for this rank's part of the weight (a bmm over row blocks when stacked)."""
     lm = sharder.lm
+    if m.node.target is aten._scaled_mm.default:  # (float8: its scales as the node reads them; bias: _combined)
+        args = [sharder.read(m.node, a, None) if isinstance(a, torch.fx.Node) else a for a in m.node.args]
+        kwargs = {k: sharder.read(m.node, a, None) if isinstance(a, torch.fx.Node) else a
+                  for k, a in m.node.kwargs.items() if k != "bias"}
+        return aten._scaled_mm(x, sharder.env[m.operand], *args[2:4], None, *args[5:], **kwargs)
     if not lm.stacked:
         return aten.mm(x, sharder.env[m.operand])
     w = sharder.env[m.operand]  # [world, *block]

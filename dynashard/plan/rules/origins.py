@@ -27,6 +27,7 @@ from dynashard.capture.match_adapters import joins_update
 from dynashard.capture.records import (
     Embedding,
     Experts,
+    Float8Scaled,
     GroupQuantized,
     LinearKind,
     LinearMatch,
@@ -289,4 +290,5 @@ _RECORDS = {
     (WeightNormed, Style.COLWISE): _colwise, (WeightNormed, Style.ROWWISE): _rowwise,  # (v and g cut alike)
     (SpectralNormed, Style.COLWISE): _colwise, (SpectralNormed, Style.ROWWISE): _rowwise,  # (sigma: propagate.py)
     (GroupQuantized, Style.COLWISE): _colwise, (GroupQuantized, Style.ROWWISE): _rowwise,  # (scales: propagate.py)
+    (Float8Scaled, Style.COLWISE): _colwise, (Float8Scaled, Style.ROWWISE): _rowwise,  # (scales: analysis.py)
 }
