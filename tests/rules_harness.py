@@ -465,7 +465,7 @@ def _random(spec: T) -> torch.Tensor:
 
 
 def _resized(got: Got, args: tuple) -> tuple:
-    """A size argument at this rank's size (as rewrite.py's ``_Sharder.args``)."""
+    """A size argument at this rank's size (as ``rewrite.interpreter.Sharder.args``)."""
     resize = got.record.resize
     if resize is None:
         return args

@@ -1,7 +1,7 @@
 """``explain(..., verify=True)``: run every rank's sharded program in one process and compare.
 
 Each simulated rank is a thread that interprets its own rewritten graph (the same
-``interpreter._Sharder`` the backend traces, so the same conversions) on real tensors: this
+:class:`~dynashard.rewrite.interpreter.Sharder` the backend traces, so the same conversions) on real tensors: this
 rank's cut of the real weights, and collectives replaced by :class:`SimulatedCollectives`,
 which meet at a barrier and combine every rank's tensor exactly as the real collective would.
 No process group is used. The unsharded graph runs alongside; each linear's output (colwise
@@ -30,7 +30,7 @@ from dynashard.capture.aliases import alias_roots
 from dynashard.errors import InternalError
 from dynashard.layout.nodes import written_args
 from dynashard.options import Style
-from dynashard.rewrite.interpreter import _Sharder
+from dynashard.rewrite.interpreter import Sharder
 from dynashard.weights.store import cut
 
 _TIMEOUT_S = 120
@@ -138,31 +138,31 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(state[1])
 
 
-class _RecordsLinears:
-    """Mixin for an fx.Interpreter: keep each linear's output (the interpreter frees dead values), as
-    a copy: a later in-place write (``logits[..., 0] = -inf``) lands in the output itself on one side
-    and in a gather of it on the other."""
+class _LinearOutputs:
+    """An observer of an interpreter's values: keeps each linear's output (the interpreter frees dead
+    values), as a copy: a later in-place write (``logits[..., 0] = -inf``) lands in the output itself
+    on one side and in a gather of it on the other."""
 
-    linears: set
-    seen: dict
+    def __init__(self, linears) -> None:
+        self.linears, self.seen = set(linears), {}
+
+    def __call__(self, node: torch.fx.Node, value: Any) -> None:
+        if node in self.linears:
+            self.seen[node] = value.clone() if torch.is_tensor(value) else value
+
+
+class _Reference(torch.fx.Interpreter):
+    """The unsharded graph, its linears' outputs kept in ``seen``."""
+
+    def __init__(self, gm, linears) -> None:
+        super().__init__(gm)
+        self.observe = _LinearOutputs(linears)
+        self.seen = self.observe.seen
 
     def run_node(self, node):
         value = super().run_node(node)
-        if node in self.linears:
-            self.seen[node] = value.clone() if torch.is_tensor(value) else value
+        self.observe(node, value)
         return value
-
-
-class _Recording(_RecordsLinears, _Sharder):
-    def __init__(self, *args, linears=(), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.linears, self.seen = set(linears), {}
-
-
-class _Reference(_RecordsLinears, torch.fx.Interpreter):
-    def __init__(self, gm, linears) -> None:
-        super().__init__(gm)
-        self.linears, self.seen = set(linears), {}
 
 
 def _cut(full: torch.Tensor, dim: int, split, world: int, rank: int, stacked: bool) -> torch.Tensor:
@@ -200,11 +200,11 @@ def verify(analyses: list[Any], inputs: list[Any], train: bool = False
         for i, (_, dim, split) in a.sharded_inputs().items():
             args[i] = _cut(inputs[i], dim, split, world, rank, a.stacked)
         comm = SimulatedCollectives(rank, world, exchange)
-        sharder = _Recording(a.aten, a.plan, "simulated", False, comm, train=train,
-                             linears=[m.node for m in a.plan.linears])
+        outputs = _LinearOutputs([m.node for m in a.plan.linears])
+        sharder = Sharder(a.aten, a.plan, "simulated", comm=comm, train=train, observe=outputs)
         try:
             with torch.no_grad(), streams.drawing(rank):
-                results[rank] = (sharder.run(*args), sharder.seen)
+                results[rank] = (sharder.run(*args), outputs.seen)
         except BaseException as e:  # noqa: BLE001 - reported below; the others must not wait
             exchange.barrier.abort()
             results[rank] = e

@@ -27,6 +27,7 @@ Invariants: the rewrite never re-decides; it reads :class:`~dynashard.plan.plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,17 +48,43 @@ from dynashard.rewrite.local_conversions import as_traced, take, take_groups
 aten = torch.ops.aten
 
 
-class _Sharder(torch.fx.Interpreter):
+class Sharder(torch.fx.Interpreter):
+    """This rank's interpreter of the aten graph: each node run on its operands as its record says
+    (converted per edge, or emitted by its record's lowering), with ``comm``'s collectives.
+
+    The one seam between the rewrite and what drives it: :func:`rewrite` runs it under ``make_fx`` on
+    fake tensors with the real collectives (the trace is this rank's graph); ``explain(verify=True)``
+    (``report/simulate.py``) runs the same interpreter on real tensors, every rank a thread, with
+    simulated collectives, and watches each node's value through ``observe``.
+
+    ``comm``: an object with the functions of :mod:`dynashard.comm.collectives` the rewrite calls
+    (default: that module). ``observe(node, value)``: called with each node's value as this rank
+    computes it (the interpreter frees a value after its last reader: an observer keeps what it needs,
+    a copy if a later in-place op may write into it). ``a2a_reduce``: reduce-scatter as all-to-all + a
+    local sum (cheaper on gloo). ``train``: the graph will be differentiated; its conversions carry
+    Megatron's backward (``collectives.copy_to_shards`` etc.).
+
+    A lowering (``lowerings.py``) emits through the members in :attr:`FOR_LOWERINGS` only. What it
+    returns is its node's value: the interpreter keeps it under that node, and the readers its rule
+    planned read it there (through :meth:`read`, as any operand). Nothing else passes between lowerings;
+    the conversion cache (one gather or all_reduce per value, shared by its readers) is the interpreter's.
+    """
+
+    FOR_LOWERINGS = frozenset({
+        "lm", "comm", "group_name", "megatron", "train", "a2a_reduce",  # what this rank is, and how it talks
+        "read", "args", "held", "run_op", "all_reduce", "scatter_sequence", "gather_last_dim",
+    })
+
     def __init__(
-        self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, a2a_reduce: bool, comm: Any = None,
-        train: bool = False,
+        self, gm: torch.fx.GraphModule, plan: Plan, group_name: str, *, a2a_reduce: bool = False, comm: Any = None,
+        train: bool = False, observe: Callable[[torch.fx.Node, Any], None] | None = None,
     ) -> None:
         super().__init__(gm)
         self.a2a_reduce = a2a_reduce
-        self.comm = comm if comm is not None else collectives  # explain(verify=True) simulates them
+        self.comm = comm if comm is not None else collectives
         self.lm: LayoutMap = plan.layouts
         # With gradients: every conversion with Megatron's backward (comm.copy_to_shards etc.);
-        # sharded weights (and their transposes, ``self.weights``) hold this rank's part, not a
+        # sharded weights (and their transposes, ``self._weights``) hold this rank's part, not a
         # replicated value. Under inputs="per_rank" nothing is replicated across ranks (each rank its
         # own rows), and funcol's own backwards -- all_gather <-> reduce_scatter, all_to_all reversed,
         # "the sum of every rank's loss" -- are the right ones: plain collectives, no f or g. The
@@ -65,12 +92,14 @@ class _Sharder(torch.fx.Interpreter):
         self.megatron = train and not self.lm.per_rank
         self.train = train
         self.group_name = group_name
+        self._observe = observe
         sharded = [m for m in plan.linears if self.lm.styles[m.node] != Style.REPLICATE]
         # (a dtype conversion of a cut weight, autocast's, is this rank's part too)
-        self.weights = {n for m in sharded for n in (m.weight, m.transpose, *m.operand_path) if n is not None}
-        self.converted: dict[tuple[str, torch.fx.Node], Any] = {}
-        self.roots, self.written = alias_roots(gm.graph), mutated_roots(gm.graph)
-        self.local_of_gathered: dict[torch.fx.Node, Any] = {}  # write-back targets' shards, as gathered
+        self._weights = {n for m in sharded for n in (m.weight, m.transpose, *m.operand_path) if n is not None}
+        # (kind, producer) -> the converted value: "sum", "copy", "to_shards" or a Read; (one per value)
+        self._conversions: dict[tuple[Any, ...], Any] = {}
+        self._roots, self._written = alias_roots(gm.graph), mutated_roots(gm.graph)
+        self._local_of_gathered: dict[torch.fx.Node, Any] = {}  # write-back targets' shards, as gathered
 
     def _convert(self, how: str, producer: torch.fx.Node, value: Any, out: Shard | None, to_shards: bool = False
                  ) -> Any:
@@ -116,9 +145,9 @@ class _Sharder(torch.fx.Interpreter):
         value = self.env[producer]
         if reduced:  # partial sums: one all_reduce, shared by its readers
             key = ("sum", producer)
-            if key not in self.converted:
-                self.converted[key] = self.all_reduce(value)
-            value = self.converted[key]
+            if key not in self._conversions:
+                self._conversions[key] = self.all_reduce(value)
+            value = self._conversions[key]
         # With gradients, a replicated value read by an op whose output is sharded, or partial sums (a
         # whole LoRA B's weight applied to A's terms), goes through f: each rank's gradient for it is its
         # own part's or term's contribution, all-reduced in backward. One f per value, shared by such
@@ -127,13 +156,13 @@ class _Sharder(torch.fx.Interpreter):
         sharded_reader = self.megatron and out is not None and _differentiable(value)
         partial_reader = self.megatron and record is not None and record.partial is not None \
             and _differentiable(value)
-        replicated = self.lm.layouts.get(producer) is None and producer not in self.weights \
+        replicated = self.lm.layouts.get(producer) is None and producer not in self._weights \
             and (reduced or producer not in self.lm.partial)
         if (sharded_reader or partial_reader) and replicated:
             key = ("copy", producer)
-            if key not in self.converted:
-                self.converted[key] = self.comm.copy_to_shards(value, self.group_name)
-            value = self.converted[key]
+            if key not in self._conversions:
+                self._conversions[key] = self.comm.copy_to_shards(value, self.group_name)
+            value = self._conversions[key]
         if how is None or how == Read.LOCAL:
             return value
         if how == Read.NARROW_GROUPS:
@@ -146,32 +175,41 @@ class _Sharder(torch.fx.Interpreter):
             # (sequence_parallel: a colwise input) one conversion, Megatron's: reduce_scatter backward,
             # where a gather then f would all_reduce the whole gradient and keep a piece of it
             key = ("to_shards", producer)
-            if key not in self.converted:
-                self.converted[key] = self._convert(how, producer, value, out, to_shards=True)
-            return self.converted[key]
+            if key not in self._conversions:
+                self._conversions[key] = self._convert(how, producer, value, out, to_shards=True)
+            return self._conversions[key]
         key = (how, producer)
-        if key not in self.converted:
-            self.converted[key] = self._convert(how, producer, value, out)
+        if key not in self._conversions:
+            self._conversions[key] = self._convert(how, producer, value, out)
             if how == Read.GATHER and producer in self.lm.write_backs.values():
-                self.local_of_gathered[producer] = value
+                self._local_of_gathered[producer] = value
         if sharded_reader and self.lm.layouts.get(producer) is not None:  # gathered, then read by a sharded op
             key = ("copy", how, producer)
-            if key not in self.converted:
-                self.converted[key] = self.comm.copy_to_shards(self.converted[(how, producer)], self.group_name)
-        return self.converted[key]
+            if key not in self._conversions:
+                self._conversions[key] = self.comm.copy_to_shards(self._conversions[(how, producer)], self.group_name)
+        return self._conversions[key]
 
     def run_node(self, node: torch.fx.Node) -> Any:
         if node.op in ("placeholder", "get_attr"):
-            return super().run_node(node)
-        with private.as_node(node):  # (what is emitted for a node a checkpoint recomputes is recomputed too)
-            return self._run(node)
+            value = super().run_node(node)
+        else:
+            with private.as_node(node):  # (what is emitted for a node a checkpoint recomputes is recomputed too)
+                value = self._run(node)
+        if self._observe is not None:
+            self._observe(node, value)
+        return value
+
+    def held(self, producer: torch.fx.Node) -> Any:
+        """``producer``'s value as this rank holds it, unconverted (a lowering that reads a shard as it
+        is: a weight, the logits of a loss-parallel log_softmax)."""
+        return self.env[producer]
 
     def _run(self, node: torch.fx.Node) -> Any:
         out = self._emit(node)
         gathered = self.lm.write_backs.get(node)
         if gathered is not None:  # a write into a gather: this rank's part of it copied into the shard
-            part = take(self.converted[(Read.GATHER, gathered)], self.lm.layouts[gathered])
-            self.local_of_gathered[gathered].copy_(part)
+            part = take(self._conversions[(Read.GATHER, gathered)], self.lm.layouts[gathered])
+            self._local_of_gathered[gathered].copy_(part)
         return out
 
     def _emit(self, node: torch.fx.Node) -> Any:
@@ -206,9 +244,11 @@ class _Sharder(torch.fx.Interpreter):
             args = (args[0], shape, *args[2:])
         return args, kwargs
 
-    def run_op(self, node: torch.fx.Node) -> Any:
-        """``node``'s own op on its converted arguments (the traced memory layout restored)."""
-        args, kwargs = self.args(node)
+    def run_op(self, node: torch.fx.Node, args: tuple | None = None, kwargs: dict | None = None) -> Any:
+        """``node``'s own op on its converted arguments, or on ``args``/``kwargs`` a lowering read
+        itself (the traced memory layout restored)."""
+        if args is None:
+            args, kwargs = self.args(node)
         if node.op == "call_function" and not aliases_input(node):  # views and in-place ops keep theirs
             args, kwargs = as_traced(node, args, kwargs)
         return getattr(self, node.op)(node.target, args, kwargs)
@@ -249,7 +289,7 @@ class _Sharder(torch.fx.Interpreter):
         wrong if something writes through it, which is refused loudly."""
         args, _ = self.args(node)
         out = aten.reshape(args[0], args[1])
-        if not private_aten.is_view(out) and self.roots.get(node, node.args[0]) in self.written:
+        if not private_aten.is_view(out) and self._roots.get(node, node.args[0]) in self._written:
             raise UsageError(
                 f"dynashard: {node.name} must copy on this rank (its input is laid out differently once "
                 "sharded), and an in-place op writes through it; expected out-of-place code there."
@@ -273,7 +313,7 @@ def rewrite(
     ``a2a_reduce``: reduce-scatter as all-to-all + local sum (cheaper on gloo). ``train``: the graph
     will be differentiated: its conversions carry Megatron's backward (``collectives.copy_to_shards``).
     """
-    sharder = _Sharder(gm, plan, group_name, a2a_reduce, train=train)
+    sharder = Sharder(gm, plan, group_name, a2a_reduce=a2a_reduce, train=train)
     with collectives.TracedConversions():  # (released once bound: the graph then holds each conversion)
         traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args, keep_tags=private.recomputes(gm))
         return collectives.bind_conversions(traced) if train else traced

@@ -4,7 +4,11 @@ A rule that needs one puts it in its node's :class:`~dynashard.layout.shard.Reco
 ``record.lowering.emit(sharder, node)`` and never asks what kind of node it has. Each lowering
 reads operands through the sharder (``sharder.read``, which applies the edge's conversion) and
 communicates through ``sharder.comm`` (the real collectives, or ``explain(verify=True)``'s
-simulated ones, with or without Megatron's backward).
+simulated ones, with or without Megatron's backward), using only the members listed in
+``Sharder.FOR_LOWERINGS`` (interpreter.py). A lowering finishes inside its record: what it needs
+is in its record or in its node's operands, and what it returns is its node's value, which is all a
+later lowering sees of it (loss parallel: ``LogSumExp`` returns a :class:`LocalLogSumExp` that
+``VocabNll`` reads as its operand).
 
 Before (a rowwise linear, ``RowwiseLinear``)::
 
@@ -26,9 +30,10 @@ import torch
 import torch.fx
 
 from dynashard.capture.records import LinearMatch
+from dynashard.errors import InternalError
 from dynashard.layout.shard import Lowering, Read, Shard
 from dynashard.rewrite import vocab
-from dynashard.rewrite.local_conversions import as_traced, take
+from dynashard.rewrite.local_conversions import take
 
 aten = torch.ops.aten
 
@@ -78,17 +83,26 @@ class TakeParts(Lowering):
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalLogSumExp:
+    """Loss parallel: a log_softmax's value on this rank, ``[tokens, vocab]`` log-probabilities as the
+    pieces they are made of here: this rank's slice of the logits and their log-sum-exp per token
+    (``[tokens, 1]``), both in float32 for half types, as the kernel accumulates. Not a tensor: a
+    reader other than the nll_loss its rule planned fails at compile time."""
+
+    logits: Any
+    lse: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class LogSumExp(Lowering):
     """Loss parallel (rules/loss.py): a log_softmax along the cut vocab dim is only read by
     nll_loss, which needs this rank's logits and their log-sum-exp per token, not the
-    log-probabilities; so no value stands for the node (a reader the rule did not expect fails
-    at compile time)."""
+    log-probabilities: its value is a :class:`LocalLogSumExp` of them."""
 
-    def emit(self, sharder: Any, node: torch.fx.Node) -> None:
-        x = sharder.env[node.args[0]]
+    def emit(self, sharder: Any, node: torch.fx.Node) -> LocalLogSumExp:
+        x = sharder.held(node.args[0])
         x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # in fp32, as the kernel accumulates
-        sharder.converted[("lse", node)] = (x, torch.logsumexp(x, -1, keepdim=True))
-        return None
+        return LocalLogSumExp(x, torch.logsumexp(x, -1, keepdim=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +119,11 @@ class VocabNll(Lowering):
         lsm, target = node.args[0], sharder.read(node, node.args[1], None)
         reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
         ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-        x, lse = sharder.converted[("lse", lsm)]
+        pieces = sharder.read(node, lsm, None)  # its log_softmax's value: LogSumExp's
+        if not isinstance(pieces, LocalLogSumExp):
+            raise InternalError(f"dynashard: internal error: loss-parallel {node.name} reads {lsm.name}, whose value "
+                                f"on this rank is {type(pieces).__name__}, not its LogSumExp lowering's")
+        x, lse = pieces.logits, pieces.lse
         shard, world = self.shard, self.shard.world
         index, inside, offset = torch.zeros_like(target), torch.zeros_like(target, dtype=torch.bool), 0
         for start, length in shard.pieces:  # the target's column among this rank's, if it holds it
@@ -143,7 +161,7 @@ class StackedTranspose(Lowering):
     transposes it)."""
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
-        return sharder.env[node.args[0]]
+        return sharder.held(node.args[0])
 
 
 class NormOfSlices(Lowering):
@@ -248,7 +266,7 @@ class Renorm(Lowering):
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         ids = sharder.read(self.match.node, self.match.input, None)  # as the lookup reads them
-        weight = sharder.env[node.args[0]]
+        weight = sharder.held(node.args[0])
         if self.rows is not None:
             return vocab.renorm_rows(node, weight, ids, self.rows)
         return vocab.renorm_rows(node, weight, ids, None, lambda part: sharder.gather_last_dim(
@@ -283,7 +301,7 @@ class VocabParallelLookup(Lowering):
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         m, lm = self.match, sharder.lm
         x = _rowwise_input(sharder, node, m, self.in_shard)
-        y = vocab.lookup(node, sharder.env[m.weight], x, self.in_shard, sharder.train, lm.world if lm.per_rank else 1)
+        y = vocab.lookup(node, sharder.held(m.weight), x, self.in_shard, sharder.train, lm.world if lm.per_rank else 1)
         return _combined(sharder, node, m, y, self.seq)
 
 
@@ -330,7 +348,7 @@ class StackedColwise(Lowering):
         m = self.match
         y3, y = _matmul(sharder, m, sharder.read(node, m.input, None))
         if m.bias is not None:
-            y = (y3 + sharder.env[m.bias].unsqueeze(1)).reshape(y.shape)
+            y = (y3 + sharder.held(m.bias).unsqueeze(1)).reshape(y.shape)
         return y
 
 
@@ -346,8 +364,7 @@ class RowwiseExperts(Lowering):
         x = _rowwise_input(sharder, node, m, self.in_shard)
         args, kwargs = torch.fx.node.map_arg(
             (node.args, node.kwargs), lambda p: x if p is m.input else sharder.read(node, p, None))
-        args, kwargs = as_traced(node, args, kwargs)
-        return getattr(sharder, node.op)(node.target, args, kwargs)
+        return sharder.run_op(node, args, kwargs)
 
 
 def _rowwise_input(sharder: Any, node: torch.fx.Node, m: LinearMatch, in_shard: Shard) -> Any:
@@ -365,10 +382,10 @@ def _matmul(sharder: Any, m: LinearMatch, x: Any) -> Any:
         args = [sharder.read(m.node, a, None) if isinstance(a, torch.fx.Node) else a for a in m.node.args]
         kwargs = {k: sharder.read(m.node, a, None) if isinstance(a, torch.fx.Node) else a
                   for k, a in m.node.kwargs.items() if k != "bias"}
-        return aten._scaled_mm(x, sharder.env[m.operand], *args[2:4], None, *args[5:], **kwargs)
+        return aten._scaled_mm(x, sharder.held(m.operand), *args[2:4], None, *args[5:], **kwargs)
     if not lm.stacked:
-        return aten.mm(x, sharder.env[m.operand])
-    w = sharder.env[m.operand]  # [world, *block]
+        return aten.mm(x, sharder.held(m.operand))
+    w = sharder.held(m.operand)  # [world, *block]
     w = w.transpose(1, 2) if m.weight_form == "out_in" else w
     rows = x.shape[0]  # every rank's rows, rank-major; explicit sizes: a shard may be 0 wide
     y = aten.bmm(x.view(lm.world, rows // lm.world, x.shape[-1]), w)
