@@ -8,7 +8,9 @@
   ``torch.distributed._functional_collectives`` (the two renamed between releases come through
   ``_torch/funcol.py``);
 - no module or folder right under ``dynashard/`` takes a name ``dynashard/__init__.py`` exports:
-  importing it would replace the public function (``dynashard.explain``) on the package.
+  importing it would replace the public function (``dynashard.explain``) on the package;
+- a module imports no private name (``_name``) from a module of another folder: one stage reaches another
+  through its public seam (``report/simulate.py`` drives ``rewrite.interpreter.Sharder``).
 """
 
 from __future__ import annotations
@@ -169,6 +171,32 @@ def test_no_top_level_module_shadows_a_public_name():
     assert not set(public) & children, f"dynashard/{sorted(set(public) & children)} would replace a public name"
 
 
+def private_imports_across_folders(mods: dict) -> list[str]:
+    """``from dynashard.<folder>.<module> import _name`` in a module of another folder (``dynashard._torch``
+    is the private-API folder itself: its modules are named privately, their functions are not)."""
+    found = []
+    for module, (path, is_package) in mods.items():
+        own = module if is_package else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _base(module, is_package, node)
+            source = _known(base, mods)
+            if source.split(".")[0] != "dynashard" or source == own or source.rsplit(".", 1)[0] == own:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") \
+                        and f"{base}.{alias.name}" not in mods:
+                    found.append(f"{module} line {node.lineno}: {alias.name} from {base}")
+    return found
+
+
+def test_no_private_name_is_imported_across_folders():
+    found = private_imports_across_folders(modules())
+    assert not found, ("private names imported from another folder's module (expected a public seam between "
+                       f"stages: give the name a public, documented form): {found}")
+
+
 def test_the_checks_see_a_circle_and_a_bare_lazy_import(tmp_path):
     """The checks can fail: a two-module circle through a package's ``__init__`` and a relative import,
     and a function-level import without its reason."""
@@ -181,3 +209,19 @@ def test_the_checks_see_a_circle_and_a_bare_lazy_import(tmp_path):
     mods = modules(root)
     assert cycles(graph(mods)) == [["dynashard.a", "dynashard.b"]]
     assert [(m, n, top) for m, n, _, top, _ in imports(mods) if not top] == [("dynashard.b", "dynashard.a", False)]
+
+
+def test_the_check_sees_a_private_import_across_folders(tmp_path):
+    """The check can fail: report/ importing the interpreter's private class, as simulate.py once did; the
+    same import within rewrite/ and a public name across folders pass."""
+    root = tmp_path / "dynashard"
+    for folder in ("rewrite", "report"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "rewrite" / "interpreter.py").write_text("class _Sharder: ...\nclass Sharder: ...\n")
+    (root / "rewrite" / "lowerings.py").write_text("from dynashard.rewrite.interpreter import _Sharder\n")
+    (root / "report" / "simulate.py").write_text(
+        "from dynashard.rewrite.interpreter import Sharder\nfrom ..rewrite.interpreter import _Sharder\n")
+    assert private_imports_across_folders(modules(root)) == [
+        "dynashard.report.simulate line 2: _Sharder from dynashard.rewrite.interpreter"]
