@@ -156,6 +156,7 @@ def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, 
     against the unsharded model, with ``parallelize`` and with a plain compile."""
     import os
 
+    before = {k: os.environ.get(k) for k in ("DYNASHARD_CACHE", "DYNASHARD_CACHE_DIR")}
     os.environ["DYNASHARD_CACHE"] = "1"
     os.environ["DYNASHARD_CACHE_DIR"] = str(tmp_path / f"rank{rank}")
     try:
@@ -188,4 +189,8 @@ def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, 
         assert plans == traced, plans
     finally:
         dynamo_backend._plan = plan
-        os.environ["DYNASHARD_CACHE"] = "0"
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -171,8 +171,8 @@ def _float8_placeholder(node: object) -> bool:
     return v is not None and node.op == "placeholder" and v.dim() == 2 and v.dtype in _FLOAT8
 
 
-_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-           if hasattr(torch, n)}
+_FLOAT8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
 
 
 _UNSCALED = ("a float8 weight whose scales are not one a row nor one for the whole tensor (torchao's PerRow or "
