@@ -25,8 +25,21 @@ from dynashard.rewrite.interpreter import Sharder
 
 pytestmark = pytest.mark.unit
 
-REWRITE = pathlib.Path(__file__).resolve().parent.parent / "dynashard" / "rewrite"
-LOWERING_MODULES = ("lowerings.py", "vocab.py")
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dynashard"
+# A lowering outside rewrite/ still reading the interpreter's env: the exact members it uses beyond the seam,
+# so the exemption neither hides a new one nor outlives its fix (then delete the entry).
+PENDING = {"plan/rules/flex.py": {"env"}}  # FlexOnHeads: sharder.env[x] -> sharder.held(x), three places
+
+
+def lowering_modules() -> list[str]:
+    """Every module that defines a Lowering (a class whose bases name ``Lowering``), and vocab.py, whose
+    functions the lookups call with the sharder's values."""
+    found = {"rewrite/vocab.py"}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "Lowering" for b in node.bases):
+                found.add(path.relative_to(PACKAGE).as_posix())
+    return sorted(found)
 
 
 def sharder_uses(source: str) -> set[str]:
@@ -42,9 +55,10 @@ def sharder_uses(source: str) -> set[str]:
 
 
 def test_lowerings_use_only_the_sharders_seam():
-    outside = {name: sorted(sharder_uses((REWRITE / name).read_text()) - Sharder.FOR_LOWERINGS)
-               for name in LOWERING_MODULES}
-    assert not any(outside.values()), (
+    names = lowering_modules()
+    assert {"rewrite/lowerings.py", *PENDING} <= set(names), names
+    outside = {name: sharder_uses((PACKAGE / name).read_text()) - Sharder.FOR_LOWERINGS for name in names}
+    assert not any(used != PENDING.get(name, set()) for name, used in outside.items()), (
         f"lowerings using members of the interpreter outside Sharder.FOR_LOWERINGS: {outside}. Expected each "
         "lowering to read its operands (sharder.read / held) and return its value; a value another lowering "
         "needs is its node's value, not an entry in the interpreter's cache.")
