@@ -71,3 +71,25 @@ def fake_group():
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+class PlanCounter:
+    """Counts the backend's traced plans (``dynamo_backend._plan``: the aten trace and the plan)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from dynashard import dynamo_backend
+
+        self.count = 0
+        plan = dynamo_backend._plan
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return plan(*args, **kwargs)
+
+        monkeypatch.setattr(dynamo_backend, "_plan", counted)
+
+
+@pytest.fixture
+def plans(monkeypatch) -> PlanCounter:
+    """The number of plans the backend traced during the test (``plans.count``)."""
+    return PlanCounter(monkeypatch)

@@ -38,20 +38,6 @@ def cache_on(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-class _Plans:
-    """Counts the traced plans (``dynamo_backend._plan``: the aten trace and the plan) while installed."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        plan = dynamo_backend._plan
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return plan(*args, **kwargs)
-
-        monkeypatch.setattr(dynamo_backend, "_plan", counted)
-
-
 def _ids() -> torch.Tensor:
     return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
 
@@ -71,10 +57,9 @@ def _entries(directory) -> list:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache_on, monkeypatch, caplog, dynamic):
+def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache_on, plans, caplog, dynamic):
     torch.manual_seed(0)
     model = models.LlamaDecoder()
-    plans = _Plans(monkeypatch)
     _, first = _compile_fresh(model, dynamic)
     assert plans.count == 1 and len(_entries(cache_on)) == 1, (plans.count, _entries(cache_on))
     with caplog.at_level(logging.INFO, logger="dynashard"):
@@ -87,11 +72,10 @@ def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache
 
 
 @pytest.mark.unit
-def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, monkeypatch):
+def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, plans, monkeypatch):
     """Each thing the plan depends on, changed alone, misses: options, dtype, shapes, gradients, dynashard's code."""
     torch.manual_seed(0)
     model = models.LlamaDecoder()
-    plans = _Plans(monkeypatch)
     _compile_fresh(model)
     _compile_fresh(model)
     assert plans.count == 1
@@ -119,10 +103,9 @@ def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, monkeyp
 
 
 @pytest.mark.unit
-def test_a_damaged_or_foreign_entry_is_a_miss(fake_group, cache_on, monkeypatch):
+def test_a_damaged_or_foreign_entry_is_a_miss(fake_group, cache_on, plans):
     torch.manual_seed(0)
     model = models.LlamaDecoder()
-    plans = _Plans(monkeypatch)
     _, first = _compile_fresh(model)
     (entry,) = _entries(cache_on)
     # Another graph's entry under this key (a digest collision, or a file copied over): its text differs.

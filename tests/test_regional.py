@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import dynashard
-from dynashard import dynamo_backend
 from tests import models
 from tests.scenarios import Scenarios
 
@@ -61,27 +60,12 @@ def _full_bytes(model: torch.nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
 
 
-class _Plans:
-    """Counts dynashard's plans (``dynamo_backend._plan``) while installed."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        plan = dynamo_backend._plan
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return plan(*args, **kwargs)
-
-        monkeypatch.setattr(dynamo_backend, "_plan", counted)
-
-
 @pytest.mark.unit
 @torch.no_grad()
-def test_blocks_compiled_one_at_a_time_share_one_plan(fake_group, monkeypatch):
+def test_blocks_compiled_one_at_a_time_share_one_plan(fake_group, plans):
     torch.manual_seed(0)
     model = _decoder()
     full = _full_bytes(model)
-    plans = _Plans(monkeypatch)
     frames: list[int] = []
     count = torch._dynamo.utils.counters
     count.clear()

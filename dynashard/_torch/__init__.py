@@ -550,3 +550,16 @@ def caches_disabled() -> bool:
     from torch._inductor import config
 
     return bool(config.force_disable_caches)
+
+
+def shape_env_facts(fake_mode: Any) -> Any:
+    """A snapshot of what a fake mode's ShapeEnv knows (guards, replacements, ranges, runtime asserts), to tell
+    whether a trace changed it; None without a ShapeEnv.
+
+    NOTE: torch 2.13's ``ShapeEnv`` keeps them in ``guards`` (a list), ``replacements`` and ``var_to_range``
+    (dicts) and ``deferred_runtime_asserts`` (symbol -> list), the same in 2.11-2.15; no public view."""
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None:
+        return None
+    return (len(env.guards), repr(env.replacements), repr(env.var_to_range),
+            sum(len(v) for v in env.deferred_runtime_asserts.values()))

@@ -195,12 +195,6 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
 
 
 def shape_facts(fake_args: list[Any]) -> Any:
-    """What the fakes' ShapeEnv knows (guards, replacements, ranges, runtime asserts): a rewrite that
-    changed it is not cached, since a hit would not make the same change."""
-    env = getattr(private.fake_mode_of(fake_args), "shape_env", None)
-    if env is None:
-        return None
-    return (len(env.guards), repr(env.replacements), repr(env.var_to_range),
-            sum(len(v) for v in env.deferred_runtime_asserts.values()))
-
-
+    """What the fakes' ShapeEnv knows: a rewrite that changed it is not cached, since a hit would not make
+    the same change (``_torch.shape_env_facts``)."""
+    return private.shape_env_facts(private.fake_mode_of(fake_args))
