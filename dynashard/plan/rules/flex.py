@@ -58,11 +58,12 @@ class FlexOnHeads(Lowering):
         q, k, v = (_own(sharder.read(node, a, self.heads)) if sharder.lm.read_of(node, a) != Read.LOCAL
                    else sharder.read(node, a, self.heads) for a in node.args[:3])
         args = list(node.args)
-        score_mod = sharder.env[args[private_aten.FLEX_SCORE_MOD]]
+        score_mod = sharder.held(args[private_aten.FLEX_SCORE_MOD])
         mask = list(args[private_aten.FLEX_BLOCK_MASK])
         for i, item in enumerate(mask):
             if isinstance(item, torch.fx.Node):
-                mask[i] = self._block(sharder.env[item]) if i in private_aten.FLEX_BLOCK_TENSORS else sharder.env[item]
+                value = sharder.held(item)
+                mask[i] = self._block(value) if i in private_aten.FLEX_BLOCK_TENSORS else value
         if self.shift_score or self.shift_mask:
             (first, _), = self.heads.split.owned(self.heads.world)[self.heads.rank]  # one run: the rule checked
             if self.shift_score:
@@ -72,7 +73,7 @@ class FlexOnHeads(Lowering):
         buffers = [tuple(sharder.read(node, b, self.heads) for b in args[i])
                    for i in (private_aten.FLEX_SCORE_BUFFERS, private_aten.FLEX_MASK_BUFFERS)]
         scale, options = torch.fx.node.map_arg(args[private_aten.FLEX_BLOCK_MASK + 1:private_aten.FLEX_SCORE_BUFFERS],
-                                               lambda n: sharder.env[n])
+                                               sharder.held)
         return node.target(q, k, v, score_mod, tuple(mask), scale, options, *buffers)
 
     def _block(self, value: Any) -> Any:
