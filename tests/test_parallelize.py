@@ -28,7 +28,7 @@ import dynashard
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import DynashardError, UsageError
 from dynashard.load.checkpoint import Checkpoint, open_checkpoint
-from dynashard.load.parallelize import FACADES
+from dynashard.load.parallelize import facades as facades_of
 from dynashard.weights.store import STORE
 from tests import models
 from tests.battery import SHARDED
@@ -196,7 +196,7 @@ class _FailsAfterABreak(torch.nn.Module):
 
 def _facades(model):
     for prefix, module in model.named_modules():
-        for attr, facade in module.__dict__.get(FACADES, {}).items():
+        for attr, facade in facades_of(module).items():
             yield (f"{prefix}.{attr}" if prefix else attr), facade
 
 

@@ -102,15 +102,15 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             source.make_facades()
         with torch.no_grad():
             if one_trace:
-                # The example runs as the user's torch.compile(model, backend="dynashard", options=options) of
-                # it would (the same frame, an equal backend, the module already as parallelize leaves it for
-                # Dynamo's guards): the program this run leaves in Dynamo's cache serves that compile, and the
-                # model's plain calls, without a second trace or plan (the dynashard_backend compiles it at its
-                # first call after this run: CompiledOnFirstCall).
+                # The example is a plain call of the parallelized model, which runs as the user's
+                # torch.compile(model, backend="dynashard", options=options) would (the same frame, an equal
+                # backend, the module already as parallelize leaves it for Dynamo's guards): the program this
+                # run leaves in Dynamo's cache serves that compile, and later plain calls, without a second
+                # trace or plan (compiled at its first call after this run: CompiledOnFirstCall).
                 _install_all(model)
                 _run_calls_through_dynashard(model, options)
                 with parallelizing(source):
-                    torch.compile(model, backend="dynashard", options=options)(*args, **kwargs)
+                    model(*args, **kwargs)
             else:
                 run_options = dataclasses.replace(opts, compiler="eager")  # (the plan does not depend on it)
 
@@ -191,6 +191,7 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
                                  forward.__closure__)
     functools.update_wrapper(forward, original)
     forward._dynashard_restore = (had, model.__dict__.get("forward"))
+    forward._dynashard_sharded_calls = True  # (runtime/uncompiled_calls: its plain calls are not eager)
     compiled = torch.compile(forward, backend="dynashard", options=options)
     model.forward = forward
 
