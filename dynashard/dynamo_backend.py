@@ -133,7 +133,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     live = fsdp.live_slots(example_inputs)
     cache_word = "hit" if cached is not None else "miss" if material is not None else f"not used ({not_cached})"
     if not sharded:  # left whole: compiled as it is (gradients included)
-        progress.stage(f"compiling the unsharded graph ({progress.compiler_name(opts.compiler)})")
+        progress.stage(_compiling("unsharded", opts.compiler))
         counts = private.inductor_cache_counts()
         compiled = _compile(opts.compiler, gm, example_inputs, opts.mode, group)
         if planned is not None:
@@ -171,7 +171,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         compiler = opts.compiler
         if train and compiler == "eager" and private.recomputes(sharded_gm):
             compiler = "aot_eager"  # (AOTAutograd's partitioner recomputes a checkpointed region; eager keeps all)
-        progress.stage(f"compiling the sharded graph ({progress.compiler_name(compiler)})")
+        progress.stage(_compiling("sharded", compiler))
         counts = private.inductor_cache_counts()
         with grad_guard:
             compiled = _compile(compiler, sharded_gm, new_fakes, opts.mode, group,
@@ -220,6 +220,12 @@ def _compile(compiler: str, graph: torch.fx.GraphModule, inputs: list[Any], mode
     if compiler == "eager" or not _in_parallelize_run():
         return compile()
     return CompiledOnFirstCall(graph.forward, compile, group, compiler, active=_in_parallelize_run)
+
+
+def _compiling(which: str, compiler: str) -> str:
+    if compiler != "eager" and _in_parallelize_run():
+        return f"the {which} graph left to compile ({progress.compiler_name(compiler)}) at its first call"
+    return f"compiling the {which} graph ({progress.compiler_name(compiler)})"
 
 
 def _in_parallelize_run() -> bool:
