@@ -13,11 +13,12 @@ After ``parallelize(model, *example_args)``:
 - each shard carries DCP's checkpoint protocol (its pieces as chunks of the global tensor), so
   ``dcp.save(model.state_dict(), ...)`` writes every layout dynashard cuts at its global offsets.
 
-How: the model runs once on the example inputs through the dynashard backend itself (``compiler=
-"eager"``: planning, cross-rank agreement, rewriting and cutting are the compile path's, so the
-plan is the one a later ``torch.compile(model, backend="dynashard", options=...)`` makes); then the
-shards the store holds for the model's parameters are registered. A later compile whose plan
-differs raises, naming the layer (the store refuses a second, different cut of a freed weight).
+How: the model is called once on the example inputs, as a plain call of the parallelized model, which runs
+as ``torch.compile(model, backend="dynashard", options=options)`` would (planning, cross-rank agreement,
+rewriting and cutting are the compile path's, and the program it leaves in Dynamo's cache serves that
+compile: one trace, one plan); then the shards the store holds for the model's parameters are registered.
+A later compile whose plan differs raises, naming the layer (the store refuses a second, different cut of a
+freed weight).
 
 A submodule called on its own reads a facade eagerly, which answers with a clear error naming the
 fix (facades.py); a plain call of the parallelized model runs through dynashard.
