@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch as private
+from dynashard._torch.subclass import is_traceable_subclass
 from dynashard.capture.subclass_inputs import inner_tensors
 from dynashard.comm.protocol import agreed, resolve_group
 from dynashard.comm.transport import gather_pieces
@@ -203,7 +204,8 @@ def _install_all(model: nn.Module) -> None:
     returns (the swapped classes, the facades), so its cache entry serves the user's compile."""
     for module in model.modules():
         for attr, p in list(private.parameter_slots(module).items()):
-            if p is not None and attr not in module.__dict__.get(FACADES, {}):
+            # (a quantized weight, a tensor subclass, keeps its slot: its inner tensors are what is cut)
+            if p is not None and attr not in module.__dict__.get(FACADES, {}) and not is_traceable_subclass(p):
                 _install(module, attr, p)
 
 
