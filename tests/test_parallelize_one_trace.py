@@ -5,6 +5,8 @@ of Dynamo frames traced, plans made and graphs compiled. Numerics on real ranks:
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -50,7 +52,10 @@ def test_the_users_compile_with_the_same_options_traces_and_plans_nothing_more(f
         compiled = torch.compile(model, backend="dynashard", options=dict(OPTIONS))  # (an equal dict)
         compiled(ids)
         compiled(ids)
-        model(ids)  # a plain call of the parallelized model: the same entry
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model(ids)  # a plain call of the parallelized model: the same entry, sharded (not "ran eagerly")
+    assert not [w for w in said if "ran eagerly" in str(w.message)], [str(w.message) for w in said]
     assert counters["stats"]["unique_graphs"] == frames, "the user's compile traced the model again"
     assert plans.count == 1, plans.count
     assert compiles == [("aot_eager", False)], compiles  # compiled once, at the first call after parallelize

@@ -192,8 +192,8 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
     forward = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
                                  forward.__closure__)
     functools.update_wrapper(forward, original)
-    forward._dynashard_restore = (had, model.__dict__.get("forward"))
-    forward._dynashard_sharded_calls = True  # (runtime/uncompiled_calls: its plain calls are not eager)
+    # (had, what it was): _uninstall_all puts it back; runtime/uncompiled_calls: its plain calls are not eager
+    forward._dynashard_parallelized = (had, model.__dict__.get("forward"))
     compiled = torch.compile(forward, backend="dynashard", options=options)
     model.forward = forward
 
@@ -218,7 +218,7 @@ def _uninstall_all(model: nn.Module) -> None:
                 handle.remove()
         if getattr(type(module), "_dynashard_swapped", False) and type(module) in _SWAPPED.values():
             module.__class__ = type(module).__bases__[0]
-    restore = getattr(model.__dict__.get("forward"), "_dynashard_restore", None)
+    restore = getattr(model.__dict__.get("forward"), "_dynashard_parallelized", None)
     if restore is not None:
         had, before = restore
         if had:
