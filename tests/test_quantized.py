@@ -497,14 +497,36 @@ LOAD_CONFIGS = {
     "int8 per row": lambda: Int8WeightOnlyConfig(),
     "int8 PerGroup(16)": lambda: Int8WeightOnlyConfig(granularity=PerGroup(16)),
     "int4 PerGroup(16)": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)),
+    **{f"float8 {k}": v for k, v in FLOAT8_CONFIGS.items()},  # (qdata and scale, no zero point)
 }
+
+
+def _expected_reads(weights: dict[str, torch.Tensor], world: int, case: str) -> dict[str, int]:
+    """The elements a rank reads of each flattened inner tensor (``<module>._weight_<inner>``) of the quantized
+    reference weights, from their shapes and LLAMA_PLAN's styles: a colwise layer's inner tensors cut on dim 0, a
+    rowwise layer's on dim 1 (its groups of columns); one of length 1 there (a per-tensor [1, 1] scale, a per-row
+    [out, 1] scale of a rowwise layer) is read whole. Int8 per row reads its [out, 1] scales and zero points whole
+    on either side (held whole, narrowed in the graph: a pointwise op on the output)."""
+    want = {}
+    for name, weight in weights.items():
+        module = name.removesuffix(".weight")
+        style = LLAMA_PLAN.get(module)
+        if style not in ("colwise", "rowwise") or not hasattr(weight, "__tensor_flatten__"):  # (plain: embedding)
+            continue
+        for inner in weight.__tensor_flatten__()[0]:
+            part = getattr(weight, inner)
+            cut = part.shape[0 if style == "colwise" else 1] > 1 and not (case == "int8 per row" and inner != "qdata")
+            want[f"{module}._weight_{inner}"] = part.numel() // world if cut else part.numel()
+    return want
 
 
 @on_ranks(cases=list(LOAD_CONFIGS))
 @torch.no_grad()
 def test_quantized_hf_checkpoint_loads_sharded(rank, world, tmp_path, case):
     """parallelize(meta model quantized alike, checkpoint=save_pretrained dir): each rank reads its rows or
-    whole groups of qdata, scale and zero point; the logits equal the HF-loaded quantized model's."""
+    whole groups of qdata, scale and zero point; the logits equal the HF-loaded quantized model's. Float8 (qdata
+    and scale): before, the load was right, but full_tensor's gloo all_gather of its float8 qdata raised "Invalid
+    scalar type"."""
     import torch.distributed as dist
 
     if rank == 0:
@@ -528,17 +550,16 @@ def test_quantized_hf_checkpoint_loads_sharded(rank, world, tmp_path, case):
         dynashard.parallelize(model, ids, checkpoint=tmp_path / "quantized", options=OPTIONS, use_cache=False)
     finally:
         SafetensorsCheckpoint._read = real_read
-    quantized = [k for k in read if "._weight_" in k]
-    assert len(quantized) == 2 * 7 * 3, sorted(read)  # 7 linears a layer, qdata, scale and zero point each
     weights = dict(reference.named_parameters())
-    parts = {k: getattr(weights[k.split("._weight_")[0] + ".weight"], k.split("._weight_")[1]) for k in quantized}
-    # each rank read exactly its half of every quantized tensor (rows, or whole groups of columns); per row, the
-    # [out, 1] scales and zero points are read whole (held whole, narrowed in the graph: a pointwise op on the output)
-    whole = {k for k in quantized if case == "int8 per row" and not k.endswith("_qdata")}
-    assert all(read[k] * (1 if k in whole else world) == parts[k].numel() for k in quantized), \
-        {k: (read[k], parts[k].numel()) for k in quantized}
+    # each rank read exactly its half of every quantized inner tensor (rows, or whole groups of columns), the rest
+    # whole: every inner tensor of the 2 x 7 linears (qdata, scale, zero point: what the reference holds)
+    want = _expected_reads(weights, world, case)
+    assert len(want) == 2 * 7 * len(weights["model.layers.0.mlp.up_proj.weight"].__tensor_flatten__()[0]), sorted(want)
+    assert {k: n for k, n in read.items() if "._weight_" in k} == want, \
+        {k: (read.get(k), n) for k, n in want.items() if read.get(k) != n}
     got, want = model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
-    # the same integers and scales, read in slices; partial sums added in another order: ulps of O(1) logits
+    # the same integers (or float8 values) and scales, read in slices; partial sums added in another order: ulps of
+    # O(1) float32 logits
     assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     # full_tensor of a cut quantized weight: its inner tensors gathered, the subclass rebuilt (the same integers)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):

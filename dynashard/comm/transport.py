@@ -108,6 +108,9 @@ def gather_to_first(local: torch.Tensor, full_shape: list[int], dim: int, pieces
 def gather_pieces(local: torch.Tensor, full_shape: list[int], spec: Any, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole tensor on every rank from every rank's ``local`` (its pieces under ``spec``, side by
     side along ``spec.dim``): one all_gather of the blocks, each padded to the longest rank's."""
+    if local.dtype.is_floating_point and local.dtype.itemsize == 1:  # float8 (torchao's Float8Tensor qdata)
+        # gloo's all_gather of float8 raises "Invalid scalar type"; a gather only moves bytes: as uint8
+        return gather_pieces(local.view(torch.uint8), full_shape, spec, group).view(local.dtype)
     world, dim = spec.world, spec.dim % len(full_shape)
     lengths = [spec.split.local(world, r) for r in range(world)]
     longest = max(lengths)

@@ -10,6 +10,8 @@ attributes as JSON in the file's metadata under the weight's own name::
     model.layers.0.mlp.up_proj._weight_scale        f32  [out, in / g]      (per row: [out, 1])
     model.layers.0.mlp.up_proj._weight_zero_point   int8 [out, in / g]
     metadata["model.layers.0.mlp.up_proj.weight"] = {"_type": "IntxUnpackedToInt8Tensor", "_data": {block_size..}}
+(torchao's Float8Tensor: ``_weight_qdata`` float8 [out, in] and ``_weight_scale`` f32 [out, 1] or [1, 1], no zero
+point.)
 After: each inner tensor a storage-less facade named for its key (the loader reads this rank's pieces of it,
 as of any plain weight: the plan cuts qdata, scale and zero point alike, capture/match_quantized.py), the subclass
 rebuilt around them by its own ``__tensor_unflatten__``.
