@@ -94,12 +94,92 @@ def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, plans, 
     _compile_fresh(model)
     assert plans.count == 5, "an entry of other dynashard code was read"
     monkeypatch.setattr(compile_cache, "_DIGEST", digest)
-    # Gradients: traced every time, never stored (the rewrite binds autograd Functions made for it).
+    # Gradients: a training graph is another graph (its conversions carry Megatron's backward)
     before = len(_entries(cache_on))
     torch._dynamo.reset()
     fresh = copy.deepcopy(model)
     torch.compile(fresh, backend="dynashard", options=OPTIONS)(_ids()).sum().backward()
-    assert len(_entries(cache_on)) == before
+    assert plans.count == 6, "a training compile read an inference entry"
+    assert len(_entries(cache_on)) == before + 1
+
+
+def _train_fresh(model: torch.nn.Module, x: torch.Tensor, dynamic: bool | None = None, **options):
+    """A copy of ``model`` parallelized and compiled after a Dynamo reset (a restart), one forward and
+    backward; its gradients by name (this rank's part of a cut parameter's: parallelize's facades hold it)."""
+    torch._dynamo.reset()
+    fresh = copy.deepcopy(model)
+    dynashard.parallelize(fresh, x, options={**OPTIONS, **options})
+    compiled = torch.compile(fresh, backend="dynashard", dynamic=dynamic, options={**OPTIONS, **options})
+    out = compiled(x)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in fresh.named_parameters() if p.grad is not None}
+
+
+class _Compiled:
+    """The graphs dynashard hands its compiler (``_torch.compile_graph``): the conversions each calls
+    (Megatron's, by name) and its checkpoint tags."""
+
+    def __init__(self, monkeypatch) -> None:
+        from dynashard import _torch as private
+        from dynashard.comm.collectives import apply_conversion
+
+        self.graphs, compile_graph = [], private.compile_graph
+
+        def recording(compiler, gm, *args, **kwargs):
+            conversions = sorted(n.args[1] for n in gm.graph.find_nodes(op="call_function", target=apply_conversion))
+            self.graphs.append((conversions, compile_cache._tags(gm)))
+            return compile_graph(compiler, gm, *args, **kwargs)
+
+        monkeypatch.setattr(private, "compile_graph", recording)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_restart_of_training_reads_the_plan_and_graph(fake_group, cache_on, plans, caplog, monkeypatch,
+                                                         sequence_parallel):
+    """A training graph (Megatron's conversions bound into it) is stored and read back: no trace on the
+    restart, the same forward and gradients bit for bit, and the graph compiled calls the same conversions
+    with the same regather tags (sequence_parallel; node meta, which pickling drops) as with the cache off.
+    (The fake group's collectives move nothing, so a conversion traced through, its backward lost, would
+    give the same numbers here: the conversions are counted.)"""
+    torch.manual_seed(0)
+    model = models.LlamaDecoder()
+    compiled = _Compiled(monkeypatch)
+    options = {"sequence_parallel": True, "compiler": "aot_eager"} if sequence_parallel else {}
+    dynamic = False if sequence_parallel else None
+    first, grads = _train_fresh(model, _ids(), dynamic, **options)
+    # parallelize's graph (no gradients) and the training graph, each its own entry
+    assert plans.count == 2 and len(_entries(cache_on)) == 2, (plans.count, _entries(cache_on))
+    with caplog.at_level(logging.INFO, logger="dynashard"):
+        again, grads_again = _train_fresh(model, _ids(), dynamic, **options)
+    assert plans.count == 2, "the second training compile traced and planned again"
+    assert "dynashard cache: hit" in caplog.text, caplog.text
+    assert torch.equal(first, again)
+    assert grads.keys() == grads_again.keys() and len(grads) == len(dict(model.named_parameters()))
+    assert all(torch.equal(grads[n], grads_again[n]) for n in grads), [n for n in grads
+                                                                       if not torch.equal(grads[n], grads_again[n])]
+    monkeypatch.setenv("DYNASHARD_CACHE", "0")
+    _train_fresh(model, _ids(), dynamic, **options)
+    # (each start compiles parallelize's graph, then the training graph)
+    (miss, hit, off) = compiled.graphs[1::2]
+    assert len(compiled.graphs) == 6 and miss == hit == off, compiled.graphs
+    assert len(off[0]) >= 2 * 4 and bool(off[1]) == sequence_parallel, off
+
+
+@pytest.mark.unit
+def test_a_graph_with_the_models_checkpoint_tags_is_not_stored(fake_group, cache_on, plans, caplog):
+    """The model's own activation checkpointing lives in node meta, which a stored graph loses: such a graph
+    is traced on every start (a hit would keep every activation the user asked to recompute)."""
+    from tests.test_activation_checkpointing import Stack
+
+    torch.manual_seed(0)
+    model = Stack(32, 2, checkpointed=True)
+    with caplog.at_level(logging.DEBUG, logger="dynashard"):
+        _train_fresh(model, torch.randn(2, 5, 32))
+    assert len(_entries(cache_on)) == 1, "stored with the model's checkpoint tags"  # (parallelize's graph only)
+    assert "activation-checkpoint tags" in caplog.text, caplog.text
+    _train_fresh(model, torch.randn(2, 5, 32))
+    assert plans.count == 3  # parallelize's graph read back, the training graph traced again
 
 
 @pytest.mark.unit
