@@ -211,30 +211,49 @@ def test_off_writes_nothing(fake_group, cache_on, monkeypatch):
     assert not _entries(cache_on)
 
 
+class _RankCache:
+    """``with _RankCache(directory) as counted:`` the compile cache on in ``directory`` (a rank's own) and
+    ``counted.plans`` the backend's traced plans, both undone at the end (a scenario runs beside others)."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self.plans = directory, 0
+
+    def __enter__(self) -> _RankCache:
+        import os
+
+        self.before = {k: os.environ.get(k) for k in ("DYNASHARD_CACHE", "DYNASHARD_CACHE_DIR")}
+        os.environ["DYNASHARD_CACHE"] = "1"
+        os.environ["DYNASHARD_CACHE_DIR"] = str(self.directory)
+        self.plan = plan = dynamo_backend._plan
+
+        def counted(*args, **kwargs):
+            self.plans += 1
+            return plan(*args, **kwargs)
+
+        dynamo_backend._plan = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        dynamo_backend._plan = self.plan
+        for k, v in self.before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.mark.gloo
 @on_ranks(cases=["every_rank_hits", "rank_1_misses"])
 def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, tmp_path):
     """Two "processes" on each rank: the first traces, the second reads its entry (or, for rank 1 in
     ``rank_1_misses``, finds none and traces while rank 0 reads: the plan fingerprints agree). Each
     against the unsharded model, with ``parallelize`` and with a plain compile."""
-    import os
-
-    before = {k: os.environ.get(k) for k in ("DYNASHARD_CACHE", "DYNASHARD_CACHE_DIR")}
-    os.environ["DYNASHARD_CACHE"] = "1"
-    os.environ["DYNASHARD_CACHE_DIR"] = str(tmp_path / f"rank{rank}")
-    try:
+    with _RankCache(tmp_path / f"rank{rank}") as counted:
         model = models.LlamaDecoder()
         with torch.no_grad():
             ref = model(_ids())
-        plans = 0
-        plan = dynamo_backend._plan
-
-        def counted(*args, **kwargs):
-            nonlocal plans
-            plans += 1
-            return plan(*args, **kwargs)
-
-        dynamo_backend._plan = counted
         for restart in range(2):
             if restart and case == "rank_1_misses" and rank == 1:
                 for f in (tmp_path / f"rank{rank}").rglob("*.pkl"):
@@ -249,11 +268,42 @@ def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, 
             held = dynashard.held_bytes(fresh) / sum(p.nbytes for p in model.parameters())
             assert held < 0.6, held
         traced = 4 if case == "rank_1_misses" and rank == 1 else 2  # parallelize and compile, per start traced
-        assert plans == traced, plans
-    finally:
-        dynamo_backend._plan = plan
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        assert counted.plans == traced, counted.plans
+
+
+@pytest.mark.gloo
+@on_ranks(cases=["plain", "sequence_parallel"])
+def test_sgd_steps_after_a_restart_equal_the_unsharded_twins(rank, world, case, tmp_path):
+    """Two starts on each rank, each 2 SGD steps of Llama beside its unsharded twin from the same weights:
+    the first traces and stores the training graph, the second reads it (Megatron's conversions and, under
+    sequence_parallel, the regathers' recompute tags, bound again). Raw gradients of every parameter equal
+    the twin's (this rank's cut of a sharded one's) within test_training's tolerance, at every step of both."""
+    import torch.nn.functional as F
+
+    from tests.test_training import GRAD_RTOL, _compare, _facades
+
+    options = {**OPTIONS, "sequence_parallel": True} if case == "sequence_parallel" else OPTIONS
+    with _RankCache(tmp_path / f"rank{rank}") as counted:
+        torch.manual_seed(0)
+        model = models.LlamaDecoder()
+        errors = []
+        for restart in range(2):
+            torch._dynamo.reset()
+            fresh, twin = copy.deepcopy(model), copy.deepcopy(model)
+            dynashard.parallelize(fresh, _ids(), options=options)
+            facades = _facades(fresh)
+            fast = torch.compile(fresh, backend="dynashard", options=options, dynamic=False)
+            opt, opt_twin = torch.optim.SGD(fresh.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+            for step in range(2):
+                g = torch.Generator().manual_seed(10 + step)
+                ids, target = torch.randint(0, 96, (2, 7), generator=g), torch.randint(0, 96, (2, 7), generator=g)
+                for net in (fast, twin):
+                    F.cross_entropy(net(ids).flatten(0, 1), target.flatten()).backward()
+                err, missing, same = _compare(fresh, twin, facades, world)
+                errors.append((restart, step, err, missing, same))
+                for o in (opt, opt_twin):
+                    o.step()
+                    o.zero_grad()
+            assert len(facades) >= 2 * 7, sorted(facades)  # (every block's projections cut)
+        assert all(err < GRAD_RTOL and not missing and same for _, _, err, missing, same in errors), errors
+        assert counted.plans == 2, counted.plans  # parallelize's graph and the training graph, on the first start
