@@ -16,7 +16,7 @@ import logging
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.fx
 
 from dynashard import _torch as private
+from dynashard import state
 from dynashard.analysis import Analysis, analyse, inline_regions, shard_fakes
 from dynashard.capture import subclass_inputs
 from dynashard.comm.collectives import BACKWARD, group_name, reduce_scatter_is_slow
@@ -35,7 +36,14 @@ from dynashard.report.table import GraphReport, plan_summary
 from dynashard.rewrite.interpreter import rewrite
 from dynashard.rewrite.lowerings import DropoutOfCut, RowwiseExperts
 from dynashard.runtime import compile_cache, gate, regions
-from dynashard.runtime.program import CallCheck, CheckFirst, ShardedProgram, cut_and_free, drain_gloo_at_exit
+from dynashard.runtime.program import (
+    CallCheck,
+    CheckFirst,
+    CompiledOnFirstCall,
+    ShardedProgram,
+    cut_and_free,
+    drain_gloo_at_exit,
+)
 from dynashard.runtime.uncompiled_calls import watch
 from dynashard.training import fsdp
 from dynashard.weights.freed import materialize
@@ -54,15 +62,18 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
 
     ``torch.compile(..., mode=m)`` calls it with ``mode=m`` (and never with ``options`` too).
     ``source``: ``parallelize``'s loader (a checkpoint, or rank 0's deal), where the storage-less
-    parameters' values come from."""
+    parameters' values come from (by default, that of the ``parallelize`` run in progress on this
+    thread: :func:`parallelizing`)."""
     started = time.perf_counter()
     opts = with_mode(parse_options(options), mode)
+    if source is None:
+        source = getattr(state.PARALLELIZING, "source", None)
     group = resolve_group(opts.group)
     outside = group is dist.GroupMember.NON_GROUP_MEMBER
     world, rank = (1, -1) if outside else (dist.get_world_size(group), dist.get_rank(group))
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
-        return private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
+        return _compile(opts.compiler, gm, example_inputs, opts.mode, None)
     if (flat := subclass_inputs.flatten(gm, example_inputs)) is not None:  # torchao's quantized weights
         return flat.wrap(dynashard_backend(flat.gm, flat.inputs, options, mode, source))
     with progress.compiling():
@@ -122,9 +133,9 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     live = fsdp.live_slots(example_inputs)
     cache_word = "hit" if cached is not None else "miss" if material is not None else f"not used ({not_cached})"
     if not sharded:  # left whole: compiled as it is (gradients included)
-        progress.stage(f"compiling the unsharded graph ({progress.compiler_name(opts.compiler)})")
+        progress.stage(_compiling("unsharded", opts.compiler))
         counts = private.inductor_cache_counts()
-        compiled = private.compile_graph(opts.compiler, gm, example_inputs, opts.mode)
+        compiled = _compile(opts.compiler, gm, example_inputs, opts.mode, group)
         if planned is not None:
             STORE.note_read_whole([example_inputs[i] for i in planned.params])
             if cached is None and material is not None and compile_cache.shape_facts(fake_args) == facts:
@@ -160,11 +171,11 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         compiler = opts.compiler
         if train and compiler == "eager" and private.recomputes(sharded_gm):
             compiler = "aot_eager"  # (AOTAutograd's partitioner recomputes a checkpointed region; eager keeps all)
-        progress.stage(f"compiling the sharded graph ({progress.compiler_name(compiler)})")
+        progress.stage(_compiling("sharded", compiler))
         counts = private.inductor_cache_counts()
         with grad_guard:
-            compiled = private.compile_graph(compiler, sharded_gm, new_fakes, opts.mode,
-                                             on_backward_error=_name_dead_peers(group) if train and agree else None)
+            compiled = _compile(compiler, sharded_gm, new_fakes, opts.mode, group,
+                                on_backward_error=_name_dead_peers(group) if train and agree else None)
     specs = {
         i: (fqn, ShardSpec(dim, split, world, rank, group_name(group), stacked=planned.stacked))
         for i, (fqn, dim, split) in sharded.items()
@@ -183,6 +194,42 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     program.live = live
     regions.remember(key, program, planned)
     return program
+
+
+@contextlib.contextmanager
+def parallelizing(source: Source | None) -> Iterator[None]:
+    """Around ``dynashard.parallelize``'s example run, on this thread: the graphs it compiles read their
+    weights from ``source`` (None: the model's own), and are compiled with the options' compiler at
+    their first call after the run instead of now (:class:`CompiledOnFirstCall`)."""
+    state.PARALLELIZING.source, state.PARALLELIZING.active = source, True
+    try:
+        yield
+    finally:
+        state.PARALLELIZING.source, state.PARALLELIZING.active = None, False
+
+
+def _compile(compiler: str, graph: torch.fx.GraphModule, inputs: list[Any], mode: str,
+             group: dist.ProcessGroup | None, on_backward_error: Callable[[BaseException], None] | None = None,
+             ) -> Callable[..., Any]:
+    """``graph`` compiled; during ``parallelize``'s example run, a program that runs it as it is in that run
+    and compiles it at its first call after (``group``: where that compile is agreed on; None: a world of
+    one)."""
+    def compile() -> Callable[..., Any]:
+        return private.compile_graph(compiler, graph, inputs, mode, on_backward_error=on_backward_error)
+
+    if compiler == "eager" or not _in_parallelize_run():
+        return compile()
+    return CompiledOnFirstCall(graph.forward, compile, group, compiler, active=_in_parallelize_run)
+
+
+def _compiling(which: str, compiler: str) -> str:
+    if compiler != "eager" and _in_parallelize_run():
+        return f"the {which} graph left to compile ({progress.compiler_name(compiler)}) at its first call"
+    return f"compiling the {which} graph ({progress.compiler_name(compiler)})"
+
+
+def _in_parallelize_run() -> bool:
+    return getattr(state.PARALLELIZING, "active", False)
 
 
 def _planned(analysis: Analysis, fake_args: list[Any], train: bool) -> compile_cache.Planned:

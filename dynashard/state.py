@@ -29,6 +29,9 @@ from typing import Any
 # it ends
 CONVERSIONS: dict[str, tuple[Any, ...]] = {}
 TRACING = threading.local()  # .conversions: the TracedConversions of this thread's rewrite in progress
+# .source: the checkpoint or rank 0's deal of this thread's dynashard.parallelize example run in progress (None
+# when it reads nothing); set while that run calls the model (dynamo_backend.parallelizing)
+PARALLELIZING = threading.local()
 
 STATE: dict[str, str] = {
     "dynashard.comm.protocol._HOSTS":
@@ -76,6 +79,8 @@ STATE: dict[str, str] = {
         "then calls each conversion itself, and goes with the program)",
     "dynashard.state.TRACING":
         "this thread's rewrite in progress (comm.collectives.TracedConversions); set while it traces",
+    "dynashard.state.PARALLELIZING":
+        "this thread's dynashard.parallelize example run (its loader); set while that run calls the model",
 }
 
 HOOKS: dict[str, str] = {

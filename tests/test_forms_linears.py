@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import dynashard
 from dynashard.errors import UsageError
-from dynashard.load.parallelize import FACADES
+from dynashard.load.parallelize import facades as facades_of
 from dynashard.weights.store import STORE, cut
 from tests import models
 from tests.scenarios import Scenarios
@@ -317,7 +317,7 @@ def _sgd_gradient_error(model: nn.Module, shape: tuple[int, ...], sharded: set[s
     fast = torch.compile(model, backend="dynashard", options={"min_shard_numel": 0, "compiler": "eager"})
     sgd, sgd_twin = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
     facades = {f"{prefix}.{attr}" if prefix else attr: facade for prefix, module in model.named_modules()
-               for attr, facade in module.__dict__.get(FACADES, {}).items()}
+               for attr, facade in facades_of(module).items()}
     shards = dict(model.named_parameters())
     assert set(facades) >= sharded, sorted(facades)  # (else the twin is compared with itself)
     worst = 0.0

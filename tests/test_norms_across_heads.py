@@ -128,7 +128,7 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 @on_ranks
 def test_olmo2_trains_as_its_unsharded_twin(rank, world):
-    from dynashard.load.parallelize import FACADES
+    from dynashard.load.parallelize import facades as facades_of
     from dynashard.weights.store import STORE, cut
 
     model = _olmo2()
@@ -139,7 +139,7 @@ def test_olmo2_trains_as_its_unsharded_twin(rank, world):
     assert "before mean.dim" not in report and "all_reduce" in report, report
     dynashard.parallelize(model, ids, options=options)
     facades = {f"{prefix}.{attr}" if prefix else attr: facade for prefix, module in model.named_modules()
-               for attr, facade in module.__dict__.get(FACADES, {}).items()}
+               for attr, facade in facades_of(module).items()}
     assert len(facades) == 2 * 7 + 1, sorted(facades)  # every linear of both layers, and the embedding
     fast = torch.compile(model, backend="dynashard", options=options)
     for step in range(3):  # SGD: a 2x gradient would show in the next step's gradients too

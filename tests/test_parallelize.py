@@ -28,7 +28,7 @@ import dynashard
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import DynashardError, UsageError
 from dynashard.load.checkpoint import Checkpoint, open_checkpoint
-from dynashard.load.parallelize import FACADES
+from dynashard.load.parallelize import facades as facades_of
 from dynashard.weights.store import STORE
 from tests import models
 from tests.battery import SHARDED
@@ -72,6 +72,29 @@ def test_parallelize_registers_shards_that_compile_save_and_run_plain_calls_shar
         _check_compiles_and_calls_sharded(name, model, reference, inputs)
         _check_misuse_is_refused(name, model, inputs[0])
         _check_saves_every_layout(name, model, reference, rank, world, str(tmp_path))
+
+
+@on_ranks
+def test_the_users_compile_reuses_parallelizes_trace_compiled_at_its_first_call(rank, world):
+    """parallelize's example run leaves its program (aot_eager, compiled at its first call after the run) for
+    torch.compile with the same options: no second Dynamo trace for the example's shape, and the model's
+    values (a second shape traces, dynamic)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.build("llama", _hidden("llama"), 96).eval()
+    reference = copy.deepcopy(model)
+    options = {**EAGER, "compiler": "aot_eager"}
+    inputs = [torch.randint(0, 96, s) for s in ((2, 7), (3, 5))]
+    with torch.no_grad():
+        dynashard.parallelize(model, inputs[0], options=options)
+        traced = counters["stats"]["unique_graphs"]
+        compiled = torch.compile(model, backend="dynashard", options=dict(options))
+        assert _err(compiled(inputs[0]), reference(inputs[0])) < ATOL
+        assert counters["stats"]["unique_graphs"] == traced, "the user's compile traced the example's call again"
+        assert _err(compiled(inputs[1]), reference(inputs[1])) < ATOL
+        assert _err(model(inputs[0]), reference(inputs[0])) < ATOL  # a plain call: the same program
 
 
 def _check_holds_its_shards(name, model, reference):
@@ -196,7 +219,7 @@ class _FailsAfterABreak(torch.nn.Module):
 
 def _facades(model):
     for prefix, module in model.named_modules():
-        for attr, facade in module.__dict__.get(FACADES, {}).items():
+        for attr, facade in facades_of(module).items():
             yield (f"{prefix}.{attr}" if prefix else attr), facade
 
 

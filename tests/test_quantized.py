@@ -13,6 +13,7 @@ Simulated at 2 and 4 ranks (explain verify), and on 2 real gloo ranks against th
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -247,22 +248,29 @@ def test_group_quantized_held_bytes(config, world):
 @on_ranks
 @torch.no_grad()
 def test_group_quantized_llama_on_real_ranks_equals_the_quantized_model(rank, world):
+    # cut: q/k/v/o/gate/up/down's int4 data (one a byte), scales and zero points, halved; the embedding half;
+    # whole: lm_head, norms
+    _quantized_llama_equals_the_quantized_model(
+        IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)), held_at_most=0.62)
+
+
+def _quantized_llama_equals_the_quantized_model(config: Any, held_at_most: float) -> None:
+    """A 2-layer HF Llama quantized with ``config``, compiled on these ranks: its logits at two lengths equal the
+    quantized unsharded model's (the same quantized values and scales dequantized on each rank, partial sums added
+    in another order: ulps), and it holds at most ``held_at_most`` of the quantized model's bytes."""
     torch.manual_seed(0)
-    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = T.LlamaForCausalLM(config).eval()
-    quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(16)))
+    llama = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                          vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = T.LlamaForCausalLM(llama).eval()
+    quantize_(model, config)
     reference = copy.deepcopy(model)
     fast = torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})
     for length in (7, 5):
         ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(length))
         got, want = fast(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
-        # the same int4 values and scales dequantized on each rank, partial sums added in another order: ulps
         assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), length
     held, whole = dynashard.held_bytes(model), dynashard.held_bytes(reference)
-    # cut: q/k/v/o/gate/up/down's int4 data (one a byte), scales and zero points, halved; the embedding half;
-    # whole: lm_head, norms
-    assert held <= 0.62 * whole, (held, whole)
+    assert held <= held_at_most * whole, (held, whole)
 
 
 @pytest.mark.unit
@@ -385,21 +393,8 @@ def test_float8_llama_is_cut_as_its_float_twin(world):
 @on_ranks(cases=list(FLOAT8_CONFIGS))
 @torch.no_grad()
 def test_float8_llama_on_real_ranks_equals_the_quantized_model(rank, world, case):
-    torch.manual_seed(0)
-    config = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-                           vocab_size=96, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = T.LlamaForCausalLM(config).eval()
-    quantize_(model, FLOAT8_CONFIGS[case]())
-    reference = copy.deepcopy(model)
-    fast = torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})
-    for length in (7, 5):
-        ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(length))
-        got, want = fast(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
-        # the same float8 values and scales dequantized on each rank, partial sums added in another order: ulps
-        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), length
-    held, whole = dynashard.held_bytes(model), dynashard.held_bytes(reference)
     # cut: q/k/v/o/gate/up/down's float8 data (and per-row scales), halved; the embedding half; whole: lm_head, norms
-    assert held <= 0.62 * whole, (held, whole)
+    _quantized_llama_equals_the_quantized_model(FLOAT8_CONFIGS[case](), held_at_most=0.62)
 
 
 @pytest.fixture

@@ -305,10 +305,10 @@ def test_sgd_steps_match_the_unsharded_twin(rank, world, case):
 
 
 def _facades(model) -> dict:
-    from dynashard.load.parallelize import FACADES
+    from dynashard.load.parallelize import facades as facades_of
 
     out = {}
     for prefix, module in model.named_modules():
-        for attr, facade in module.__dict__.get(FACADES, {}).items():
+        for attr, facade in facades_of(module).items():
             out[f"{prefix}.{attr}" if prefix else attr] = facade
     return out

@@ -76,11 +76,11 @@ def _loss(out, target):
 
 
 def _facades(model) -> dict:
-    from dynashard.load.parallelize import FACADES
+    from dynashard.load.parallelize import facades as facades_of
 
     out = {}
     for prefix, module in model.named_modules():
-        for attr, facade in module.__dict__.get(FACADES, {}).items():
+        for attr, facade in facades_of(module).items():
             out[f"{prefix}.{attr}" if prefix else attr] = facade
     return out
 

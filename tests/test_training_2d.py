@@ -124,7 +124,7 @@ def test_tp_inside_ddp_trains_as_the_unsharded_model_on_both_batches(rank, world
     import torch.distributed as dist
 
     from dynashard.comm.protocol import all_gather_objects
-    from dynashard.load.parallelize import FACADES
+    from dynashard.load.parallelize import facades as facades_of
     from dynashard.weights.store import STORE, cut
 
     name, hidden, ddp_inside, adamw_steps = CASES[case]
@@ -140,7 +140,7 @@ def test_tp_inside_ddp_trains_as_the_unsharded_model_on_both_batches(rank, world
     with torch._dynamo.config.patch(optimize_ddp=False):
         model, twin, fast = _setup(name, hidden, vocab, mesh, ddp_inside)
         facades = {
-            f"{p}.{a}" if p else a: f for p, m in model.named_modules() for a, f in m.__dict__.get(FACADES, {}).items()
+            f"{p}.{a}" if p else a: f for p, m in model.named_modules() for a, f in facades_of(m).items()
         }
         params, reference = list(model.parameters()), dict(twin.named_parameters())
         opt, opt_twin = torch.optim.SGD(params, lr=0.05), torch.optim.SGD(twin.parameters(), lr=0.05)

@@ -28,7 +28,7 @@ from dynashard.comm.transport import gather_to_first
 from dynashard.errors import UsageError
 from dynashard.load import integrity
 from dynashard.load.checkpoint import _INDEX, _SAFETENSORS_DTYPES
-from dynashard.load.parallelize import FACADES
+from dynashard.load.parallelize import facades
 from dynashard.weights.store import STORE
 
 
@@ -161,7 +161,7 @@ def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch
     sharded weight the value is this rank's shard and the full tensor its storage-less facade."""
     facade_of: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for facade in module.__dict__.get(FACADES, {}).values():
+        for facade in facades(module).values():
             facade_of[id(store.shard_of(facade))] = facade
     entries, seen = [], set()
     for name, value in model.state_dict(keep_vars=True).items():

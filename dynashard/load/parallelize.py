@@ -13,11 +13,12 @@ After ``parallelize(model, *example_args)``:
 - each shard carries DCP's checkpoint protocol (its pieces as chunks of the global tensor), so
   ``dcp.save(model.state_dict(), ...)`` writes every layout dynashard cuts at its global offsets.
 
-How: the model runs once on the example inputs through the dynashard backend itself (``compiler=
-"eager"``: planning, cross-rank agreement, rewriting and cutting are the compile path's, so the
-plan is the one a later ``torch.compile(model, backend="dynashard", options=...)`` makes); then the
-shards the store holds for the model's parameters are registered. A later compile whose plan
-differs raises, naming the layer (the store refuses a second, different cut of a freed weight).
+How: the model is called once on the example inputs, as a plain call of the parallelized model, which runs
+as ``torch.compile(model, backend="dynashard", options=options)`` would (planning, cross-rank agreement,
+rewriting and cutting are the compile path's, and the program it leaves in Dynamo's cache serves that
+compile: one trace, one plan); then the shards the store holds for the model's parameters are registered.
+A later compile whose plan differs raises, naming the layer (the store refuses a second, different cut of a
+freed weight).
 
 A submodule called on its own reads a facade eagerly, which answers with a clear error naming the
 fix (facades.py); a plain call of the parallelized model runs through dynashard.
@@ -38,10 +39,11 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch as private
+from dynashard._torch.subclass import is_traceable_subclass
 from dynashard.capture.subclass_inputs import inner_tensors
 from dynashard.comm.protocol import agreed, resolve_group
 from dynashard.comm.transport import gather_pieces
-from dynashard.dynamo_backend import dynashard_backend
+from dynashard.dynamo_backend import dynashard_backend, parallelizing
 from dynashard.errors import UsageError
 from dynashard.layout.placement import check_loadable, cut_placed, gather_placed, words
 from dynashard.layout.placement import of as placement_of
@@ -54,7 +56,10 @@ from dynashard.weights.facades import storage_less
 from dynashard.weights.freed import materialize
 from dynashard.weights.store import STORE, cut
 
-FACADES = "_dynashard_facades"  # module.__dict__ key: attribute name -> full-shape, storage-less tensor
+# module.__dict__ key: attribute name -> what Dynamo reads for it (a cut parameter's full-shape, storage-less
+# facade; a parameter left whole, itself: facades() leaves those out)
+FACADES = "_dynashard_facades"
+_HANDLES = "_dynashard_hooks"  # module.__dict__ key: the hooks _install registered (removed by _uninstall_all)
 _SWAPPED: dict[type, type] = {}  # a module class -> its subclass holding shards (_swapped_class)
 
 
@@ -93,19 +98,31 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
         if where.type == "cuda" and where.index is None:  # ("cuda" alone is GPU 0 to safetensors: this rank's)
             where = torch.device("cuda", torch.cuda.current_device())
         source = Loader(model, checkpoint if reads else None, where, group, from_first)
-    run_options = dataclasses.replace(opts, compiler="eager")  # the plan does not depend on the compiler
-
-    def dynashard_parallelize(gm, example_inputs):  # (the loader reaches the backend here, and only here)
-        return dynashard_backend(gm, example_inputs, run_options, source=source)
-
-    # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
-    # here (eager, thrown away) never serves the user's own compile.
-    run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
+    one_trace = mesh is None  # (dtensor=True: FSDP2 compiles each owner on its own, fsdp.compile_owners)
     try:
         if source is not None:
             source.make_facades()
         with torch.no_grad():
-            torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
+            if one_trace:
+                # The example is a plain call of the parallelized model, which runs as the user's
+                # torch.compile(model, backend="dynashard", options=options) would (the same frame, an equal
+                # backend, the module already as parallelize leaves it for Dynamo's guards): the program this
+                # run leaves in Dynamo's cache serves that compile, and later plain calls, without a second
+                # trace or plan (compiled at its first call after this run: CompiledOnFirstCall).
+                _install_all(model)
+                _run_calls_through_dynashard(model, options)
+                with parallelizing(source):
+                    model(*args, **kwargs)
+            else:
+                run_options = dataclasses.replace(opts, compiler="eager")  # (the plan does not depend on it)
+
+                def dynashard_parallelize(gm, example_inputs):  # (the loader reaches the backend here)
+                    return dynashard_backend(gm, example_inputs, run_options, source=source)
+
+                # A fresh code object per call: Dynamo's cache for it never fills, and the program compiled
+                # here (eager, thrown away) never serves the user's own compile.
+                run = types.FunctionType(_run.__code__.replace(), {"__builtins__": __builtins__})
+                torch.compile(run, backend=dynashard_parallelize, dynamic=False)(model, args, kwargs)
         if source is not None:
             # read by no graph (eager code): whole (a quantized weight: its inner tensors)
             materialize([t for p in model.parameters() for t in inner_tensors(p)], source)
@@ -113,10 +130,12 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     except Exception as e:
         ours = private.backend_error(e) or e
         if source is not None:  # a load: the model goes back to what it was (its shards are dropped)
+            _uninstall_all(model)
             source.restore()
             raise ours from e
         cut = [n for n, p in model.named_parameters() if STORE.is_sharded(p)]
         if not cut:
+            _uninstall_all(model)
             raise ours from e  # nothing was cut: the model is as it was
         # A graph before a graph break was sharded (its full weights freed) before the error: keep
         # the model usable with what was cut, and say so.
@@ -132,8 +151,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
                                      functools.partial(cut_placed, cut=_cut_placed))
     if mesh is not None:
         fsdp.register(model, mesh, group, FACADES, _install)
-    _run_calls_through_dynashard(model, opts)
-    if mesh is not None:
+        _run_calls_through_dynashard(model, options)
         fsdp.compile_owners(model, FACADES, functools.partial(_sharded_backend, opts=opts))
     _refuse_save_pretrained(model)
     adapters.install(model, group)  # a PEFT model's save_pretrained gathers its adapters whole instead
@@ -146,29 +164,74 @@ def _sharded_backend(gm: Any, example_inputs: Any, opts: Any) -> Any:
     return dynashard_backend(gm, example_inputs, opts)
 
 
-def _run_calls_through_dynashard(model: nn.Module, opts: Any) -> None:
-    """A call of the parallelized model outside ``torch.compile`` runs it sharded: its forward,
-    compiled with the dynashard backend and ``parallelize``'s options on first use. Code that calls
-    the model both ways works unchanged (HF ``generate`` with a ``compile_config`` compiles only its
-    decode step and calls the model plainly for prefill). Inside a compile (the user's own
-    ``torch.compile``) the original forward is traced as before; a submodule called on its own
-    still raises (its facades hold no values)."""
+def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
+    """A call of the parallelized model outside ``torch.compile`` runs it sharded: as
+    ``torch.compile(model, backend="dynashard", options=options)`` would (one Dynamo frame, this
+    function's, with an equal backend: its cache entries serve both, and ``parallelize``'s example run
+    is one of them). Code that calls the model both ways works unchanged (HF ``generate`` with a
+    ``compile_config`` compiles only its decode step and calls the model plainly for prefill). Inside a
+    compile the original forward is traced; a submodule called on its own still raises (its facades
+    hold no values), as does this forward run eagerly inside its own call (a frame Dynamo left
+    uncompiled)."""
     original = model.forward
+    had = "forward" in model.__dict__
     compiled = None
+    inside = threading.local()
 
-    def sharded_backend(gm, example_inputs):
-        return dynashard_backend(gm, example_inputs, opts)
-
-    @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        nonlocal compiled
-        if private.compiling():
+        if private.compiling() or getattr(inside, "on", False):
             return original(*args, **kwargs)
-        if compiled is None:
-            compiled = torch.compile(original, backend=sharded_backend)
-        return compiled(*args, **kwargs)
+        inside.on = True
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            inside.on = False
 
+    # A code object of its own per model: Dynamo keeps its cache entries, and counts its recompile limit, per
+    # code object (the frame every parallelized model would otherwise share).
+    forward = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
+                                 forward.__closure__)
+    functools.update_wrapper(forward, original)
+    # (had, what it was): _uninstall_all puts it back; runtime/uncompiled_calls: its plain calls are not eager
+    forward._dynashard_parallelized = (had, model.__dict__.get("forward"))
+    compiled = torch.compile(forward, backend="dynashard", options=options)
     model.forward = forward
+
+
+def _install_all(model: nn.Module) -> None:
+    """Every parameter of ``model`` behind a facade entry before the example runs, each entry the parameter
+    itself until the run cuts it: Dynamo's guards of that run read what they read once ``parallelize``
+    returns (the swapped classes, the facades), so its cache entry serves the user's compile."""
+    for module in model.modules():
+        for attr, p in list(private.parameter_slots(module).items()):
+            # (a quantized weight, a tensor subclass, keeps its slot: its inner tensors are what is cut)
+            if p is not None and attr not in module.__dict__.get(FACADES, {}) and not is_traceable_subclass(p):
+                _install(module, attr, p)
+
+
+def _uninstall_all(model: nn.Module) -> None:
+    """A failed ``parallelize`` that cut nothing: every module back to what it was (class, hooks, forward)."""
+    for module in model.modules():
+        if FACADES in module.__dict__:
+            del module.__dict__[FACADES]
+            for handle in module.__dict__.pop(_HANDLES, []):
+                handle.remove()
+        if getattr(type(module), "_dynashard_swapped", False) and type(module) in _SWAPPED.values():
+            module.__class__ = type(module).__bases__[0]
+    restore = getattr(model.__dict__.get("forward"), "_dynashard_parallelized", None)
+    if restore is not None:
+        had, before = restore
+        if had:
+            model.forward = before
+        else:
+            del model.__dict__["forward"]
+
+
+def facades(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s facades of what its slots hold in their place (a shard, a DTensor): the entries of the
+    parameters left whole, which are the parameters themselves, left out."""
+    slots = private.parameter_slots(module)
+    return {attr: f for attr, f in module.__dict__.get(FACADES, {}).items() if slots.get(attr) is not f}
 
 
 def _refuse_save_pretrained(model: nn.Module) -> None:
@@ -196,7 +259,7 @@ def _average_gradients(model: nn.Module, group: dist.ProcessGroup) -> None:
     for p in model.parameters():
         average_over_ranks(p, group, sharded=STORE.facade_of(p) is not None)
     for module in model.modules():
-        for facade in module.__dict__.get(FACADES, {}).values():
+        for facade in facades(module).values():
             facade._dynashard_averaged = True
 
 
@@ -271,8 +334,6 @@ def _register(model: nn.Module) -> None:
                 owners.setdefault(id(p), []).append((module, attr))
     for entries in owners.values():
         facade = private.parameter_slots(entries[0][0])[entries[0][1]]
-        if FACADES in entries[0][0].__dict__ and facade is entries[0][0].__dict__[FACADES].get(entries[0][1]):
-            continue  # registered before (a failed call registered what it had cut)
         shard = STORE.as_parameter(facade)
         for module, attr in entries:
             private.parameter_slots(module)[attr] = shard
@@ -290,19 +351,19 @@ def _install(module: nn.Module, attr: str, facade: torch.Tensor) -> None:
         module.__dict__[FACADES] = {}
         # state_dict() detaches each parameter, and a detached tensor loses the checkpoint
         # protocol: put it back, or DCP would save this rank's shard as the whole tensor
-        module.register_state_dict_post_hook(_checkpointable_state)
+        module.__dict__[_HANDLES] = [module.register_state_dict_post_hook(_checkpointable_state)]
     module.__dict__[FACADES][attr] = facade
     cls = type(module)
     if not getattr(cls, "_dynashard_swapped", False):
         if cls not in _SWAPPED:  # (one subclass per class: its modules share it, and Dynamo's guards on it)
             _SWAPPED[cls] = _swapped_class(cls)
         module.__class__ = _SWAPPED[cls]
-        module.register_load_state_dict_pre_hook(_full_size_into_shards)
+        module.__dict__[_HANDLES].append(module.register_load_state_dict_pre_hook(_full_size_into_shards))
     setattr(type(module), attr, _facade_property(attr))
 
 
 def _checkpointable_state(module: nn.Module, state: dict, prefix: str, _metadata: Any) -> None:
-    for attr, facade in module.__dict__[FACADES].items():
+    for attr, facade in facades(module).items():
         if prefix + attr in state and not _is_dtensor(state[prefix + attr]):
             state[prefix + attr] = STORE.checkpointable(facade, state[prefix + attr])
         elif prefix + attr in state:  # (DTensor: DCP's own protocol, but for a fused layout)
@@ -312,8 +373,13 @@ def _checkpointable_state(module: nn.Module, state: dict, prefix: str, _metadata
 def _register_parameter(self, name: str, param) -> None:
     """A sharded parameter is not replaced (``module.weight = ...``, ``load_state_dict(assign=True)``):
     the compiled program reads the shard registered by ``parallelize``, so a new object would be
-    ignored silently."""
-    facade = self.__dict__.get(FACADES, {}).get(name)
+    ignored silently. A parameter left whole is replaced as in any module (Dynamo reads the new one)."""
+    entries = self.__dict__.get(FACADES, {})
+    if name in entries and entries[name] is private.parameter_slots(self).get(name) and not _is_dtensor(param):
+        entries[name] = param
+        nn.Module.register_parameter(self, name, param)
+        return
+    facade = entries.get(name)
     if facade is not None and fsdp.is_live(facade) and _is_dtensor(param) and param.shape == facade.shape:
         fsdp.refuse_fused_dim(facade, param)  # (FSDP's 2-D shard of a fused weight)
         fsdp.checkpointable(param)  # (a fused one read by DCP from the module, not its state_dict)
@@ -360,8 +426,12 @@ def _swapped_class(cls: type) -> type:
     facade follows the shard through ``model.to(...)``, and pickling the module is refused."""
 
     def _apply(self, fn, recurse=True):
+        slots, entries = private.parameter_slots(self), self.__dict__.get(FACADES, {})
+        whole = [attr for attr, entry in entries.items() if slots.get(attr) is entry]
         out = cls._apply(self, fn, recurse)
-        for attr, facade in self.__dict__.get(FACADES, {}).items():  # the shard converted: its facade follows
+        for attr in whole:  # (a parameter left whole: its entry is what the slot holds now)
+            entries[attr] = slots[attr]
+        for attr, facade in facades(self).items():  # the shard converted: its facade follows
             shard = private.parameter_slots(self)[attr]
             if (facade.dtype, facade.device) != (shard.dtype, shard.device):
                 with private.plain_torch_functions():
@@ -391,7 +461,7 @@ def _full_size_into_shards(module: nn.Module, state_dict: dict, prefix: str, *ar
     (whole, or this rank's own pieces: placement.check_loadable), then a full-size one (the unsharded
     model's, an RL trainer's, an EMA's) becomes this rank's pieces, which the load copies into the shard."""
     check_loads(module, state_dict, prefix, recurse=False)
-    for attr, facade in module.__dict__.get(FACADES, {}).items():
+    for attr, facade in facades(module).items():
         key = prefix + attr
         value = state_dict.get(key)
         if isinstance(value, torch.Tensor) and list(value.shape) == list(facade.shape) and \
@@ -406,7 +476,7 @@ def check_loads(module: nn.Module, state_dict: dict, prefix: str = "", recurse: 
     a load that raises changes nothing."""
     modules = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
     for name, sub in modules:
-        for attr, facade in sub.__dict__.get(FACADES, {}).items():
+        for attr, facade in facades(sub).items():
             key = prefix + (f"{name}." if name else "") + attr
             value, shard = state_dict.get(key), private.parameter_slots(sub).get(attr)
             spec = STORE.spec_of(facade)

@@ -25,7 +25,7 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard.capture.aliases import mutated_roots
-from dynashard.comm.protocol import CALL, COMPILE, Handshake, content_digest, peer_failure
+from dynashard.comm.protocol import CALL, COMPILE, Handshake, agreed, content_digest, peer_failure
 from dynashard.errors import SetupError, UsageError
 from dynashard.options import Options
 from dynashard.report import progress
@@ -229,6 +229,42 @@ class ShardedProgram:
         named = peer_failure(group, f"the sharded program's call (failed call {self.failures})", error)
         if named is not None:
             raise named from error
+
+
+class CompiledOnFirstCall:
+    """A graph ``dynashard.parallelize``'s example run compiled, with a compiler other than eager: during that
+    run it runs as it is (the run plans, cuts and checks); its first call after the run compiles it (``compile``)
+    and every call runs the compiled graph. So ``parallelize`` costs no compiler, and the program it leaves in
+    Dynamo's cache serves the user's own ``torch.compile(model, backend="dynashard", options=...)`` with the same
+    options, and the parallelized model's plain calls, without a second trace or plan; a call that the entry's
+    guards refuse (another grad mode, other arguments) compiles afresh, and this one is never compiled.
+
+    The first call's compile is an agreement point on ``group`` (None: a world of one): a compile that fails on
+    one rank raises on every rank instead of leaving the others in the graph's first collective."""
+
+    def __init__(self, graph: Callable[..., Any], compile: Callable[[], Callable[..., Any]],
+                 group: dist.ProcessGroup | None, compiler: str, active: Callable[[], bool]) -> None:
+        self.graph, self._compile, self.compiler, self._active = graph, compile, compiler, active
+        self._group = _WeakGroup(group) if group is not None else None
+        self._grad = torch.is_grad_enabled()  # (the grad mode the graph was traced under: its compile's too)
+        self.compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            if self._active():
+                return self.graph(*args)
+            self.compiled = self._compile_now()
+        return self.compiled(*args)
+
+    def _compile_now(self) -> Callable[..., Any]:
+        started = time.perf_counter()
+        within = agreed(self._group(), "compiling", doing="compiling") if self._group is not None \
+            else contextlib.nullcontext()
+        with within, torch.set_grad_enabled(self._grad):
+            compiled = self._compile()
+        log.log(progress.level(), "dynashard: compiled a graph parallelize planned (%s), at its first call: %.2f s",
+                progress.compiler_name(self.compiler), time.perf_counter() - started)
+        return compiled
 
 
 class CheckFirst:

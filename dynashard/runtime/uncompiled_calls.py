@@ -55,6 +55,8 @@ class _FirstEagerCall:
             return                         # so the hook adds no graph break, fullgraph=True included)
         if self.warned or private.in_compiled_module_call():
             return
+        if hasattr(module.__dict__.get("forward"), "_dynashard_parallelized"):
+            return  # (dynashard.parallelize's model: its plain calls run sharded)
         self.warned = True  # (a flag, not the handle's removal: Dynamo guards on the module's hooks)
         if self.compiled() is None:
             return

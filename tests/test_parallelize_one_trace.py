@@ -1,0 +1,107 @@
+"""``dynashard.parallelize`` and the user's ``torch.compile(model, backend="dynashard", options=...)`` share one
+Dynamo trace and one plan: the example runs as that compile would, and its program (compiled with the options'
+compiler at its first call after parallelize) serves the compile. One rank on the fake process group: counts
+of Dynamo frames traced, plans made and graphs compiled. Numerics on real ranks: tests/test_parallelize.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import dynashard
+from dynashard import _torch as private
+from dynashard.load.parallelize import FACADES
+from tests import models
+
+pytestmark = pytest.mark.unit
+
+OPTIONS = {"compiler": "aot_eager", "min_shard_numel": 0}  # (a compiler other than eager: compiled at first call)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Graphs handed to a compiler: (compiler, whether parallelize's example run was still going)."""
+    from dynashard import state
+
+    made = []
+    compile_graph = private.compile_graph
+
+    def counted(compiler, *args, **kwargs):
+        made.append((compiler, getattr(getattr(state, "PARALLELIZING", None), "active", False)))
+        return compile_graph(compiler, *args, **kwargs)
+
+    monkeypatch.setattr(private, "compile_graph", counted)
+    return made
+
+
+def _llama() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return models.build("llama", 64, 96).eval(), torch.randint(0, 96, (2, 7))
+
+
+def test_the_users_compile_with_the_same_options_traces_and_plans_nothing_more(fake_group, plans, compiles):
+    model, ids = _llama()
+    with torch.no_grad():
+        dynashard.parallelize(model, ids, options=OPTIONS)
+        frames, planned = counters["stats"]["unique_graphs"], plans.count
+        assert planned == 1 and compiles == [], (planned, compiles)  # planned; no compiler ran in parallelize
+        compiled = torch.compile(model, backend="dynashard", options=dict(OPTIONS))  # (an equal dict)
+        compiled(ids)
+        compiled(ids)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            model(ids)  # a plain call of the parallelized model: the same entry, sharded (not "ran eagerly")
+    assert not [w for w in said if "ran eagerly" in str(w.message)], [str(w.message) for w in said]
+    assert counters["stats"]["unique_graphs"] == frames, "the user's compile traced the model again"
+    assert plans.count == 1, plans.count
+    assert compiles == [("aot_eager", False)], compiles  # compiled once, at the first call after parallelize
+
+
+def test_a_training_compile_traces_afresh_and_the_inference_program_is_never_compiled(fake_group, plans, compiles):
+    model, ids = _llama()
+    with torch.no_grad():
+        dynashard.parallelize(model, ids, options=OPTIONS)
+    compiled = torch.compile(model, backend="dynashard", options=OPTIONS)
+    compiled(ids).sum().backward()  # grad enabled: the example's entry (traced under no_grad) does not apply
+    assert plans.count == 2, plans.count
+    assert compiles == [("aot_eager", False)], compiles  # the training graph's compile only
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_other_options_trace_again_and_plan_the_same_cuts(fake_group, plans, compiles):
+    model, ids = _llama()
+    with torch.no_grad():
+        dynashard.parallelize(model, ids, options=OPTIONS)
+        torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})(ids)
+    assert plans.count == 2, plans.count
+    assert compiles == [("eager", False)], compiles
+
+
+class _Fails(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) @ torch.ones(3, 3)  # (a shape error after the linears)
+
+
+def test_a_parallelize_that_fails_before_cutting_leaves_the_model_as_it_was(fake_group):
+    model = _Fails()
+    before = {name: type(m) for name, m in model.named_modules()}
+    hooks = {name: (len(m._state_dict_hooks), len(m._load_state_dict_pre_hooks)) for name, m in model.named_modules()}
+    with pytest.raises(Exception, match="size|shape"):
+        with torch.no_grad():
+            dynashard.parallelize(model, torch.randn(2, 64), options=OPTIONS)
+    assert {name: type(m) for name, m in model.named_modules()} == before
+    assert not any(FACADES in m.__dict__ for m in model.modules())
+    assert "forward" not in model.__dict__
+    assert {name: (len(m._state_dict_hooks), len(m._load_state_dict_pre_hooks))
+            for name, m in model.named_modules()} == hooks
+    x = torch.randn(2, 64)  # its weights whole, with their values
+    assert torch.equal(model.down(torch.relu(model.up(x))), torch.relu(x @ model.up.weight.T + model.up.bias)
+                       @ model.down.weight.T + model.down.bias)
