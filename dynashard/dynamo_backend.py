@@ -114,7 +114,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         progress.stage("tracing the graph to aten ops")
         facts = compile_cache.shape_facts(fake_args)
         analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank, earlier)
-        planned = _planned(analysis, fake_args) if analysis is not None else None
+        planned = _planned(analysis, fake_args, train) if analysis is not None else None
     planned_at = time.perf_counter()
     sharded = planned.sharded if planned else {}
     _refuse_fsdp_managed(gm, sharded, example_inputs)
@@ -148,7 +148,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     gate_slot = None
     with agreed(group, "compiling", doing="rewriting and compiling"):
         if train:
-            check_trainable(analysis, example_inputs, opts.compiler)
+            check_trainable(planned, example_inputs, opts.compiler)
         new_fakes = shard_fakes(sharded, fake_args, world, rank, planned.stacked)
         if cached is not None:
             sharded_gm = cached_gm
@@ -232,13 +232,14 @@ def _in_parallelize_run() -> bool:
     return getattr(state.PARALLELIZING, "active", False)
 
 
-def _planned(analysis: Analysis, fake_args: list[Any]) -> compile_cache.Planned:
+def _planned(analysis: Analysis, fake_args: list[Any], train: bool) -> compile_cache.Planned:
     """What the compile needs of ``analysis`` after planning (and what the compile cache keeps of it)."""
     return compile_cache.Planned(
         params={i: fqn for i, (fqn, _) in analysis.params.items()}, sharded=analysis.sharded_inputs(),
         held=analysis.held_outputs(), fingerprint=analysis.plan.fingerprint(
             [str(getattr(a, "shape", a)) for a in fake_args]),
-        stacked=analysis.stacked, summary=plan_summary(analysis.plan))
+        stacked=analysis.stacked, summary=plan_summary(analysis.plan),
+        trainable=trainability(analysis) if train else None)
 
 
 def _store(material: str, planned: compile_cache.Planned, graph: torch.fx.GraphModule | None,
@@ -326,30 +327,10 @@ def check_data_parallel() -> None:
         )
 
 
-def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str = "eager") -> None:
-    """With gradients, only layouts whose backward dynashard gets right; anything else is refused here,
-    at compile time, never a wrong gradient."""
+def trainability(analysis: Analysis) -> compile_cache.Trainability:
+    """What :func:`check_trainable` needs of the plan (kept in ``Planned``: a compile-cache hit has no analysis)."""
     lm = analysis.plan.layouts
     why = None
-    sparse = [m.fqn for m in analysis.plan.sharded() if m.kind.sparse(m.node)]
-    if sparse and compiler != "eager":
-        # NOTE: AOTAutograd traces the sparse backward of aten.embedding, whose nonzero has a data-dependent
-        # size (DynamicOutputShapeException, torch 2.13); an unsharded torch.compile then falls back to eager
-        # through a graph break
-        raise NotSupportedError(
-            f"dynashard: training a sharded embedding with sparse=True ({sparse[0]!r}) under compiler={compiler!r}: "
-            "AOTAutograd cannot trace its sparse backward (a data-dependent size). Expected options={'compiler': "
-            "'eager'} (the sharded graph run eagerly: sparse gradients, this rank's rows), or sparse=False.")
-    if lm.per_rank and not lm.stacked:
-        plain = [fqn for i, (fqn, _) in analysis.params.items()
-                 if example_inputs[i].requires_grad and not getattr(example_inputs[i], "_dynashard_averaged", False)]
-        if plain:
-            raise NotSupportedError(
-                f"dynashard: training with inputs='per_rank' needs every parameter's gradient averaged over the "
-                f"ranks, and {plain[0]!r} (of {len(plain)}) has no such hook: each rank's gradient of it would be "
-                "its own batch's only. Expected dynashard.parallelize(model, example, options={'inputs': "
-                "'per_rank', ...}) before training, which installs them (DDP-style: one all_reduce per "
-                "replicated parameter per backward).")
     if lm.stacked:
         why = "weights='per_rank' (its backward is not built yet)"
     elif (partial := _untrainable_partial(lm)) is not None:
@@ -359,26 +340,62 @@ def check_trainable(analysis: Analysis, example_inputs: list[Any], compiler: str
         if whole:
             why = (f"a fused weight with parts held whole on every rank ({whole[0].name}: fewer K/V heads than "
                    "ranks); each rank's gradient of a whole part would be partial")
-    if why is not None:
-        raise NotSupportedError(
-            f"dynashard: training (a backward) through this plan is not supported: {why}. Gradients would be "
-            "wrong, so none are computed. Run under torch.no_grad() for inference, or replicate those layers "
-            "(options={'plan': {...: 'replicate'}}), or use a world size that divides the heads.")
-    # Random ops (dropout) on a sharded value: each rank draws for its own part, so the ranks' random
-    # streams drift apart (uneven parts draw different counts) and a later dropout of a replicated value
-    # would mask differently on each rank -- replicated values that differ across ranks, silently. On
-    # replicated values every rank draws the same, as the unsharded model does.
+    return compile_cache.Trainability(
+        sparse=tuple(m.fqn for m in analysis.plan.sharded() if m.kind.sparse(m.node)),
+        per_rank=lm.per_rank and not lm.stacked, why=why, random=_random_on_shards(analysis))
+
+
+def _random_on_shards(analysis: Analysis) -> str | None:
+    """The first random op drawing for a sharded value ("<op> (<node>)"), or None.
+
+    Random ops (dropout) on a sharded value: each rank draws for its own part, so the ranks' random
+    streams drift apart (uneven parts draw different counts) and a later dropout of a replicated value
+    would mask differently on each rank -- replicated values that differ across ranks, silently. On
+    replicated values every rank draws the same, as the unsharded model does."""
+    lm = analysis.plan.layouts
     for node in analysis.aten.graph.nodes:
         if isinstance(getattr(lm.records.get(node), "lowering", None), DropoutOfCut):
             continue  # the whole mask drawn on every rank (sequence_parallel): the streams stay in step
         if private.draws_random(node) and (lm.layouts.get(node) is not None
                                     or any(o is not None for o in lm.outputs.get(node) or [])):
+            return f"{node.target} ({node.name})"
+    return None
+
+
+def check_trainable(planned: compile_cache.Planned, example_inputs: list[Any], compiler: str = "eager") -> None:
+    """With gradients, only layouts whose backward dynashard gets right; anything else is refused here,
+    at compile time, never a wrong gradient."""
+    t = planned.trainable
+    if t.sparse and compiler != "eager":
+        # NOTE: AOTAutograd traces the sparse backward of aten.embedding, whose nonzero has a data-dependent
+        # size (DynamicOutputShapeException, torch 2.13); an unsharded torch.compile then falls back to eager
+        # through a graph break
+        raise NotSupportedError(
+            f"dynashard: training a sharded embedding with sparse=True ({t.sparse[0]!r}) under compiler={compiler!r}: "
+            "AOTAutograd cannot trace its sparse backward (a data-dependent size). Expected options={'compiler': "
+            "'eager'} (the sharded graph run eagerly: sparse gradients, this rank's rows), or sparse=False.")
+    if t.per_rank:
+        plain = [fqn for i, fqn in planned.params.items()
+                 if example_inputs[i].requires_grad and not getattr(example_inputs[i], "_dynashard_averaged", False)]
+        if plain:
             raise NotSupportedError(
-                f"dynashard: training through random op {node.target} ({node.name}) on a sharded value is not "
-                "supported: each rank would draw its own part's random numbers, and the ranks' random streams, "
-                "which replicated values rely on, would drift apart. Expected dropout off inside sharded layers "
-                "(attention-probability dropout, e.g. HF attn_pdrop / attention_dropout = 0), or model.eval(); "
-                "dropout on replicated values (the residual stream, embeddings) is fine.")
+                f"dynashard: training with inputs='per_rank' needs every parameter's gradient averaged over the "
+                f"ranks, and {plain[0]!r} (of {len(plain)}) has no such hook: each rank's gradient of it would be "
+                "its own batch's only. Expected dynashard.parallelize(model, example, options={'inputs': "
+                "'per_rank', ...}) before training, which installs them (DDP-style: one all_reduce per "
+                "replicated parameter per backward).")
+    if t.why is not None:
+        raise NotSupportedError(
+            f"dynashard: training (a backward) through this plan is not supported: {t.why}. Gradients would be "
+            "wrong, so none are computed. Run under torch.no_grad() for inference, or replicate those layers "
+            "(options={'plan': {...: 'replicate'}}), or use a world size that divides the heads.")
+    if t.random is not None:
+        raise NotSupportedError(
+            f"dynashard: training through random op {t.random} on a sharded value is not "
+            "supported: each rank would draw its own part's random numbers, and the ranks' random streams, "
+            "which replicated values rely on, would drift apart. Expected dropout off inside sharded layers "
+            "(attention-probability dropout, e.g. HF attn_pdrop / attention_dropout = 0), or model.eval(); "
+            "dropout on replicated values (the residual stream, embeddings) is fine.")
 
 
 def _untrainable_partial(lm: Any) -> str | None:

@@ -22,12 +22,12 @@ The registries that serve one compile live here, each entry owned by the compile
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
-# marker key -> (autograd.Function, x -> its apply) for the ``dynashard::tp_conversion`` markers a rewrite in
-# progress traces (comm.collectives.TracedConversions): each key names its rewrite, and goes when it ends
-CONVERSIONS: dict[str, tuple[type, Callable[[Any], Any]]] = {}
+# marker key -> (the autograd.Function's name, its plain arguments) for the ``dynashard::tp_conversion`` markers
+# a rewrite in progress traces (comm.collectives.TracedConversions): each key names its rewrite, and goes when
+# it ends
+CONVERSIONS: dict[str, tuple[Any, ...]] = {}
 TRACING = threading.local()  # .conversions: the TracedConversions of this thread's rewrite in progress
 # .source: the checkpoint or rank 0's deal of this thread's dynashard.parallelize example run in progress (None
 # when it reads nothing); set while that run calls the model (dynamo_backend.parallelizing)
@@ -122,7 +122,8 @@ TABLES: frozenset[str] = frozenset({
     "dynashard.state.STATE", "dynashard.state.HOOKS", "dynashard.__all__", "dynashard.plan.rules.__all__",
     "dynashard.options.HF_STYLES", "dynashard.options.HF_NOT_LINEAR",
     "dynashard.capture.linear_forms._VIEWS", "dynashard.capture.linear_forms._LINEAR",
-    "dynashard.comm.collectives._LAYOUT_OPS", "dynashard.comm.protocol._PHASE", "dynashard.comm.protocol._STAGE",
+    "dynashard.comm.collectives._LAYOUT_OPS", "dynashard.comm.collectives._FUNCTIONS",
+    "dynashard.comm.protocol._PHASE", "dynashard.comm.protocol._STAGE",
     "dynashard.load.checkpoint._SAFETENSORS_DTYPES",
     "dynashard.plan.rules.attention._ATTENTION", "dynashard.plan.rules.inplace.SIZE_ARG",
     "dynashard.plan.rules.origins._RECORDS", "dynashard.plan.rules.partial._LINEAR_IN_FIRST",

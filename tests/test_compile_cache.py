@@ -18,7 +18,7 @@ import torch
 
 import dynashard
 from dynashard import dynamo_backend
-from dynashard.runtime import compile_cache
+from dynashard.runtime import compile_cache, regions
 from tests import models
 from tests.scenarios import Scenarios
 
@@ -94,12 +94,94 @@ def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, plans, 
     _compile_fresh(model)
     assert plans.count == 5, "an entry of other dynashard code was read"
     monkeypatch.setattr(compile_cache, "_DIGEST", digest)
-    # Gradients: traced every time, never stored (the rewrite binds autograd Functions made for it).
+    # Gradients: a training graph is another graph (its conversions carry Megatron's backward)
     before = len(_entries(cache_on))
     torch._dynamo.reset()
     fresh = copy.deepcopy(model)
     torch.compile(fresh, backend="dynashard", options=OPTIONS)(_ids()).sum().backward()
-    assert len(_entries(cache_on)) == before
+    assert plans.count == 6, "a training compile read an inference entry"
+    assert len(_entries(cache_on)) == before + 1
+
+
+def _train_fresh(model: torch.nn.Module, x: torch.Tensor, dynamic: bool | None = None, **options):
+    """A copy of ``model`` parallelized and compiled after a Dynamo reset (a restart), one forward and
+    backward; its gradients by name (this rank's part of a cut parameter's: parallelize's facades hold it)."""
+    torch._dynamo.reset()
+    fresh = copy.deepcopy(model)
+    dynashard.parallelize(fresh, x, options={**OPTIONS, **options})
+    compiled = torch.compile(fresh, backend="dynashard", dynamic=dynamic, options={**OPTIONS, **options})
+    out = compiled(x)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in fresh.named_parameters() if p.grad is not None}
+
+
+class _Compiled:
+    """The training graphs dynashard hands its compiler (``_torch.compile_graph`` with gradients on): the
+    conversions each calls (Megatron's, by name) and its checkpoint tags."""
+
+    def __init__(self, monkeypatch) -> None:
+        from dynashard import _torch as private
+        from dynashard.comm.collectives import apply_conversion
+
+        self.graphs, compile_graph = [], private.compile_graph
+
+        def recording(compiler, gm, *args, **kwargs):
+            if torch.is_grad_enabled():
+                conversions = sorted(n.args[1] for n in gm.graph.find_nodes(op="call_function",
+                                                                             target=apply_conversion))
+                self.graphs.append((conversions, compile_cache._tags(gm)))
+            return compile_graph(compiler, gm, *args, **kwargs)
+
+        monkeypatch.setattr(private, "compile_graph", recording)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_restart_of_training_reads_the_plan_and_graph(fake_group, cache_on, plans, caplog, monkeypatch,
+                                                         sequence_parallel):
+    """A training graph (Megatron's conversions bound into it) is stored and read back: no trace on the
+    restart, the same forward and gradients bit for bit, and the graph compiled calls the same conversions
+    with the same regather tags (sequence_parallel; node meta, which pickling drops) as with the cache off.
+    (The fake group's collectives move nothing, so a conversion traced through, its backward lost, would
+    give the same numbers here: the conversions are counted.)"""
+    torch.manual_seed(0)
+    model = models.LlamaDecoder()
+    compiled = _Compiled(monkeypatch)
+    options = {"sequence_parallel": True, "compiler": "aot_eager"} if sequence_parallel else {}
+    dynamic = False if sequence_parallel else None
+    first, grads = _train_fresh(model, _ids(), dynamic, **options)
+    # parallelize's graph (no gradients) and the training graph, each its own entry
+    assert plans.count == 2 and len(_entries(cache_on)) == 2, (plans.count, _entries(cache_on))
+    with caplog.at_level(logging.INFO, logger="dynashard"):
+        again, grads_again = _train_fresh(model, _ids(), dynamic, **options)
+    assert plans.count == 2, "the second training compile traced and planned again"
+    assert "dynashard cache: hit" in caplog.text, caplog.text
+    assert torch.equal(first, again)
+    assert grads.keys() == grads_again.keys() and len(grads) == len(dict(model.named_parameters()))
+    assert all(torch.equal(grads[n], grads_again[n]) for n in grads), [n for n in grads
+                                                                       if not torch.equal(grads[n], grads_again[n])]
+    monkeypatch.setenv("DYNASHARD_CACHE", "0")
+    _train_fresh(model, _ids(), dynamic, **options)
+    assert len(compiled.graphs) == 3, compiled.graphs
+    (miss, hit, off) = compiled.graphs
+    assert miss == hit == off, compiled.graphs
+    assert len(off[0]) >= 2 * 4 and bool(off[1]) == sequence_parallel, off
+
+
+@pytest.mark.unit
+def test_a_graph_with_the_models_checkpoint_tags_is_not_stored(fake_group, cache_on, plans, caplog):
+    """The model's own activation checkpointing lives in node meta, which a stored graph loses: such a graph
+    is traced on every start (a hit would keep every activation the user asked to recompute)."""
+    from tests.test_activation_checkpointing import Stack
+
+    torch.manual_seed(0)
+    model = Stack(32, 2, checkpointed=True)
+    with caplog.at_level(logging.DEBUG, logger="dynashard"):
+        _train_fresh(model, torch.randn(2, 5, 32))
+    assert len(_entries(cache_on)) == 1, "stored with the model's checkpoint tags"  # (parallelize's graph only)
+    assert "activation-checkpoint tags" in caplog.text, caplog.text
+    _train_fresh(model, torch.randn(2, 5, 32))
+    assert plans.count == 3  # parallelize's graph read back, the training graph traced again
 
 
 @pytest.mark.unit
@@ -131,30 +213,49 @@ def test_off_writes_nothing(fake_group, cache_on, monkeypatch):
     assert not _entries(cache_on)
 
 
+class _RankCache:
+    """``with _RankCache(directory) as counted:`` the compile cache on in ``directory`` (a rank's own) and
+    ``counted.plans`` the backend's traced plans, both undone at the end (a scenario runs beside others)."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self.plans = directory, 0
+
+    def __enter__(self) -> _RankCache:
+        import os
+
+        self.before = {k: os.environ.get(k) for k in ("DYNASHARD_CACHE", "DYNASHARD_CACHE_DIR")}
+        os.environ["DYNASHARD_CACHE"] = "1"
+        os.environ["DYNASHARD_CACHE_DIR"] = str(self.directory)
+        self.plan = plan = dynamo_backend._plan
+
+        def counted(*args, **kwargs):
+            self.plans += 1
+            return plan(*args, **kwargs)
+
+        dynamo_backend._plan = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        dynamo_backend._plan = self.plan
+        for k, v in self.before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.mark.gloo
 @on_ranks(cases=["every_rank_hits", "rank_1_misses"])
 def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, tmp_path):
     """Two "processes" on each rank: the first traces, the second reads its entry (or, for rank 1 in
     ``rank_1_misses``, finds none and traces while rank 0 reads: the plan fingerprints agree). Each
     against the unsharded model, with ``parallelize`` and with a plain compile."""
-    import os
-
-    before = {k: os.environ.get(k) for k in ("DYNASHARD_CACHE", "DYNASHARD_CACHE_DIR")}
-    os.environ["DYNASHARD_CACHE"] = "1"
-    os.environ["DYNASHARD_CACHE_DIR"] = str(tmp_path / f"rank{rank}")
-    try:
+    with _RankCache(tmp_path / f"rank{rank}") as counted:
         model = models.LlamaDecoder()
         with torch.no_grad():
             ref = model(_ids())
-        plans = 0
-        plan = dynamo_backend._plan
-
-        def counted(*args, **kwargs):
-            nonlocal plans
-            plans += 1
-            return plan(*args, **kwargs)
-
-        dynamo_backend._plan = counted
         for restart in range(2):
             if restart and case == "rank_1_misses" and rank == 1:
                 for f in (tmp_path / f"rank{rank}").rglob("*.pkl"):
@@ -173,11 +274,50 @@ def test_a_restart_on_two_ranks_computes_the_unsharded_model(rank, world, case, 
                 assert held < 0.6, held
         # parallelize's run and the plain compile, per start traced (the compile after parallelize reuses its trace)
         traced = 4 if case == "rank_1_misses" and rank == 1 else 2
-        assert plans == traced, plans
-    finally:
-        dynamo_backend._plan = plan
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        assert counted.plans == traced, counted.plans
+
+
+@pytest.mark.gloo
+@on_ranks(cases=["plain", "sequence_parallel"])
+def test_sgd_steps_after_a_restart_equal_the_unsharded_twins(rank, world, case, tmp_path):
+    """Two starts on each rank, each 2 SGD steps of Llama beside its unsharded twin from the same weights:
+    the first traces and stores the training graph, the second reads it (Megatron's conversions and, under
+    sequence_parallel, the regathers' recompute tags, bound again). Raw gradients of every parameter equal
+    the twin's (this rank's cut of a sharded one's) within test_training's tolerance, at every step of both."""
+    import torch.nn.functional as F
+
+    from tests.test_training import GRAD_RTOL, _compare, _facades
+
+    options = {**OPTIONS, "sequence_parallel": True} if case == "sequence_parallel" else OPTIONS
+
+    def start(model) -> list:
+        """One start: (step, error, missing, replicated the same) per step. A new process has no earlier
+        program to reuse (runtime/regions.py): the earlier start's are forgotten (on gloo ranks, one was seen
+        still alive after the reset and a collection, and its reuse served the training graph)."""
+        torch._dynamo.reset()
+        regions._REGIONS.clear()
+        fresh, twin = copy.deepcopy(model), copy.deepcopy(model)
+        dynashard.parallelize(fresh, _ids(), options=options)
+        facades = _facades(fresh)
+        assert len(facades) >= 2 * 7, sorted(facades)  # (every block's projections cut)
+        fast = torch.compile(fresh, backend="dynashard", options=options, dynamic=False)
+        opt, opt_twin = torch.optim.SGD(fresh.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+        errors = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 + step)
+            ids, target = torch.randint(0, 96, (2, 7), generator=g), torch.randint(0, 96, (2, 7), generator=g)
+            for net in (fast, twin):
+                F.cross_entropy(net(ids).flatten(0, 1), target.flatten()).backward()
+            errors.append((step, *_compare(fresh, twin, facades, world)))
+            for o in (opt, opt_twin):
+                o.step()
+                o.zero_grad()
+        return errors
+
+    with _RankCache(tmp_path / f"rank{rank}") as counted:
+        torch.manual_seed(0)
+        model = models.LlamaDecoder()
+        first = start(model)
+        again = start(model)
+        assert all(err < GRAD_RTOL and not missing and same for _, err, missing, same in first + again), (first, again)
+        assert counted.plans == 2, counted.plans  # parallelize's graph and the training graph, on the first start

@@ -171,6 +171,36 @@ def recomputes(gm: torch.fx.GraphModule) -> bool:
     return any("recompute" in n.meta for n in gm.graph.nodes)
 
 
+class LeafCallsTracer(torch.fx.Tracer):
+    """A tracer that keeps each call of the functions in ``leaves`` (a subclass's, module-level) as one node
+    instead of tracing into it: for :func:`unpickled_by`."""
+
+    leaves: tuple[Callable[..., Any], ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=self.leaves)
+
+    def trace(self, root: Any, concrete_args: Any = None) -> torch.fx.Graph:
+        graph = super().trace(root, concrete_args)
+        # NOTE: fx marks a node made for an autowrapped call ``meta["is_wrapped"]``, and the code generated
+        # from such a graph calls ``torch.fx.wrap`` on its own globals as it runs, which adds them to a
+        # process-wide table (``_symbolic_trace._wrapped_fns_to_patch``): one entry per graph read back
+        for node in graph.nodes:
+            node.meta.pop("is_wrapped", None)
+        return graph
+
+
+def unpickled_by(gm: torch.fx.GraphModule, tracer_cls: type) -> None:
+    """Unpickling ``gm`` (or a GraphModule made from its graph) rebuilds the graph by tracing its code with
+    ``tracer_cls``, a module-level ``torch.fx.Tracer`` subclass (one that keeps a function's calls as nodes).
+
+    NOTE: a GraphModule pickles its code, not its graph, and unpickling traces that code symbolically
+    (``fx.graph_module._deserialize_graph_module``), into every plain Python function it calls, with the
+    tracer class the graph names (``Graph._tracer_cls``, which ``GraphModule.__init__`` copies)."""
+    gm.graph._tracer_cls = tracer_cls
+    gm._tracer_cls = tracer_cls
+
+
 def keeping_tags() -> contextlib.AbstractContextManager:
     """Around a retrace: each traced node inherits the checkpoint tags of the node being run."""
     import torch.fx.traceback as fx_traceback

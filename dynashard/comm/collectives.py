@@ -160,8 +160,10 @@ def own_rows_to_shard(x: torch.Tensor, lengths: list[int], rank: int, group_name
 # tools/proto_train_fg.py, gradients equal the unsharded model's under eager, aot_eager and Inductor).
 
 # The markers' keys name the rewrite that traced them (``TracedConversions``): two compiles' never meet, and
-# the registry (``state.CONVERSIONS``) holds a compile's conversions only while it traces; once bound, the
-# graph calls each one itself, and the conversions go with the program that holds the graph.
+# the registry (``state.CONVERSIONS``) holds a compile's conversions only while it traces. A bound node calls
+# ``apply_conversion(x, "<Function's name>", *args)``, a module-level function over plain values, so the
+# bound graph's code names importable globals only and pickles (the compile cache stores it); its
+# regather tags (node meta, which pickling drops) are made again by ``tag_regathers`` after a load.
 _REGATHER_GRAPH_ID = 1 << 20  # (ids apart from the user's checkpointed regions')
 aten = torch.ops.aten
 _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
@@ -171,12 +173,12 @@ _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
 def tp_conversion(x: torch.Tensor, key: str) -> torch.Tensor:
     with torch.no_grad():
-        return state.CONVERSIONS[key][1](x).clone()
+        return apply_conversion(x, *state.CONVERSIONS[key]).clone()
 
 
 @tp_conversion.register_fake
 def _tp_conversion_fake(x: torch.Tensor, key: str) -> torch.Tensor:
-    out = state.CONVERSIONS[key][1](x.detach())
+    out = apply_conversion(x.detach(), *state.CONVERSIONS[key])
     return out.new_empty(out.shape)
 
 
@@ -204,32 +206,58 @@ def conversion(x: torch.Tensor, function: type[torch.autograd.Function], *args: 
     scope = getattr(state.TRACING, "conversions", None)
     if scope is None:
         raise InternalError(f"dynashard: {function.__name__} traced outside a rewrite's TracedConversions")
+    if _FUNCTIONS.get(function.__name__) is not function:
+        raise InternalError(f"dynashard: conversion {function.__name__} is not in collectives._FUNCTIONS")
     key = scope.prefix + repr((function.__name__, args))
     if key not in state.CONVERSIONS:
-        state.CONVERSIONS[key] = (function, lambda v: function.apply(v, *args))
+        state.CONVERSIONS[key] = (function.__name__, *args)
         scope.keys.append(key)
     return torch.ops.dynashard.tp_conversion(x, key)
 
 
+def apply_conversion(x: torch.Tensor, name: str, *args: Any) -> torch.Tensor:
+    """What a bound marker node calls: the conversion named ``name`` (an autograd.Function below)."""
+    return _FUNCTIONS[name].apply(x, *args)
+
+
+class ConversionTracer(private.LeafCallsTracer):
+    """The tracer that rebuilds a bound graph from its code when it is unpickled: each
+    :func:`apply_conversion` call stays a node (a plain tracer traces into the Function's forward: its
+    collectives inlined, its backward gone)."""
+
+    leaves = (apply_conversion,)
+
+
 def bind_conversions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Each marker node calls its conversion (an autograd.Function) instead. A sequence_parallel
-    colwise input's gather is tagged to be recomputed in the backward (Megatron all-gathers it again
-    there): AOTAutograd's partitioner then saves this rank's part, not the gathered whole."""
+    """Each marker node calls its conversion (an autograd.Function, through :func:`apply_conversion`)
+    instead, and the regathers are tagged (:func:`tag_regathers`)."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.dynashard.tp_conversion.default):
+        node.target, node.args = apply_conversion, (node.args[0], *state.CONVERSIONS[node.args[1]])
+    tag_regathers(gm)
+    private.unpickled_by(gm, ConversionTracer)
+    gm.recompile()
+    return gm
+
+
+def tag_regathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A sequence_parallel colwise input's gather (``_GatherToShards``), and the layout ops after it up to
+    the matmuls that read it, tagged to be recomputed in the backward (Megatron all-gathers it again there):
+    AOTAutograd's partitioner then saves this rank's part, not the gathered whole. Run on a bound graph,
+    after binding and after a compile-cache load (node meta does not survive pickling); a gather inside the
+    user's checkpointed region keeps the region's tags."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    for i, node in enumerate(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.dynashard.tp_conversion.default:
-            function, node.target = state.CONVERSIONS[node.args[1]]
-            node.args = (node.args[0],)
-            if function is _GatherToShards and "recompute" not in node.meta:
-                # the gather and the layout ops after it, up to the matmuls that read it
-                todo = [node]
-                while todo:
-                    n = todo.pop()
-                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                    n.meta["ac_graph_id"] = _REGATHER_GRAPH_ID + i
-                    todo += [u for u in n.users if u.target in _LAYOUT_OPS and "recompute" not in u.meta]
-    gm.recompile()
+    gathers = [n for n in gm.graph.find_nodes(op="call_function", target=apply_conversion)
+               if n.args[1] == _GatherToShards.__name__]
+    for i, node in enumerate(gathers):
+        if "recompute" in node.meta:
+            continue
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = _REGATHER_GRAPH_ID + i
+            todo += [u for u in n.users if u.target in _LAYOUT_OPS and "recompute" not in u.meta]
     return gm
 
 
@@ -312,6 +340,9 @@ class _GatherToShards(torch.autograd.Function):
 
 
 BACKWARD = "the backward of the sharded program"
+# name -> conversion, for apply_conversion (a bound graph's code names each conversion by its class's name)
+_FUNCTIONS = {f.__name__: f for f in (_CopyToShards, _ReduceFromShards, _GatherFromShards, _ReduceScatterToShards,
+                                      _GatherToShards)}
 
 
 def _group_named(name: str) -> dist.ProcessGroup:

@@ -13,9 +13,12 @@ Every rank looks up its own entry (a rank's rewrite is its own: uneven cuts diff
 each entry carries goes through the same agreement as a traced plan's (``WeightStore.agree``), so ranks
 never run different plans, whether each hit, missed or traced.
 
-Not cached (a miss, with the reason at DEBUG): graphs with gradients (their rewrite binds autograd
-Functions made for it), ``per_rank`` inputs or weights, FSDP2 or DTensor inputs, tensor constants,
-a rewrite that added shape guards (they would be lost on a hit), and a graph that does not pickle.
+Training graphs are cached too: their conversions are bound to ``collectives.apply_conversion`` (an
+importable function over plain values), and the regather tags pickling drops are made again on a load
+(``collectives.tag_regathers``). Not cached (a miss, with the reason at DEBUG): ``per_rank`` inputs or
+weights, FSDP2 or DTensor inputs, tensor constants, a rewrite that added shape guards (they would be lost on
+a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), and a graph
+that does not pickle.
 
 Where: ``$DYNASHARD_CACHE_DIR``, else ``dynashard/`` in Inductor's cache directory
 (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``). ``DYNASHARD_CACHE=0`` turns it
@@ -42,7 +45,7 @@ import dynashard
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
 from dynashard.capture.subclass_inputs import INNER
-from dynashard.comm.collectives import group_name
+from dynashard.comm.collectives import group_name, tag_regathers
 from dynashard.layout.split import Split
 from dynashard.options import Options
 from dynashard.training import fsdp
@@ -50,7 +53,18 @@ from dynashard.weights.store import EarlierCuts
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bumped when an entry's layout changes
+FORMAT = 2  # bumped when an entry's layout changes
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainability:
+    """What ``dynamo_backend.check_trainable`` reads of the analysis, kept so that a hit checks a training
+    graph as a traced one is checked (the rest it reads: the inputs and the compiler, in the key)."""
+
+    sparse: tuple[str, ...]  # sharded embeddings with sparse=True
+    per_rank: bool  # inputs="per_rank" over unstacked weights: every trained parameter must be averaged
+    why: str | None  # the plan's layouts whose backward is not built, or None
+    random: str | None  # a random op on a sharded value ("<op> (<node>)"), or None
 
 
 @dataclasses.dataclass
@@ -64,6 +78,7 @@ class Planned:
     fingerprint: str  # the plan's, agreed across ranks
     stacked: bool  # weights="per_rank"
     summary: str  # the plan in a line, for the compile's log line
+    trainable: Trainability | None = None  # a training graph's (None without gradients)
 
 
 @dataclasses.dataclass
@@ -86,11 +101,9 @@ def directory() -> Path:
 def key_material(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any], opts: Options,
                  group: dist.ProcessGroup, world: int, rank: int, earlier: EarlierCuts, train: bool,
                  ) -> tuple[str | None, str]:
-    """(The text the entry's key is made from, or None; why not, when None). Not cached: training graphs
-    (their rewrite binds autograd Functions made for it), per_rank inputs or weights, FSDP2 or DTensor inputs,
-    tensor constants (their values are not in the key)."""
-    if train:
-        return None, "a training graph"
+    """(The text the entry's key is made from, or None; why not, when None). Not cached: per_rank inputs or
+    weights, FSDP2 or DTensor inputs, tensor constants (their values are not in the key). ``train`` is in the
+    key through the grad state and the inputs' ``requires_grad``."""
     if opts.weights == "per_rank" or opts.inputs == "per_rank":
         return None, "per_rank inputs or weights"
     if fsdp.live_slots(example_inputs):
@@ -162,6 +175,8 @@ def load(material: str) -> tuple[Planned, torch.fx.GraphModule] | None:
             log.debug("dynashard: compile cache entry %s was made for another graph: not used", path)
             return None
         graph = pickle.loads(entry.graph)
+        if graph is not None:
+            tag_regathers(graph)
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 - a damaged or foreign entry is a miss, never an error
@@ -183,6 +198,8 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
         back = pickle.loads(pickle.loads(data).graph)  # (a graph that pickles but does not load back: not stored)
     except Exception as e:  # noqa: BLE001
         return None, f"the rewritten graph does not pickle ({type(e).__name__}: {e})"
+    if back is not None and _tags(tag_regathers(back)) != _tags(graph):
+        return None, "the model's activation-checkpoint tags (node meta, which a pickled graph loses)"
     path = _path(material)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +209,12 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     except OSError as e:
         return None, f"the cache directory is not writable ({e})"
     return back, None
+
+
+def _tags(gm: torch.fx.GraphModule) -> list[tuple[int, Any, Any]]:
+    """Each checkpoint-tagged node's (position, policy, region)."""
+    return [(i, n.meta["recompute"], n.meta.get("ac_graph_id")) for i, n in enumerate(gm.graph.nodes)
+            if "recompute" in n.meta]
 
 
 def shape_facts(fake_args: list[Any]) -> Any:
