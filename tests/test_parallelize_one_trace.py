@@ -105,3 +105,16 @@ def test_a_parallelize_that_fails_before_cutting_leaves_the_model_as_it_was(fake
     x = torch.randn(2, 64)  # its weights whole, with their values
     assert torch.equal(model.down(torch.relu(model.up(x))), torch.relu(x @ model.up.weight.T + model.up.bias)
                        @ model.down.weight.T + model.down.bias)
+
+
+def test_the_programs_dynamo_binds_go_with_the_model(fake_group):
+    """Dynamo binds each compiled graph as a global of the traced frame's function: the parallelized forward's
+    own globals, not dynashard's module namespace, which would keep every model's programs alive."""
+    import dynashard.load.parallelize as module
+
+    model, ids = _llama()
+    with torch.no_grad():
+        dynashard.parallelize(model, ids, options=OPTIONS)
+        model(ids)
+    assert not [k for k in vars(module) if k.startswith("__compiled_fn")]
+    assert [k for k in model.forward.__globals__ if k.startswith("__compiled_fn")]  # (where they are)

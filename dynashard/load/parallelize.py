@@ -188,8 +188,10 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
             inside.on = False
 
     # A code object of its own per model: Dynamo keeps its cache entries, and counts its recompile limit, per
-    # code object (the frame every parallelized model would otherwise share).
-    forward = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, None,
+    # code object (the frame every parallelized model would otherwise share). And globals of its own: Dynamo
+    # binds each compiled graph (its program) as a global of the frame's function, which would keep every
+    # model's programs alive in this module's namespace; in the model's own copy they go with the model.
+    forward = types.FunctionType(forward.__code__.replace(), dict(forward.__globals__), forward.__name__, None,
                                  forward.__closure__)
     functools.update_wrapper(forward, original)
     # (had, what it was): _uninstall_all puts it back; runtime/uncompiled_calls: its plain calls are not eager
