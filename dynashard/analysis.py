@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -133,6 +134,16 @@ def analyse(
 ) -> Analysis:
     """This rank's plan for ``gm``: a function of the graph, the options, the world and ``earlier`` (what
     earlier compiles cut or read whole, ``WeightStore.earlier_cuts``), nothing else."""
+    return analyse_ranks(gm, fake_args, options, world, [rank], earlier)[0]
+
+
+def analyse_ranks(
+    gm: torch.fx.GraphModule, fake_args: list[Any], options: Options, world: int, ranks: Sequence[int],
+    earlier: EarlierCuts,
+) -> list[Analysis]:
+    """:func:`analyse` for each of ``ranks``, from one aten trace and one match (``explain(verify=True)``
+    simulates every rank): they depend on the graph alone, and planning reads the aten graph without
+    changing it, so the ranks' plans share it."""
     inline_regions(gm)
     aten_gm = private.trace_aten(gm, fake_args)
     progress.stage("planning")
@@ -167,8 +178,9 @@ def analyse(
     presplit = {aten_phs[i]: dim for i, dim in earlier.split.items()}
     # Weights a graph compiled earlier reads whole: cutting them would free what it reads.
     prewhole = {aten_phs[i] for i in earlier.whole}
-    plan = make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform, presplit, prewhole)
-    return Analysis(aten_gm, params, plan, world, rank, stacked, aten_phs, names)
+    return [Analysis(aten_gm, params, make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform,
+                                                presplit, prewhole), world, rank, stacked, aten_phs, names)
+            for rank in ranks]
 
 
 def shard_fakes(sharded: dict[int, tuple[str, int, Split]], fake_args: list[Any], world: int, rank: int,

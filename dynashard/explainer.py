@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dynashard import _torch as private
-from dynashard.analysis import analyse
+from dynashard.analysis import analyse_ranks
 from dynashard.capture import subclass_inputs
 from dynashard.comm.protocol import resolve_group
 from dynashard.errors import UsageError, VerificationError
@@ -104,13 +104,14 @@ def explain(
                 )
             fake_args = private.backend_fakes(gm)
             earlier = STORE.earlier_cuts(example_inputs)
-            analysis = analyse(gm, fake_args, opts, world, rank, earlier)
+            # (with verify, every rank's plan from one trace of the graph: analysis.analyse_ranks)
+            analyses = analyse_ranks(gm, fake_args, opts, world, range(world) if verify else [rank], earlier)
+            analysis = analyses[rank] if verify else analyses[0]
             seen.update(id(example_inputs[i]) for i in analysis.params)
             if flat is not None:  # (a subclass parameter is read through its inner tensors)
                 seen.update(id(dynamo_inputs[flat.origin[i]]) for i in analysis.params)
             report = GraphReport.build(analysis, example_inputs)
             if verify and world > 1:
-                analyses = [analyse(gm, fake_args, opts, world, r, earlier) for r in range(world)]
                 report = report.with_errors(*simulate.verify(analyses, example_inputs, train=train))
             graphs.append(report)
             return dynamo_gm.forward
