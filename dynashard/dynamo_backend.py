@@ -114,7 +114,12 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         progress.stage("tracing the graph to aten ops")
         facts = compile_cache.shape_facts(fake_args)
         analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank, earlier)
-        planned = _planned(analysis, fake_args, train) if analysis is not None else None
+        planned = None
+        if analysis is not None:
+            try:
+                planned = _planned(analysis, fake_args, train)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
+                analysis, error = None, wrap(e, "planning")
     planned_at = time.perf_counter()
     sharded = planned.sharded if planned else {}
     _refuse_fsdp_managed(gm, sharded, example_inputs)
