@@ -110,14 +110,17 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
         inline_regions(gm)  # (the graph compiled whole below is the one a miss compiles)
         log.debug("dynashard: compile cache hit (rank %d): the plan and this rank's rewritten graph read from %s",
                   rank, compile_cache.directory())
+        if planned.table is not None and _logs_plan_table():
+            progress.log_plan_table(*planned.table, rank, world)
     else:
         progress.stage("tracing the graph to aten ops")
         facts = compile_cache.shape_facts(fake_args)
-        analysis, error = _plan(gm, fake_args, example_inputs, opts, world, rank, earlier)
+        analysis, table, error = _plan(gm, fake_args, example_inputs, opts, world, rank, earlier,
+                                       tabled=material is not None)
         planned = None
         if analysis is not None:
             try:
-                planned = _planned(analysis, fake_args, train)
+                planned = _planned(analysis, fake_args, train, table)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement below
                 analysis, error = None, wrap(e, "planning")
     planned_at = time.perf_counter()
@@ -237,14 +240,15 @@ def _in_parallelize_run() -> bool:
     return getattr(state.PARALLELIZING, "active", False)
 
 
-def _planned(analysis: Analysis, fake_args: list[Any], train: bool) -> compile_cache.Planned:
+def _planned(analysis: Analysis, fake_args: list[Any], train: bool, table: tuple[str, str] | None
+             ) -> compile_cache.Planned:
     """What the compile needs of ``analysis`` after planning (and what the compile cache keeps of it)."""
     return compile_cache.Planned(
         params={i: fqn for i, (fqn, _) in analysis.params.items()}, sharded=analysis.sharded_inputs(),
         held=analysis.held_outputs(), fingerprint=analysis.plan.fingerprint(
             [str(getattr(a, "shape", a)) for a in fake_args]),
         stacked=analysis.stacked, summary=plan_summary(analysis.plan),
-        trainable=trainability(analysis) if train else None)
+        trainable=trainability(analysis) if train else None, table=table)
 
 
 def _store(material: str, planned: compile_cache.Planned, graph: torch.fx.GraphModule | None,
@@ -416,18 +420,25 @@ def _untrainable_partial(lm: Any) -> str | None:
 
 
 def _plan(
-    gm, fake_args, example_inputs, opts: Options, world: int, rank: int, earlier: EarlierCuts
-) -> tuple[Analysis | None, Exception | None]:
-    """This rank's analysis, or the error it raised (to be shared with every rank)."""
+    gm, fake_args, example_inputs, opts: Options, world: int, rank: int, earlier: EarlierCuts, tabled: bool = False,
+) -> tuple[Analysis | None, tuple[str, str] | None, Exception | None]:
+    """This rank's analysis and its plan table (made when logged, or ``tabled``: for the compile cache), or the
+    error it raised (to be shared with every rank)."""
     try:
-        analysis = analyse(gm, fake_args, opts, world, rank, earlier)
-        if log.isEnabledFor(logging.DEBUG) or (log.isEnabledFor(logging.INFO) and progress.speaks()):
-            progress.log_plan_table(GraphReport.build(analysis, example_inputs), rank, world)
+        analysis, table = analyse(gm, fake_args, opts, world, rank, earlier), None
+        if tabled or _logs_plan_table():
+            table = progress.plan_table(GraphReport.build(analysis, example_inputs), rank, world)
+        if _logs_plan_table():
+            progress.log_plan_table(*table, rank, world)
             log.debug("dynashard aten graph before the rewrite (rank %d):\n%s", rank, analysis.aten.code)
         _check_weights(analysis, example_inputs, analysis.sharded_inputs())
-        return analysis, None
+        return analysis, table, None
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by the agreement
-        return None, wrap(e, "planning")
+        return None, None, wrap(e, "planning")
+
+
+def _logs_plan_table() -> bool:
+    return log.isEnabledFor(logging.DEBUG) or (log.isEnabledFor(logging.INFO) and progress.speaks())
 
 
 def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[int, Any]) -> None:

@@ -72,6 +72,25 @@ def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache
 
 
 @pytest.mark.unit
+def test_a_hit_logs_the_plan_table_as_a_miss_does(fake_group, cache_on, plans, caplog, monkeypatch):
+    """TORCH_LOGS=dynashard on a warm start shows the plan table (rank 0, once per plan in the process), read from
+    the entry, as the cold start showed it."""
+    from dynashard.report import progress
+
+    torch.manual_seed(0)
+    model = models.LlamaDecoder()
+    tables = []
+    for _start in range(2):
+        monkeypatch.setattr(progress, "_SEEN_PLANS", set())  # (a new process has logged no plan yet)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="dynashard"):
+            _compile_fresh(model)
+        tables.append([r.getMessage() for r in caplog.records if r.getMessage().startswith("dynashard plan (rank 0")])
+    assert plans.count == 1 and "dynashard cache: hit" in caplog.text, (plans.count, caplog.text)
+    assert len(tables[0]) == 1 and tables[1] == tables[0], tables
+
+
+@pytest.mark.unit
 def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, plans, monkeypatch):
     """Each thing the plan depends on, changed alone, misses: options, dtype, shapes, gradients, dynashard's code."""
     torch.manual_seed(0)

@@ -53,17 +53,21 @@ def level() -> int:
     return logging.INFO if speaks() else logging.DEBUG
 
 
-def log_plan_table(report: GraphReport, rank: int, world: int) -> None:
-    """The plan table: INFO on rank 0 the first time this plan appears in the process, else DEBUG. A plan
-    is its rows less the bytes per call, which follow the batch (a decode step's graph, same plan)."""
+def plan_table(report: GraphReport, rank: int, world: int) -> tuple[str, str]:
+    """(the plan's digest, its table): a plan is its rows less the bytes per call, which follow the batch (a
+    decode step's graph, same plan)."""
     rows = [dataclasses.replace(r, comm_bytes=0) for r in report.rows + report.caches]
-    digest = hashlib.sha256(repr((rank, world, rows)).encode()).hexdigest()
+    return hashlib.sha256(repr((rank, world, rows)).encode()).hexdigest(), format_table([report])
+
+
+def log_plan_table(digest: str, table: str, rank: int, world: int) -> None:
+    """The plan table: INFO on rank 0 the first time this plan appears in the process, else DEBUG."""
     first = speaks() and digest not in _SEEN_PLANS
     if first:
         _SEEN_PLANS.add(digest)
     at = logging.INFO if first else logging.DEBUG
     if log.isEnabledFor(at):
-        log.log(at, "dynashard plan (rank %d of %d):\n%s", rank, world, format_table([report]))
+        log.log(at, "dynashard plan (rank %d of %d):\n%s", rank, world, table)
 
 
 def _seconds(name: str, default: float) -> float | None:

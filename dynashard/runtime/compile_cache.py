@@ -53,7 +53,7 @@ from dynashard.weights.store import EarlierCuts
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bumped when an entry's layout changes
+FORMAT = 3  # bumped when an entry's layout changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,7 @@ class Planned:
     stacked: bool  # weights="per_rank"
     summary: str  # the plan in a line, for the compile's log line
     trainable: Trainability | None = None  # a training graph's (None without gradients)
+    table: tuple[str, str] | None = None  # (digest, text) of the plan table, logged on a hit as on a miss
 
 
 @dataclasses.dataclass
