@@ -14,7 +14,8 @@ from torch._dynamo.utils import counters
 
 import dynashard
 from dynashard import _torch as private
-from dynashard.load.parallelize import FACADES
+from dynashard.load.parallelize import FACADES, facades
+from dynashard.weights.store import STORE
 from tests import models
 
 pytestmark = pytest.mark.unit
@@ -76,9 +77,13 @@ def test_other_options_trace_again_and_plan_the_same_cuts(fake_group, plans, com
     model, ids = _llama()
     with torch.no_grad():
         dynashard.parallelize(model, ids, options=OPTIONS)
+        registered = {name: (id(p), p.shape) for name, p in model.named_parameters()}
         torch.compile(model, backend="dynashard", options={**OPTIONS, "compiler": "eager"})(ids)
     assert plans.count == 2, plans.count
     assert compiles == [("eager", False)], compiles
+    # the second plan read the registered shards: the same parameters, at the same shapes, some of them cut
+    assert {name: (id(p), p.shape) for name, p in model.named_parameters()} == registered
+    assert any(STORE.is_sharded(f) for m in model.modules() for f in facades(m).values())
 
 
 class _Fails(nn.Module):
