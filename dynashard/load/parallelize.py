@@ -443,10 +443,11 @@ def _swapped_class(cls: type) -> type:
     def __reduce_ex__(self, protocol):
         raise UsageError(
             f"dynashard: cannot copy this model or pickle it (copy.deepcopy, torch.save(model); a {cls.__name__} of it "
-            "holds shards): dynashard.parallelize registered this rank's shards as its parameters. Expected a copy "
-            "made before "
-            "parallelize; to save, dcp.save(model.state_dict(), checkpoint_id=path) for the shards (loadable at any "
-            "world size), or dynashard.export_safetensors(model, path) for the whole weights.")
+            + ("holds shards): dynashard.parallelize registered this rank's shards as its parameters" if facades(self)
+               else "was parallelized: its parameters are what this model's compiled forward reads") +
+            ". Expected a copy made before parallelize; to save, dcp.save(model.state_dict(), checkpoint_id=path) for "
+            "the shards (loadable at any world size), or dynashard.export_safetensors(model, path) for the whole "
+            "weights.")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # (its own __setattr__, so FSDP2's fully_shard assigns parameters through it, not into _parameters
