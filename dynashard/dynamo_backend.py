@@ -27,7 +27,7 @@ from dynashard import _torch as private
 from dynashard import state
 from dynashard.analysis import Analysis, analyse, inline_regions, shard_fakes
 from dynashard.capture import subclass_inputs
-from dynashard.comm.collectives import BACKWARD, group_name, reduce_scatter_is_slow
+from dynashard.comm.collectives import BACKWARD, apply_conversion, group_name, reduce_scatter_is_slow
 from dynashard.comm.protocol import COMPILE, agreed, peer_failure, resolve_group, wrap
 from dynashard.errors import NotSupportedError, UsageError
 from dynashard.options import Options, parse_options, with_mode
@@ -223,11 +223,22 @@ def _compile(compiler: str, graph: torch.fx.GraphModule, inputs: list[Any], mode
     and compiles it at its first call after (``group``: where that compile is agreed on; None: a world of
     one)."""
     def compile() -> Callable[..., Any]:
-        return private.compile_graph(compiler, graph, inputs, mode, on_backward_error=on_backward_error)
+        return private.compile_graph(compiler, graph, inputs, mode, on_backward_error=on_backward_error,
+                                     cacheable=_cacheable_functions(graph))
 
     if compiler == "eager" or not _in_parallelize_run():
         return compile()
     return CompiledOnFirstCall(graph.forward, compile, group, compiler, active=_in_parallelize_run)
+
+
+def _cacheable_functions(graph: torch.fx.GraphModule) -> dict[str, str]:
+    """The functions of dynashard ``graph`` calls, each with what AOTAutograd's cache keys it by: a training
+    graph calls ``collectives.apply_conversion`` (Megatron's conversions, traced through by AOTAutograd),
+    which its cache refuses as an unknown function unless named; named with the digest of dynashard's
+    source, an entry is never read by other code."""
+    if not graph.graph.find_nodes(op="call_function", target=apply_conversion):
+        return {}
+    return {f"{apply_conversion.__module__}.{apply_conversion.__name__}": compile_cache.code_digest()}
 
 
 def _compiling(which: str, compiler: str) -> str:

@@ -211,6 +211,53 @@ def test_inductor_caches_the_sharded_graph_under_dynamic_shapes(monkeypatch, tmp
     # (AOTAutograd hit, bypassed, FX graph hit) per compile
     assert counts == [[0, 0, 0], [1, 0, 1]], counts
 
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_training_graph_is_cached_by_aotautograd(monkeypatch, tmp_path, guarded):
+    """A training compile under Inductor, twice (torch._dynamo.reset() between, a fresh cache directory), each
+    with its backward run (AOTAutograd saves an entry once the backward is compiled): the first saves an
+    AOTAutograd cache entry, the second hits it. A training graph calls dynashard's conversions
+    (``collectives.apply_conversion``: Megatron's f and g), which AOTAutograd's cache refused as an unknown
+    function ("Unsupported call_function target"): every warm restart of training traced and partitioned its
+    joint graph again (15 of 36 s of an 8-layer Llama's first step, ``bench_start.py --train``). ``guarded``:
+    the backward wrapped to name dead peers, as on real ranks (a fake group has none), which AOTAutograd did
+    not save (no FX graph cache key on the wrapper)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    if guarded:
+        from dynashard import dynamo_backend
+
+        compile_ = dynamo_backend._compile
+
+        def with_handler(compiler, graph, inputs, mode, group, on_backward_error=None):
+            return compile_(compiler, graph, inputs, mode, group, on_backward_error=on_backward_error or print)
+
+        monkeypatch.setattr(dynamo_backend, "_compile", with_handler)
+
+    def cache(what: str) -> int:  # (looked up each time: Dynamo may replace its counters' dicts)
+        return torch._dynamo.utils.counters["aot_autograd"][f"autograd_cache_{what}"]
+
+    names = ("bypass", "saved", "hit")
+    counts, grads = [], []
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            before = [cache(n) for n in names]
+            torch.manual_seed(0)
+            model, x = models.MLP(32, 96), torch.randn(4, 32, requires_grad=True)
+            torch._dynamo.reset()
+            private.init_fake_process_group(2, 0)
+            try:
+                out = torch.compile(model, backend=dynashard.backend(min_shard_numel=0, compiler="inductor"))(x)
+                out.pow(2).sum().backward()
+            finally:
+                dist.destroy_process_group()
+            assert model.up.weight.untyped_storage().nbytes() == 0  # cut: the sharded training graph is the one
+            grads.append(x.grad)
+            counts.append([cache(n) - b for n, b in zip(names, before)])
+    # (bypassed, saved, hit) per compile
+    assert counts == [[0, 1, 0], [0, 0, 1]], counts
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)  # (the graph read back computes the same)
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -235,7 +235,8 @@ def real_tensors():
 # Compiling a rewritten graph: AOTAutograd, Inductor, and what Dynamo does around a backend.
 
 def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str = "default",
-                  on_backward_error: Callable[[BaseException], None] | None = None) -> Callable[..., Any]:
+                  on_backward_error: Callable[[BaseException], None] | None = None,
+                  cacheable: Mapping[str, str] | None = None) -> Callable[..., Any]:
     """Hand a (rewritten) graph to the chosen compiler; fake example inputs are fine for both AOT paths.
 
     ``mode`` (Inductor only): torch.compile's mode, applied as ``torch.compile(mode=...)`` applies it.
@@ -249,7 +250,17 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
     Inductor's ``inner_compile`` (called with ``is_backward=True`` for it, torch 2.13
     ``compile_fx_backward``); each compiled backward is called boxed (``_boxed_call``, a list of
     arguments), which the wrapper keeps. A wrapped backward is not an ``OutputCode``, so AOTAutograd's
-    cache skips that graph."""
+    cache skips that graph.
+
+    ``cacheable``: the non-torch functions ``gm`` calls ("module.name") that AOTAutograd's cache may key by
+    the value given (a digest of their source), instead of refusing the graph.
+    NOTE: torch 2.13's ``AOTAutogradCache`` bypasses a graph with a ``call_function`` of any function it does
+    not know ("Unsupported call_function target"; measured: every training graph, whose conversions are
+    ``apply_conversion`` calls, so a warm restart traced and partitioned its joint graph again); it allows
+    the names in ``torch._inductor.config.unsafe_marked_cacheable_functions``, whose values are part of
+    the FX graph hash (the inductor config). Patched for this compile only. A backward loaded from the cache
+    is AOTAutograd's own callable: ``on_backward_error`` does not reach it (the error propagates as torch
+    raised it)."""
     if compiler == "eager":
         return gm.forward
     # NOTE: make_fx(tracing_mode="symbolic") leaves the ShapeEnv on the graph it returns (``gm.shape_env``),
@@ -269,6 +280,11 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches = {} if mode == "default" else dict(list_mode_options(mode))
+    if cacheable:
+        import torch._inductor.config as inductor_config
+
+        patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
+                                                        **cacheable}
     if on_backward_error is None:
         return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -286,6 +302,15 @@ class _GuardedBackward:
         # (an instance attribute: AOTAutograd wraps the backward in torch._dynamo.disable, whose
         # functools.wraps copies the instance's __dict__, not its class's attributes)
         self._boxed_call = True
+        # NOTE: AOTAutograd's cache (torch 2.13 ``_should_save_cache``, ``AOTAutogradCache.make_entry``) saves
+        # an entry only when the backward it holds (``torch._dynamo.disable`` of this object, whose
+        # ``functools.wraps`` copies this __dict__) has the FX graph cache's key, and stores the backward it
+        # reaches by following ``__wrapped__``: the compiled backward itself (a warm start's backward then
+        # runs without this handler)
+        self.__wrapped__ = inner
+        for name in ("_fx_graph_cache_key", "_fx_graph_cache_debug_lines", "_time_taken_ns"):
+            if getattr(inner, name, None) is not None:
+                setattr(self, name, getattr(inner, name))
 
     def __call__(self, args: list[Any]) -> Any:
         try:

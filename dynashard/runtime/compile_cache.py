@@ -109,7 +109,7 @@ def key_material(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args:
         return None, "per_rank inputs or weights"
     if fsdp.live_slots(example_inputs):
         return None, "FSDP2 or DTensor inputs"
-    parts: list[Any] = [FORMAT, _code_digest(), torch.__version__, torch.version.git_version, sys.version_info[:2],
+    parts: list[Any] = [FORMAT, code_digest(), torch.__version__, torch.version.git_version, sys.version_info[:2],
                         repr(dataclasses.replace(opts, group=None)), group_name(group), dist.get_backend(group),
                         world, rank, torch.is_grad_enabled(), _autocast_state(),
                         (sorted(earlier.split.items()), sorted(earlier.whole))]
@@ -146,8 +146,9 @@ def _autocast_state() -> tuple:
     return tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda"))
 
 
-def _code_digest() -> str:
-    """A digest of dynashard's own source: an entry written by other code is never read."""
+def code_digest() -> str:
+    """A digest of dynashard's own source: an entry written by other code is never read (this cache's, and
+    AOTAutograd's for a graph that calls dynashard's conversions: ``dynamo_backend._compile``)."""
     if not _DIGEST:
         root = Path(dynashard.__file__).parent
         h = hashlib.sha256()
