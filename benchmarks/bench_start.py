@@ -1,6 +1,12 @@
 """Launch to first output, cold and warm: HF's TP eager and compiled against dynashard (issue 45, item 6).
 
-Launch: python -m benchmarks.bench_start [--smoke] [--repeats 3] [--systems ...] [--out PATH]
+Launch: python -m benchmarks.bench_start [--smoke] [--train] [--repeats 3] [--systems ...] [--out PATH]
+
+``--train``: each system's first output is its first SGD step instead of its first logits (the loss of
+``model(ids, labels=ids)``, its backward and ``SGD(lr=LR).step()``), and the record says how far that loss
+and the loss after the step are from the unsharded model's (the driver's own step on the checkpoint).
+dynashard's recipe is the same (``parallelize``, then ``torch.compile``), its first call under grad: the
+training compile, whose plan and graph the compile cache keeps too.
 
 The driver writes an 8-layer HF Llama checkpoint once (``save_pretrained``, fp32, hidden 1024 / ffn 2816,
 16 heads and 4 KV heads, vocab 32000, untied head: 153 M parameters, 0.57 GiB) with the unsharded logits
@@ -30,12 +36,14 @@ and for dynashard the ``TORCH_LOGS=dynashard`` summary lines (one per compile: c
 seconds, planning seconds).
 
 Targets (issue 45): ``ds_cold`` at most 0.6x ``hf_compiled``; ``ds_warm`` at most 1.5x ``hf_eager``
-(medians over the repeats). Exits 1 when a system fails or its logits differ by more than ``--tol``.
+(medians over the repeats; the first logits only: ``--train``'s ratios are printed without a target). Exits 1
+when a system fails or its logits (``--train``: losses) differ by more than ``--tol``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -72,6 +80,9 @@ EVENTS = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_c
           "autograd_cache_get", "fx_graph_cache_get", "PyCodeCache.load_by_key_path", "async_compile.wait")
 
 
+LR = 0.1  # the SGD step of --train (large enough that a wrong gradient moves the loss after the step)
+
+
 def config(smoke: bool) -> dict:
     if smoke:
         return dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -88,7 +99,7 @@ def write_checkpoint(cfg: dict, where: str, prompt_len: int) -> None:
     marker = os.path.join(where, "bench_config.json")
     if os.path.exists(marker):
         with open(marker) as f:
-            if json.load(f) == cfg:
+            if json.load(f) == {**cfg, "lr": LR}:
                 return
     os.makedirs(where, exist_ok=True)
     torch.manual_seed(0)
@@ -97,9 +108,17 @@ def write_checkpoint(cfg: dict, where: str, prompt_len: int) -> None:
     ids = torch.randint(0, cfg["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits
-    torch.save({"ids": ids, "logits": logits}, os.path.join(where, "reference.pt"))
+    # (training: the unsharded model's loss, one SGD step, its loss after it)
+    model.train()
+    loss0 = model(ids, labels=ids, use_cache=False).loss
+    loss0.backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    with torch.no_grad():
+        loss1 = model(ids, labels=ids, use_cache=False).loss
+    torch.save({"ids": ids, "logits": logits, "loss0": loss0.detach(), "loss1": loss1},
+               os.path.join(where, "reference.pt"))
     with open(marker, "w") as f:
-        json.dump(cfg, f)
+        json.dump({**cfg, "lr": LR}, f)
 
 
 # ---------------------------------------------------------------- one system, on each torchrun rank
@@ -128,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
     ref = torch.load(os.path.join(args.dir, "reference.pt"))
     ids = ref["ids"]
     system = args.worker.removesuffix("_warm").removesuffix("_cold")
-    with torch.no_grad():
+    with contextlib.nullcontext() if args.train else torch.no_grad():
         if system in ("hf_eager", "hf_compiled"):  # (HF's TP starts the process group itself)
             model = T.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, tp_plan="auto").eval()
             t_loaded = time.time() - t0
@@ -142,7 +161,13 @@ def worker(args: argparse.Namespace) -> None:
             run = torch.compile(model, backend="dynashard")
         else:
             raise SystemExit(f"unknown system {args.worker!r}; expected one of {SYSTEMS}")
-        logits = run(ids, use_cache=False).logits
+        if args.train:  # the first SGD step is the first output
+            model.train()
+            loss0 = run(ids, labels=ids, use_cache=False).loss
+            loss0.backward()
+            torch.optim.SGD(model.parameters(), lr=LR).step()
+        else:
+            logits = run(ids, use_cache=False).logits
     t_first = time.time() - t0
     if profile_to:
         profile.disable()
@@ -150,7 +175,12 @@ def worker(args: argparse.Namespace) -> None:
     from torch._dynamo.utils import compilation_time_metrics  # (Dynamo's own timers, always on)
 
     timers = {k: [len(v), sum(v)] for k, v in compilation_time_metrics.items()}
-    err = float((logits - ref["logits"]).abs().max())
+    if args.train:  # (the loss after the step, its forward outside the timed span)
+        with torch.no_grad():
+            loss1 = run(ids, labels=ids, use_cache=False).loss
+        err = max(abs(float(loss0) - float(ref["loss0"])), abs(float(loss1) - float(ref["loss1"])))
+    else:
+        err = float((logits - ref["logits"]).abs().max())
     per_rank = gather({"rank": dist.get_rank(), "t_torch_s": t_torch, "t_imports_s": t_imports,
                        "t_loaded_s": t_loaded, "t_first_s": t_first, "max_abs_diff": err, "timers": timers})
     if dist.get_rank() == 0:
@@ -174,7 +204,8 @@ def launch(args: argparse.Namespace, system: str, cache: str, profile_to: str | 
     if system.startswith("ds"):
         env["TORCH_LOGS"] = "dynashard"  # (the summary lines: rank 0, a few lines per run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "benchmarks.bench_start", "--worker", system, "--dir", args.dir, "--result", result]
+           "-m", "benchmarks.bench_start", "--worker", system, "--dir", args.dir, "--result", result,
+           *(["--train"] if args.train else [])]
     load_before = os.getloadavg()[0]
     env["BENCH_T0"] = repr(time.time())
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -207,6 +238,8 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--tol", type=float, default=1e-3)
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat")
+    parser.add_argument("--train", action="store_true",
+                        help="time to the first SGD step (loss, backward, step) instead of the first logits")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the profiled ds_warm run after the last repeat")
     parser.add_argument("--out", default=None, help=OUT_HELP)
@@ -253,12 +286,13 @@ def main() -> int:
     results = {s: summarize(rs) for s, rs in runs.items()}
     if args.profile and "ds_warm" in systems:
         results["ds_warm_profiled"] = results_profile
-    targets = check_targets(results)
+    targets = check_targets(results, args.train)
     for line in targets["lines"]:
         print(line)
-    rec = record({"model": config(args.smoke), "prompt": args.prompt, "repeats": args.repeats, "systems": systems,
+    rec = record({"model": config(args.smoke), "prompt": args.prompt, "train": args.train,
+                  "lr": LR if args.train else None, "repeats": args.repeats, "systems": systems,
                   "load_average_1_5_15": loads, "targets": targets}, results, args.nproc, 1)
-    write_json(out_path(args.out, "start", args.smoke), rec)
+    write_json(out_path(args.out, "start_train" if args.train else "start", args.smoke), rec)
     bad = [s for s, rs in runs.items() for r in rs if "failed" in r or r["max_abs_diff"] > args.tol]
     return 1 if bad else 0
 
@@ -312,8 +346,8 @@ def summarize(rs: list[dict]) -> dict:
             "max_abs_diff": max(r["max_abs_diff"] for r in ok), "failures": len(rs) - len(ok), "runs": rs}
 
 
-def check_targets(results: dict) -> dict:
-    """The issue's two ratios, of medians (absent systems: not checked)."""
+def check_targets(results: dict, train: bool = False) -> dict:
+    """The issue's two ratios, of medians (absent systems: not checked; ``train``: no target)."""
     def med(s: str) -> float | None:
         return results.get(s, {}).get("t_first_median_s")
 
@@ -324,6 +358,7 @@ def check_targets(results: dict) -> dict:
         if med(num) is None or med(den) is None:
             continue
         ratio = med(num) / med(den)
+        bound = None if train else bound
         out[name] = {"ratio": ratio, "target": bound, "met": None if bound is None else ratio <= bound}
         verdict = "" if bound is None else f" (target <= {bound}: {'met' if ratio <= bound else 'NOT met'})"
         lines.append(f"{num} / {den}: {med(num):.1f} s / {med(den):.1f} s = {ratio:.2f}x{verdict}")
