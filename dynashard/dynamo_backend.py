@@ -35,6 +35,7 @@ from dynashard.report import progress
 from dynashard.report.table import GraphReport, plan_summary
 from dynashard.rewrite.interpreter import rewrite
 from dynashard.rewrite.lowerings import DropoutOfCut, RowwiseExperts
+from dynashard.rewrite.outline import outline_regions
 from dynashard.runtime import compile_cache, gate, regions
 from dynashard.runtime.program import (
     CallCheck,
@@ -164,6 +165,8 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
             progress.stage("rewriting the graph for this rank")
             sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group),
                                  reduce_scatter_is_slow(group), train=train)
+            if opts.compiler != "eager":  # (eager runs the graph as it is: nothing is compiled per call)
+                sharded_gm = outline_regions(sharded_gm)
             if material is not None and compile_cache.shape_facts(fake_args) == facts:
                 sharded_gm = _store(material, planned, sharded_gm) or sharded_gm
             elif material is not None:

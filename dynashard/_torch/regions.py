@@ -10,35 +10,48 @@ from typing import Any
 import torch
 import torch.fx
 
+# Each node an inlined call copies is tagged with (region identifier, call number) in meta "custom", a
+# field a retrace copies from the node being run to every node it traces for it (torch.fx.proxy.
+# _COPY_META_FIELDS, under fx.traceback.preserve_node_meta): the rewritten graph still says which call
+# each of its nodes came from, and dynashard/rewrite/outline.py puts the regions back.
+REGION = "dynashard_region"
+
 
 def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """Inline every ``invoke_subgraph`` call of ``gm`` (and of its subgraphs) into its caller; returns
-    (calls inlined, distinct regions).
+    """Inline every ``invoke_subgraph`` call of ``gm`` (and of its subgraphs) into its caller, each copied
+    node of a call of ``gm``'s own graph tagged ``meta["custom"][REGION] = (identifier, call number)``;
+    returns (calls inlined, distinct regions).
 
     NOTE: torch 2.13's Dynamo captures a ``torch.compiler.nested_compile_region`` function as one
     subgraph (traced once) and one ``torch.ops.higher_order.invoke_subgraph(subgraph, identifier,
     *operands)`` per call, each layer's parameters among the operands. make_fx keeps the op whole, so a
     plan of the aten graph saw no linear inside it, and AOTAutograd is needed for its backward (run
-    eagerly: "fake_mode should be enabled for HOPs"). torch's own pass (``torch._dynamo.config.
-    inline_invoke_subgraph``, written for compilers that do not take the op) flattens it: Dynamo's
-    trace is still done once per region."""
+    eagerly: "fake_mode should be enabled for HOPs"). These are the steps of torch's own pass
+    (``torch._higher_order_ops.passes.inline_invoke_subgraph``, torch 2.12+), with the tags."""
     invoke = torch.ops.higher_order.invoke_subgraph
     calls = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
              for n in m.graph.find_nodes(op="call_function", target=invoke)]
     if calls:
-        try:  # (torch 2.12+)
-            from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
-        except ImportError:  # torch 2.11 has the op but not the pass: the same steps, below
-            inline_invoke_subgraph = _inline_invoke_subgraph
-        inline_invoke_subgraph(gm)
+        _inline_invoke_subgraph(gm, tag=True)
         gm.recompile()
     return len(calls), len({str(n.args[1]) for n in calls})
 
 
-def _inline_invoke_subgraph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """torch 2.12's ``inline_invoke_subgraph`` for torch 2.11: each ``invoke_subgraph(subgraph, identifier,
-    *operands)`` call replaced by a copy of the subgraph's nodes on its operands, each ``getitem`` of its
-    result by the copied output it names (nested calls inside a subgraph first)."""
+def region_of(node: torch.fx.Node) -> tuple[str, int] | None:
+    """(region identifier, call number) of a node an inlined call made, or a node traced for one; else None."""
+    tag = (node.meta.get("custom") or {}).get(REGION)
+    return None if tag is None else (str(tag[0]), int(tag[1]))
+
+
+def tagged(gm: torch.fx.GraphModule) -> bool:
+    """Whether any node of ``gm`` came from an inlined call."""
+    return any(region_of(n) is not None for n in gm.graph.nodes)
+
+
+def _inline_invoke_subgraph(gm: torch.fx.GraphModule, tag: bool = False) -> torch.fx.GraphModule:
+    """Each ``invoke_subgraph(subgraph, identifier, *operands)`` call replaced by a copy of the subgraph's nodes
+    on its operands, each ``getitem`` of its result by the copied output it names (nested calls inside a
+    subgraph first, untagged: their nodes are their outer call's)."""
     invoke = torch.ops.higher_order.invoke_subgraph
     nodes = list(gm.graph.find_nodes(op="call_function", target=invoke))
     if not nodes:
@@ -46,14 +59,22 @@ def _inline_invoke_subgraph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for name, module in gm.named_modules():
         if name and isinstance(module, torch.fx.GraphModule):
             _inline_invoke_subgraph(module)
+    numbers: dict[str, int] = {}
     for node in nodes:
-        get_attr, operands = node.args[0], node.args[2:]
+        get_attr, identifier, operands = node.args[0], str(node.args[1]), node.args[2:]
+        number = numbers[identifier] = numbers.get(identifier, -1) + 1
         subgraph = getattr(gm, str(get_attr.target))
+        renamed = _hoist_submodules(gm, subgraph)
         env: dict[torch.fx.Node, Any] = dict(zip(subgraph.graph.find_nodes(op="placeholder"), operands))
         with gm.graph.inserting_before(node):
             for sub in subgraph.graph.nodes:
-                if sub.op not in ("placeholder", "output"):
-                    env[sub] = gm.graph.node_copy(sub, env.__getitem__)
+                if sub.op in ("placeholder", "output"):
+                    continue
+                copied = env[sub] = gm.graph.node_copy(sub, env.__getitem__)
+                if sub.op == "get_attr" and sub.target in renamed:
+                    copied.target = renamed[sub.target]
+                if tag:  # (node_copy copies meta shallowly: a dict of its own per node)
+                    copied.meta["custom"] = {**(sub.meta.get("custom") or {}), REGION: (identifier, number)}
         outputs = subgraph.graph.output_node().args[0]
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:
@@ -63,6 +84,58 @@ def _inline_invoke_subgraph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if not get_attr.users:
             gm.graph.erase_node(get_attr)
     return gm
+
+
+def _hoist_submodules(gm: torch.fx.GraphModule, subgraph: torch.fx.GraphModule) -> dict[str, str]:
+    """The subgraph's own submodules (a nested region's body, a checkpoint's) registered on ``gm``: old name ->
+    name on ``gm``, for the ``get_attr`` nodes copied from it."""
+    renamed: dict[str, str] = {}
+    for name, child in list(subgraph.named_children()):
+        new, n = name, 0
+        while hasattr(gm, new):
+            new, n = f"{name}_{n}", n + 1
+        gm.add_module(new, child)
+        renamed[name] = new
+    return renamed
+
+
+def add_subgraph(gm: torch.fx.GraphModule, name: str, graph: torch.fx.Graph) -> str:
+    """``graph`` registered on ``gm`` as a submodule for ``invoke_subgraph`` (a free name from ``name``)."""
+    new, n = name, 0
+    while hasattr(gm, new):
+        new, n = f"{name}_{n}", n + 1
+    gm.add_submodule(new, torch.fx.GraphModule(torch.nn.Module(), graph))
+    return new
+
+
+def call_subgraph(graph: torch.fx.Graph, subgraph: str, identifier: str, operands: list[torch.fx.Node],
+                  outputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """At the graph's insert point: ``invoke_subgraph(subgraph, identifier, *operands)`` and a ``getitem`` of each
+    of its results (``outputs``: the values they stand for, whose meta they take).
+
+    NOTE: torch 2.13's AOTAutograd and Inductor trace a subgraph once per identifier (``InvokeSubgraphCache``)
+    and reuse it for every call naming it: a call with the same identifier must be the same subgraph."""
+    invoke = graph.call_function(torch.ops.higher_order.invoke_subgraph,
+                                 (graph.get_attr(subgraph), identifier, *operands))
+    invoke.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    results = []
+    for i, output in enumerate(outputs):
+        result = graph.call_function(operator.getitem, (invoke, i))
+        result.meta = {k: v for k, v in output.meta.items() if k != "custom"}
+        results.append(result)
+    return results
+
+
+def forget_grad_state(output: torch.fx.Node) -> None:
+    """A subgraph's output made to say nothing of whether it requires grad: the autograd of ``invoke_subgraph``
+    then runs the subgraph on fakes to see.
+
+    NOTE: torch 2.13's ``invoke_subgraph`` autograd reads each output's ``meta["val"].requires_grad`` (made for
+    Dynamo's graphs), and a make_fx graph's values (traced below autograd) never require grad: every output
+    was taken for one without a gradient, and AOTAutograd's joint trace failed ("outs_to_grad length (1) !=
+    tangents length (0)"). Without ``val`` it falls back to running the subgraph (``_get_output_metadata_by_
+    execution``, on fake tensors here)."""
+    output.meta.pop("val", None)
 
 
 def dynamo_compile_id() -> tuple[int, int] | None:

@@ -35,6 +35,7 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
+from dynashard._torch import regions as private_regions
 from dynashard.capture.aliases import alias_roots, aliases_input, mutated_roots
 from dynashard.comm import collectives
 from dynashard.errors import InternalError, UsageError
@@ -315,5 +316,6 @@ def rewrite(
     """
     sharder = Sharder(gm, plan, group_name, a2a_reduce=a2a_reduce, train=train)
     with collectives.TracedConversions():  # (released once bound: the graph then holds each conversion)
-        traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args, keep_tags=private.recomputes(gm))
+        traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args,
+                                    keep_tags=private.recomputes(gm) or private_regions.tagged(gm))
         return collectives.bind_conversions(traced) if train else traced
