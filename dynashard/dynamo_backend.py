@@ -165,12 +165,12 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
             progress.stage("rewriting the graph for this rank")
             sharded_gm = rewrite(analysis.aten, analysis.plan, new_fakes, group_name(group),
                                  reduce_scatter_is_slow(group), train=train)
-            if opts.compiler != "eager":  # (eager runs the graph as it is: nothing is compiled per call)
-                sharded_gm = outline_regions(sharded_gm)
             if material is not None and compile_cache.shape_facts(fake_args) == facts:
                 sharded_gm = _store(material, planned, sharded_gm) or sharded_gm
             elif material is not None:
                 log.debug("dynashard: compile cache: not stored (tracing added shape guards, which a hit would lose)")
+        if opts.compiler != "eager":  # (eager runs the graph as it is: nothing is compiled per call)
+            sharded_gm = outline_regions(sharded_gm, new_fakes)
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         # Each input slot keeps what Dynamo said of its value: a parameter's slot, now holding its shard

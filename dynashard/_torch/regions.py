@@ -43,6 +43,22 @@ def region_of(node: torch.fx.Node) -> tuple[str, int] | None:
     return None if tag is None else (str(tag[0]), int(tag[1]))
 
 
+def region_tags(gm: torch.fx.GraphModule) -> tuple[tuple[int, str, int], ...]:
+    """(node position, region identifier, call number) of each tagged node of ``gm``."""
+    return tuple((i, *tag) for i, n in enumerate(gm.graph.nodes) if (tag := region_of(n)) is not None)
+
+
+def retag(gm: torch.fx.GraphModule, tags: tuple[tuple[int, str, int], ...]) -> bool:
+    """``region_tags`` put back on ``gm`` (a graph read back from a pickle, whose node meta is lost); False, and
+    nothing tagged, where a position is not a computing node of ``gm``."""
+    nodes = list(gm.graph.nodes)
+    if any(i >= len(nodes) or nodes[i].op != "call_function" for i, _, _ in tags):
+        return False
+    for i, identifier, number in tags:
+        nodes[i].meta["custom"] = {**(nodes[i].meta.get("custom") or {}), REGION: (identifier, number)}
+    return True
+
+
 def tagged(gm: torch.fx.GraphModule) -> bool:
     """Whether any node of ``gm`` came from an inlined call."""
     return any(region_of(n) is not None for n in gm.graph.nodes)
@@ -124,6 +140,28 @@ def call_subgraph(graph: torch.fx.Graph, subgraph: str, identifier: str, operand
         result.meta = {k: v for k, v in output.meta.items() if k != "custom"}
         results.append(result)
     return results
+
+
+def subgraph_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The subgraph an ``invoke_subgraph`` node of ``gm`` calls; None for any other node."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph:
+        return None
+    return getattr(gm, str(node.args[0].target))
+
+
+def propagate_vals(gm: torch.fx.GraphModule, fake_args: list[Any]) -> None:
+    """Each node's ``meta["val"]`` made again by running ``gm`` on ``fake_args`` (a graph read back from a pickle
+    has none; its tensor constants are real tensors, which the fake mode then takes as they are)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from dynashard._torch import fake_mode_of
+
+    mode = fake_mode_of(fake_args)
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # (the graph's real constants)
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+    finally:
+        mode.allow_non_fake_inputs = allowed
 
 
 def forget_grad_state(output: torch.fx.Node) -> None:

@@ -70,13 +70,16 @@ class Call:
         return [ops, [_describe(n.meta.get("val")) for n in self.operands]]
 
 
-def outline_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` with each region whose calls are alike outlined (in place); the others left flat, said at DEBUG."""
+def outline_regions(gm: torch.fx.GraphModule, fake_args: list[Any]) -> torch.fx.GraphModule:
+    """``gm`` with each region whose calls are alike outlined (in place); the others left flat, said at DEBUG.
+    ``fake_args``: ``gm``'s inputs, to describe its values again where it has lost them (read from the cache)."""
     regions: dict[str, dict[int, list[torch.fx.Node]]] = {}
     for node in gm.graph.nodes:
         tag = private_regions.region_of(node)
         if tag is not None and node.op == "call_function":
             regions.setdefault(tag[0], {}).setdefault(tag[1], []).append(node)
+    if regions and any("val" not in n.meta for n in gm.graph.nodes if n.op != "output"):
+        private_regions.propagate_vals(gm, fake_args)
     outlined = []
     for identifier, by_number in regions.items():
         calls = [Call.of(number, nodes) for number, nodes in sorted(by_number.items())]
