@@ -146,7 +146,7 @@ def analyse_ranks(
     simulates every rank): they depend on the graph alone, and planning reads the aten graph without
     changing it, so the ranks' plans share it."""
     if inline_regions(gm):  # (run node by node, so that each aten node inherits its call's tag)
-        aten_gm = private.trace_aten(torch.fx.Interpreter(gm).run, fake_args, keep_tags=True)
+        aten_gm = private.trace_aten(private_regions.TaggingInterpreter(gm).run, fake_args)
     else:
         aten_gm = private.trace_aten(gm, fake_args)
     progress.stage("planning")

@@ -212,8 +212,7 @@ def as_node(node: torch.fx.Node) -> contextlib.AbstractContextManager:
     """Inside :func:`keeping_tags`: what is traced now inherits ``node``'s tags."""
     import torch.fx.traceback as fx_traceback
 
-    tagged = "recompute" in node.meta or "custom" in node.meta  # (custom: the region tags, _torch/regions.py)
-    return fx_traceback.set_current_meta(node) if tagged else contextlib.nullcontext()
+    return fx_traceback.set_current_meta(node) if "recompute" in node.meta else contextlib.nullcontext()
 
 
 def is_fake(x: Any) -> bool:

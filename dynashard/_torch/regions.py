@@ -4,17 +4,51 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
-# Each node an inlined call copies is tagged with (region identifier, call number) in meta "custom", a
-# field a retrace copies from the node being run to every node it traces for it (torch.fx.proxy.
-# _COPY_META_FIELDS, under fx.traceback.preserve_node_meta): the rewritten graph still says which call
-# each of its nodes came from, and dynashard/rewrite/outline.py puts the regions back.
+# Each node an inlined call copies is tagged with (region identifier, call number) in meta "custom", and each
+# retrace (the aten trace, the rewrite) tags what it traces for a tagged node alike (:func:`tagging`): the
+# rewritten graph still says which call each of its nodes came from, and dynashard/rewrite/outline.py puts the
+# regions back.
 REGION = "dynashard_region"
+
+
+@contextlib.contextmanager
+def tagging(node: torch.fx.Node) -> Iterator[None]:
+    """Inside a make_fx trace: every node traced within gets ``node``'s region tag (none: nothing done).
+
+    NOTE: make_fx appends each traced node to its tracer's graph (``ProxyTorchDispatchMode.tracer.graph``), so
+    the nodes after the graph's last one on entry are this node's. fx.traceback.preserve_node_meta would carry
+    the tag too (``custom`` is among torch.fx.proxy._COPY_META_FIELDS), but it copies every field and a
+    provenance record per traced node: measured 2 s more of tracing for 32 layers."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    tag = (node.meta.get("custom") or {}).get(REGION)
+    mode = get_proxy_mode() if tag is not None else None
+    if mode is None:
+        yield
+        return
+    nodes = mode.tracer.graph.nodes
+    last = next(iter(reversed(nodes)), None)
+    yield
+    for new in reversed(nodes):
+        if new is last:
+            break
+        new.meta["custom"] = {**(new.meta.get("custom") or {}), REGION: tag}
+
+
+class TaggingInterpreter(torch.fx.Interpreter):
+    """A graph run node by node (under make_fx: the aten trace of an inlined graph), with :func:`tagging`."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with tagging(n):
+            return super().run_node(n)
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
@@ -57,11 +91,6 @@ def retag(gm: torch.fx.GraphModule, tags: tuple[tuple[int, str, int], ...]) -> b
     for i, identifier, number in tags:
         nodes[i].meta["custom"] = {**(nodes[i].meta.get("custom") or {}), REGION: (identifier, number)}
     return True
-
-
-def tagged(gm: torch.fx.GraphModule) -> bool:
-    """Whether any node of ``gm`` came from an inlined call."""
-    return any(region_of(n) is not None for n in gm.graph.nodes)
 
 
 def _inline_invoke_subgraph(gm: torch.fx.GraphModule, tag: bool = False) -> torch.fx.GraphModule:

@@ -194,7 +194,9 @@ class Sharder(torch.fx.Interpreter):
         if node.op in ("placeholder", "get_attr"):
             value = super().run_node(node)
         else:
-            with private.as_node(node):  # (what is emitted for a node a checkpoint recomputes is recomputed too)
+            # (what is emitted for a node a checkpoint recomputes is recomputed too; for a node of a nested
+            # region's call, is that call's: rewrite/outline.py)
+            with private.as_node(node), private_regions.tagging(node):
                 value = self._run(node)
         if self._observe is not None:
             self._observe(node, value)
@@ -316,6 +318,5 @@ def rewrite(
     """
     sharder = Sharder(gm, plan, group_name, a2a_reduce=a2a_reduce, train=train)
     with collectives.TracedConversions():  # (released once bound: the graph then holds each conversion)
-        traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args,
-                                    keep_tags=private.recomputes(gm) or private_regions.tagged(gm))
+        traced = private.trace_aten(lambda *args: sharder.run(*args), fake_args, keep_tags=private.recomputes(gm))
         return collectives.bind_conversions(traced) if train else traced

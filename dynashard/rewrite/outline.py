@@ -78,7 +78,9 @@ def outline_regions(gm: torch.fx.GraphModule, fake_args: list[Any]) -> torch.fx.
         tag = private_regions.region_of(node)
         if tag is not None and node.op == "call_function":
             regions.setdefault(tag[0], {}).setdefault(tag[1], []).append(node)
-    if regions and any("val" not in n.meta for n in gm.graph.nodes if n.op != "output"):
+    needed = {n for by_number in regions.values() for nodes in by_number.values() for node in nodes
+              for n in (node, *node.all_input_nodes)}
+    if any("val" not in n.meta for n in needed):
         private_regions.propagate_vals(gm, fake_args)
     outlined = []
     for identifier, by_number in regions.items():

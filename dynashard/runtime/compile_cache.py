@@ -206,8 +206,10 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
         return None, f"the rewritten graph does not pickle ({type(e).__name__}: {e})"
     if back is not None and _tags(tag_regathers(back)) != _tags(graph):
         return None, "the model's activation-checkpoint tags (node meta, which a pickled graph loses)"
-    if back is not None and not private_regions.retag(back, regions):
-        return None, "its nested compile region tags (node meta: the graph read back has other nodes)"
+    if back is not None and regions:  # (read back node for node: the tags and values carried by position)
+        if len(back.graph.nodes) != len(graph.graph.nodes) or not private_regions.retag(back, regions):
+            return None, "its nested compile region tags (node meta: the graph read back has other nodes)"
+        _carry_vals(graph, back)
     path = _path(material)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,6 +219,15 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     except OSError as e:
         return None, f"the cache directory is not writable ({e})"
     return back, None
+
+
+def _carry_vals(graph: torch.fx.GraphModule, back: torch.fx.GraphModule) -> None:
+    """Each node of ``back`` (``graph`` read back from its pickle, as many nodes) given its twin's ``meta["val"]``
+    where both are the same op: the outline reads them (``rewrite/outline.py``), and would else trace the graph
+    on fakes again to make them."""
+    for old, new in zip(graph.graph.nodes, back.graph.nodes):
+        if old.op == new.op and old.target == new.target and "val" in old.meta:
+            new.meta["val"] = old.meta["val"]
 
 
 def _tags(gm: torch.fx.GraphModule) -> list[tuple[int, Any, Any]]:
