@@ -1,8 +1,8 @@
 """Compile time of a Llama decoder compiled whole, one block at a time, and as nested compile regions.
 
 Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_regional [--layers 8,16,32]
-        [--compiler aot_eager|inductor|eager] [--modes whole,regional,nested,nested-flat] [--hidden 64] [--smoke]
-        [--out PATH]
+        [--compiler aot_eager|inductor|eager] [--modes whole,regional,nested,nested-flat] [--repeats 1]
+        [--hidden 64] [--smoke] [--out PATH]
 
 Model: ``tests.models.LlamaDecoder(vocab=256, hidden, n_heads=4, ffn=2*hidden+16, n_layer=L)``, float32,
 ids ``[1, 16]``, every rank the same weights. Modes (dynashard/regions.py):
@@ -14,12 +14,12 @@ ids ``[1, 16]``, every rank the same weights. Modes (dynashard/regions.py):
   ``rewrite/outline.py`` (its ``outline_regions`` replaced by the identity for that system): the "before".
 
 Backends: dynashard (``options={"compiler": C, "min_shard_numel": 0}``) and plain ``torch.compile`` with
-the same compiler C (every rank the whole model: the baseline). For each layer count the six systems
-run interleaved, each after ``torch._dynamo.reset()`` on a freshly built model; "first call s" is the
-slowest rank's time from the compile call to the first output (tracing, planning, compiling, the
-call). Ratios: each mode against whole with the same backend, and dynashard against plain in the same
-mode. Outputs are checked against the unsharded eager model (exit 1 past --rtol); "held" is
-``dynashard.held_bytes(model)`` over the unsharded model's bytes.
+the same compiler C (every rank the whole model: the baseline). For each layer count the systems
+run interleaved (``--repeats`` rounds of them all), each after ``torch._dynamo.reset()`` on a freshly built
+model; "first call s" is the slowest rank's time from the compile call to the first output (tracing,
+planning, compiling, the call), the median of the rounds. Ratios: each mode against whole with the same
+backend, and dynashard against plain in the same mode. Outputs are checked against the unsharded eager
+model (exit 1 past --rtol); "held" is ``dynashard.held_bytes(model)`` over the unsharded model's bytes.
 
 Under ``--compiler inductor`` each system gets a fresh ``TORCHINDUCTOR_CACHE_DIR`` (no FX graph cache
 hit from an earlier system), but kernels compiled earlier in the process may still be reused in memory.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor", "eager"])
     parser.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every system; the median is recorded")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--smoke", action="store_true", help="layers 2,3, eager: seconds")
@@ -111,13 +113,19 @@ def main() -> None:
             ref = build(layers, args.hidden)(ids)
             row: dict = {"layers": layers}
             systems = [(m, b) for m in modes for b in BACKENDS if not (m == "nested-flat" and b == "plain")]
-            for mode, backend in systems:
-                seconds, out, held = first_call(mode, backend, layers, args.hidden, args.compiler, ids)
-                err = float((out - ref).abs().max() / ref.abs().max())
-                worst = max(worst, err)
-                row[f"{backend} {mode} s"] = max(gather(seconds))
-                row[f"{backend} {mode} held"] = round(held, 3)
-                row[f"{backend} {mode} rel err"] = max(gather(err))
+            runs: dict = {}
+            for _ in range(args.repeats):  # (rounds of every system in turn: a load change hits all alike)
+                for mode, backend in systems:
+                    seconds, out, held = first_call(mode, backend, layers, args.hidden, args.compiler, ids)
+                    err = float((out - ref).abs().max() / ref.abs().max())
+                    worst = max(worst, err)
+                    runs.setdefault((mode, backend), []).append(max(gather(seconds)))
+                    row[f"{backend} {mode} held"] = round(held, 3)
+                    row[f"{backend} {mode} rel err"] = max(row.get(f"{backend} {mode} rel err", 0.0), max(gather(err)))
+            for (mode, backend), seconds in runs.items():
+                row[f"{backend} {mode} s"] = statistics.median(seconds)
+                if args.repeats > 1:
+                    row[f"{backend} {mode} runs s"] = [round(t, 2) for t in seconds]
             for mode, backend in systems:
                 if mode != "whole" and f"{backend} whole s" in row:
                     row[f"{backend} {mode}/whole"] = round(row[f"{backend} {mode} s"] / row[f"{backend} whole s"], 2)
@@ -133,7 +141,7 @@ def main() -> None:
                 print(f"layers {layers}: first call s " + ", ".join(cells) + "; " + ", ".join(ratios), flush=True)
     config = {"layers": layer_counts, "hidden": args.hidden, "n_heads": 4, "ffn": 2 * args.hidden + 16,
               "vocab": 256, "ids": list(ids.shape), "compiler": args.compiler, "modes": modes,
-              "backends": BACKENDS, "rtol": args.rtol, "smoke": args.smoke, "backend": "gloo"}
+              "backends": BACKENDS, "repeats": args.repeats, "rtol": args.rtol, "smoke": args.smoke, "backend": "gloo"}
     if rank == 0:
         write_json(out_path(args.out, f"regional_w{world}_{args.compiler}", args.smoke),
                    record(config, results, world, args.threads))
