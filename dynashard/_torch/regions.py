@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from dynashard._torch import fake_mode_of
+
 # Each node an inlined call copies is tagged with (region identifier, call number) in meta "custom", and each
 # retrace (the aten trace, the rewrite) tags what it traces for a tagged node alike (:func:`tagging`): the
 # rewritten graph still says which call each of its nodes came from, and dynashard/rewrite/outline.py puts the
@@ -182,8 +184,6 @@ def propagate_vals(gm: torch.fx.GraphModule, fake_args: list[Any]) -> None:
     """Each node's ``meta["val"]`` made again by running ``gm`` on ``fake_args`` (a graph read back from a pickle
     has none; its tensor constants are real tensors, which the fake mode then takes as they are)."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    from dynashard._torch import fake_mode_of
 
     mode = fake_mode_of(fake_args)
     allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # (the graph's real constants)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from dynashard._torch import aten as private_aten
 from dynashard._torch import regions as private_regions
 from dynashard.capture.aliases import aliases_input
 from dynashard.layout.nodes import mutates_self
@@ -159,7 +160,7 @@ def _crossing(gm: torch.fx.GraphModule, call: Call) -> torch.fx.Node | None:
 
 
 def _mutable(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = private_aten.schema_of(node.target)
     return bool(schema is not None and schema.is_mutable)
 
 
