@@ -181,6 +181,62 @@ def test_nested_regions_planned_differently_stay_flat(fake_group, monkeypatch, c
     assert _count(gm, "all_reduce") == 2 * (LAYERS - 1), gm.code  # (layer 2 and the embedding whole)
 
 
+def _tagged_graph(fn, calls: list[list[str]], *args: torch.Tensor) -> torch.fx.GraphModule:
+    """``fn`` traced to aten, the nodes of each call (named by the aten op's position among those of its kind,
+    e.g. ``"mm"``, ``"mm_1"``) tagged as calls of one nested region, as the inliner tags them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dynashard._torch.regions import REGION
+
+    gm = make_fx(fn)(*args)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for number, names in enumerate(calls):
+        for name in names:
+            by_name[name].meta["custom"] = {REGION: ("subgraph_0", number)}
+    return gm
+
+
+@pytest.mark.unit
+def test_outline_moves_a_reader_of_a_call_after_it():
+    """An outer op between a call's nodes that reads one of its values (none of the call's reads it): the
+    call becomes one op before that reader, both of its values read outside, and the result is unchanged."""
+    from dynashard.rewrite.outline import outline_regions
+
+    def f(x, w1, w2):
+        a = torch.mm(x, w1)
+        side = a * 2  # (outer, between call 0's nodes)
+        b = torch.relu(a)
+        d = torch.relu(torch.mm(b, w2))
+        return d + side
+
+    args = [torch.randn(4, 4) for _ in range(3)]
+    gm = _tagged_graph(f, [["mm", "relu"], ["mm_1", "relu_1"]], *args)
+    expected = gm(*args)
+    outline_regions(gm, args)
+    calls = _invokes(gm)
+    assert len(calls) == 2 and _count(gm, "aten.mm") == 0, gm.code
+    assert torch.equal(gm(*args), expected)
+
+
+@pytest.mark.unit
+def test_outline_leaves_a_call_crossed_by_an_outer_value_flat(caplog):
+    """A call that reads an outer value computed from its own (a conversion across the region's boundary)
+    cannot be one op: the region stays flat, and DEBUG says why."""
+    from dynashard.rewrite.outline import outline_regions
+
+    def f(x, w1, w2):
+        a = torch.mm(x, w1)
+        b = torch.relu(a + 1)  # (the add is outer)
+        return torch.relu(torch.mm(b, w2) + 1)
+
+    args = [torch.randn(4, 4) for _ in range(3)]
+    gm = _tagged_graph(f, [["mm", "relu"], ["mm_1", "relu_1"]], *args)
+    with caplog.at_level("DEBUG", logger="dynashard"):
+        outline_regions(gm, args)
+    assert not _invokes(gm), gm.code
+    assert "left flat for the compiler: call 0 reads add" in caplog.text, caplog.text
+
+
 def _layer_outputs(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     x = model.embed_tokens(ids)
     out = []
