@@ -117,12 +117,17 @@ def _why_flat(gm: torch.fx.GraphModule, calls: list[Call]) -> str | None:
         if (crossing := _crossing(gm, call)) is not None:
             return (f"call {call.number} reads {crossing.name}, computed outside the call from its own values "
                     "(a conversion that crosses the region's boundary)")
+        inner, roots = set(call.nodes), {}
         for i in call.outputs:
             node = call.nodes[i]
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 return f"call {call.number} gives {node.name} (not one tensor) to the graph outside"
-            if _aliases_operand(node, set(call.nodes)):
+            root = _view_root(node, inner)
+            if root not in inner:
                 return f"call {call.number}'s output {node.name} is a view of one of its operands"
+            if root in roots:  # (invoke_subgraph's outputs may not alias one another)
+                return f"call {call.number}'s outputs {roots[root].name} and {node.name} share memory"
+            roots[root] = node
         for operand in call.operands:
             if not isinstance(operand.meta.get("val"), (torch.Tensor, torch.SymInt)):
                 return f"call {call.number} reads {operand.name}, neither a tensor nor a size"
@@ -164,10 +169,11 @@ def _mutable(node: torch.fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
-def _aliases_operand(node: torch.fx.Node, inner: set[torch.fx.Node]) -> bool:
+def _view_root(node: torch.fx.Node, inner: set[torch.fx.Node]) -> torch.fx.Node:
+    """The value whose memory ``node`` shares, through the call's views (an operand where it is outside)."""
     while node in inner and node.op == "call_function" and aliases_input(node):
         node = node.args[0]
-    return node not in inner
+    return node
 
 
 def _describe(value: Any) -> Any:
