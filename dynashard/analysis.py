@@ -117,15 +117,16 @@ def _drop_dead_detaches(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def inline_regions(gm: torch.fx.GraphModule) -> None:
+def inline_regions(gm: torch.fx.GraphModule) -> int:
     """``torch.compiler.nested_compile_region`` calls flattened into ``gm``, so the plan sees the linears inside
     them (unflattened, it would see one opaque op per layer: every layer left whole, and training failing in the
-    backward). Dynamo still traces each region once; the compiler gets the flat graph."""
+    backward); each inlined node tagged with its call, so that the rewrite can put the regions back for the
+    compiler (``rewrite/outline.py``). Returns the calls inlined."""
     calls, regions = private_regions.inline_regions(gm)
     if calls:
         log.log(progress.level(), "dynashard: inlined %d calls of %d nested_compile_region function(s) into the "
-                "graph to plan the layers inside them (Dynamo traced each once; the compiler gets the flat graph)",
-                calls, regions)
+                "graph to plan the layers inside them (Dynamo traced each once)", calls, regions)
+    return calls
 
 
 def analyse(
@@ -144,8 +145,10 @@ def analyse_ranks(
     """:func:`analyse` for each of ``ranks``, from one aten trace and one match (``explain(verify=True)``
     simulates every rank): they depend on the graph alone, and planning reads the aten graph without
     changing it, so the ranks' plans share it."""
-    inline_regions(gm)
-    aten_gm = private.trace_aten(gm, fake_args)
+    if inline_regions(gm):  # (run node by node, so that each aten node inherits its call's tag)
+        aten_gm = private.trace_aten(private_regions.TaggingInterpreter(gm).run, fake_args)
+    else:
+        aten_gm = private.trace_aten(gm, fake_args)
     progress.stage("planning")
     dyn_phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     aten_phs = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]

@@ -35,6 +35,7 @@ from dynashard.report import progress
 from dynashard.report.table import GraphReport, plan_summary
 from dynashard.rewrite.interpreter import rewrite
 from dynashard.rewrite.lowerings import DropoutOfCut, RowwiseExperts
+from dynashard.rewrite.outline import outline_regions
 from dynashard.runtime import compile_cache, gate, regions
 from dynashard.runtime.program import (
     CallCheck,
@@ -168,6 +169,8 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
                 sharded_gm = _store(material, planned, sharded_gm) or sharded_gm
             elif material is not None:
                 log.debug("dynashard: compile cache: not stored (tracing added shape guards, which a hit would lose)")
+        if opts.compiler != "eager":  # (eager runs the graph as it is: nothing is compiled per call)
+            sharded_gm = outline_regions(sharded_gm, new_fakes)
         log.debug("dynashard rewritten graph (rank %d):\n%s", rank, sharded_gm.code)
         private.log_artifact("dynashard_rewritten_graph", sharded_gm)
         # Each input slot keeps what Dynamo said of its value: a parameter's slot, now holding its shard

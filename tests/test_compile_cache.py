@@ -72,6 +72,35 @@ def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache
 
 
 @pytest.mark.unit
+def test_a_hit_outlines_nested_regions_as_a_miss_does(fake_group, cache_on, plans, monkeypatch):
+    """Nested compile regions: the region tags (node meta, which a pickle drops) are kept beside the cached graph,
+    so the compiler gets the same graph, one subgraph called per layer, on a hit as on the miss."""
+    from dynashard import _torch as private
+
+    class RegionBlock(models.LlamaBlock):
+        forward = torch.compiler.nested_compile_region(models.LlamaBlock.forward)
+
+    graphs, compile_graph = [], private.compile_graph
+
+    def recording(compiler, gm, *args, **kwargs):
+        graphs.append(gm)
+        return compile_graph(compiler, gm, *args, **kwargs)
+
+    monkeypatch.setattr(private, "compile_graph", recording)
+    torch.manual_seed(0)
+    model = models.LlamaDecoder(n_layer=3)
+    for block in model.layers:
+        block.__class__ = RegionBlock
+    _, first = _compile_fresh(model, compiler="aot_eager")
+    _, again = _compile_fresh(model, compiler="aot_eager")
+    assert plans.count == 1, "the second compile traced and planned again"
+    invoke = torch.ops.higher_order.invoke_subgraph
+    calls = [len(gm.graph.find_nodes(op="call_function", target=invoke)) for gm in graphs]
+    assert calls == [3, 3] and graphs[0].code == graphs[1].code, (calls, graphs[1].code)
+    assert torch.equal(first, again)
+
+
+@pytest.mark.unit
 def test_a_hit_logs_the_plan_table_as_a_miss_does(fake_group, cache_on, plans, caplog, monkeypatch):
     """TORCH_LOGS=dynashard on a warm start shows the plan table (rank 0, once per plan in the process), read from
     the entry, as the cold start showed it."""

@@ -4,41 +4,101 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
+from dynashard._torch import fake_mode_of
+
+# Each node an inlined call copies is tagged with (region identifier, call number) in meta "custom", and each
+# retrace (the aten trace, the rewrite) tags what it traces for a tagged node alike (:func:`tagging`): the
+# rewritten graph still says which call each of its nodes came from, and dynashard/rewrite/outline.py puts the
+# regions back.
+REGION = "dynashard_region"
+
+
+@contextlib.contextmanager
+def tagging(node: torch.fx.Node) -> Iterator[None]:
+    """Inside a make_fx trace: every node traced within gets ``node``'s region tag (none: nothing done).
+
+    NOTE: make_fx appends each traced node to its tracer's graph (``ProxyTorchDispatchMode.tracer.graph``), so
+    the nodes after the graph's last one on entry are this node's. fx.traceback.preserve_node_meta would carry
+    the tag too (``custom`` is among torch.fx.proxy._COPY_META_FIELDS), but it copies every field and a
+    provenance record per traced node: measured 2 s more of tracing for 32 layers."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    tag = (node.meta.get("custom") or {}).get(REGION)
+    mode = get_proxy_mode() if tag is not None else None
+    if mode is None:
+        yield
+        return
+    nodes = mode.tracer.graph.nodes
+    last = next(iter(reversed(nodes)), None)
+    yield
+    for new in reversed(nodes):
+        if new is last:
+            break
+        new.meta["custom"] = {**(new.meta.get("custom") or {}), REGION: tag}
+
+
+class TaggingInterpreter(torch.fx.Interpreter):
+    """A graph run node by node (under make_fx: the aten trace of an inlined graph), with :func:`tagging`."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with tagging(n):
+            return super().run_node(n)
+
 
 def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """Inline every ``invoke_subgraph`` call of ``gm`` (and of its subgraphs) into its caller; returns
-    (calls inlined, distinct regions).
+    """Inline every ``invoke_subgraph`` call of ``gm`` (and of its subgraphs) into its caller, each copied
+    node of a call of ``gm``'s own graph tagged ``meta["custom"][REGION] = (identifier, call number)``;
+    returns (calls inlined, distinct regions).
 
     NOTE: torch 2.13's Dynamo captures a ``torch.compiler.nested_compile_region`` function as one
     subgraph (traced once) and one ``torch.ops.higher_order.invoke_subgraph(subgraph, identifier,
     *operands)`` per call, each layer's parameters among the operands. make_fx keeps the op whole, so a
     plan of the aten graph saw no linear inside it, and AOTAutograd is needed for its backward (run
-    eagerly: "fake_mode should be enabled for HOPs"). torch's own pass (``torch._dynamo.config.
-    inline_invoke_subgraph``, written for compilers that do not take the op) flattens it: Dynamo's
-    trace is still done once per region."""
+    eagerly: "fake_mode should be enabled for HOPs"). These are the steps of torch's own pass
+    (``torch._higher_order_ops.passes.inline_invoke_subgraph``, torch 2.12+), with the tags."""
     invoke = torch.ops.higher_order.invoke_subgraph
     calls = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
              for n in m.graph.find_nodes(op="call_function", target=invoke)]
     if calls:
-        try:  # (torch 2.12+)
-            from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
-        except ImportError:  # torch 2.11 has the op but not the pass: the same steps, below
-            inline_invoke_subgraph = _inline_invoke_subgraph
-        inline_invoke_subgraph(gm)
+        _inline_invoke_subgraph(gm, tag=True)
         gm.recompile()
     return len(calls), len({str(n.args[1]) for n in calls})
 
 
-def _inline_invoke_subgraph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """torch 2.12's ``inline_invoke_subgraph`` for torch 2.11: each ``invoke_subgraph(subgraph, identifier,
-    *operands)`` call replaced by a copy of the subgraph's nodes on its operands, each ``getitem`` of its
-    result by the copied output it names (nested calls inside a subgraph first)."""
+def region_of(node: torch.fx.Node) -> tuple[str, int] | None:
+    """(region identifier, call number) of a node an inlined call made, or a node traced for one; else None."""
+    tag = (node.meta.get("custom") or {}).get(REGION)
+    return None if tag is None else (str(tag[0]), int(tag[1]))
+
+
+def region_tags(gm: torch.fx.GraphModule) -> tuple[tuple[int, str, int], ...]:
+    """(node position, region identifier, call number) of each tagged node of ``gm``."""
+    return tuple((i, *tag) for i, n in enumerate(gm.graph.nodes) if (tag := region_of(n)) is not None)
+
+
+def retag(gm: torch.fx.GraphModule, tags: tuple[tuple[int, str, int], ...]) -> bool:
+    """``region_tags`` put back on ``gm`` (a graph read back from a pickle, whose node meta is lost); False, and
+    nothing tagged, where a position is not a computing node of ``gm``."""
+    nodes = list(gm.graph.nodes)
+    if any(i >= len(nodes) or nodes[i].op != "call_function" for i, _, _ in tags):
+        return False
+    for i, identifier, number in tags:
+        nodes[i].meta["custom"] = {**(nodes[i].meta.get("custom") or {}), REGION: (identifier, number)}
+    return True
+
+
+def _inline_invoke_subgraph(gm: torch.fx.GraphModule, tag: bool = False) -> torch.fx.GraphModule:
+    """Each ``invoke_subgraph(subgraph, identifier, *operands)`` call replaced by a copy of the subgraph's nodes
+    on its operands, each ``getitem`` of its result by the copied output it names (nested calls inside a
+    subgraph first, untagged: their nodes are their outer call's)."""
     invoke = torch.ops.higher_order.invoke_subgraph
     nodes = list(gm.graph.find_nodes(op="call_function", target=invoke))
     if not nodes:
@@ -46,14 +106,22 @@ def _inline_invoke_subgraph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for name, module in gm.named_modules():
         if name and isinstance(module, torch.fx.GraphModule):
             _inline_invoke_subgraph(module)
+    numbers: dict[str, int] = {}
     for node in nodes:
-        get_attr, operands = node.args[0], node.args[2:]
+        get_attr, identifier, operands = node.args[0], str(node.args[1]), node.args[2:]
+        number = numbers[identifier] = numbers.get(identifier, -1) + 1
         subgraph = getattr(gm, str(get_attr.target))
+        renamed = _hoist_submodules(gm, subgraph)
         env: dict[torch.fx.Node, Any] = dict(zip(subgraph.graph.find_nodes(op="placeholder"), operands))
         with gm.graph.inserting_before(node):
             for sub in subgraph.graph.nodes:
-                if sub.op not in ("placeholder", "output"):
-                    env[sub] = gm.graph.node_copy(sub, env.__getitem__)
+                if sub.op in ("placeholder", "output"):
+                    continue
+                copied = env[sub] = gm.graph.node_copy(sub, env.__getitem__)
+                if sub.op == "get_attr" and sub.target in renamed:
+                    copied.target = renamed[sub.target]
+                if tag:  # (node_copy copies meta shallowly: a dict of its own per node)
+                    copied.meta["custom"] = {**(sub.meta.get("custom") or {}), REGION: (identifier, number)}
         outputs = subgraph.graph.output_node().args[0]
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:
@@ -63,6 +131,78 @@ def _inline_invoke_subgraph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if not get_attr.users:
             gm.graph.erase_node(get_attr)
     return gm
+
+
+def _hoist_submodules(gm: torch.fx.GraphModule, subgraph: torch.fx.GraphModule) -> dict[str, str]:
+    """The subgraph's own submodules (a nested region's body, a checkpoint's) registered on ``gm``: old name ->
+    name on ``gm``, for the ``get_attr`` nodes copied from it."""
+    renamed: dict[str, str] = {}
+    for name, child in list(subgraph.named_children()):
+        new, n = name, 0
+        while hasattr(gm, new):
+            new, n = f"{name}_{n}", n + 1
+        gm.add_module(new, child)
+        renamed[name] = new
+    return renamed
+
+
+def add_subgraph(gm: torch.fx.GraphModule, name: str, graph: torch.fx.Graph) -> str:
+    """``graph`` registered on ``gm`` as a submodule for ``invoke_subgraph`` (a free name from ``name``)."""
+    new, n = name, 0
+    while hasattr(gm, new):
+        new, n = f"{name}_{n}", n + 1
+    gm.add_submodule(new, torch.fx.GraphModule(torch.nn.Module(), graph))
+    return new
+
+
+def call_subgraph(graph: torch.fx.Graph, subgraph: str, identifier: str, operands: list[torch.fx.Node],
+                  outputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """At the graph's insert point: ``invoke_subgraph(subgraph, identifier, *operands)`` and a ``getitem`` of each
+    of its results (``outputs``: the values they stand for, whose meta they take).
+
+    NOTE: torch 2.13's AOTAutograd and Inductor trace a subgraph once per identifier (``InvokeSubgraphCache``)
+    and reuse it for every call naming it: a call with the same identifier must be the same subgraph."""
+    invoke = graph.call_function(torch.ops.higher_order.invoke_subgraph,
+                                 (graph.get_attr(subgraph), identifier, *operands))
+    invoke.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    results = []
+    for i, output in enumerate(outputs):
+        result = graph.call_function(operator.getitem, (invoke, i))
+        result.meta = {k: v for k, v in output.meta.items() if k != "custom"}
+        results.append(result)
+    return results
+
+
+def subgraph_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The subgraph an ``invoke_subgraph`` node of ``gm`` calls; None for any other node."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph:
+        return None
+    return getattr(gm, str(node.args[0].target))
+
+
+def propagate_vals(gm: torch.fx.GraphModule, fake_args: list[Any]) -> None:
+    """Each node's ``meta["val"]`` made again by running ``gm`` on ``fake_args`` (a graph read back from a pickle
+    has none; its tensor constants are real tensors, which the fake mode then takes as they are)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = fake_mode_of(fake_args)
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # (the graph's real constants)
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_args)
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+
+def forget_grad_state(output: torch.fx.Node) -> None:
+    """A subgraph's output made to say nothing of whether it requires grad: the autograd of ``invoke_subgraph``
+    then runs the subgraph on fakes to see.
+
+    NOTE: torch 2.13's ``invoke_subgraph`` autograd reads each output's ``meta["val"].requires_grad`` (made for
+    Dynamo's graphs), and a make_fx graph's values (traced below autograd) never require grad: every output
+    was taken for one without a gradient, and AOTAutograd's joint trace failed ("outs_to_grad length (1) !=
+    tangents length (0)"). Without ``val`` it falls back to running the subgraph (``_get_output_metadata_by_
+    execution``, on fake tensors here)."""
+    output.meta.pop("val", None)
 
 
 def dynamo_compile_id() -> tuple[int, int] | None:

@@ -35,6 +35,7 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
+from dynashard._torch import regions as private_regions
 from dynashard.capture.aliases import alias_roots, aliases_input, mutated_roots
 from dynashard.comm import collectives
 from dynashard.errors import InternalError, UsageError
@@ -193,7 +194,9 @@ class Sharder(torch.fx.Interpreter):
         if node.op in ("placeholder", "get_attr"):
             value = super().run_node(node)
         else:
-            with private.as_node(node):  # (what is emitted for a node a checkpoint recomputes is recomputed too)
+            # (what is emitted for a node a checkpoint recomputes is recomputed too; for a node of a nested
+            # region's call, is that call's: rewrite/outline.py)
+            with private.as_node(node), private_regions.tagging(node):
                 value = self._run(node)
         if self._observe is not None:
             self._observe(node, value)

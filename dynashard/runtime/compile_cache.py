@@ -18,7 +18,8 @@ importable function over plain values), and the regather tags pickling drops are
 (``collectives.tag_regathers``). Not cached (a miss, with the reason at DEBUG): ``per_rank`` inputs or
 weights, FSDP2 or DTensor inputs, tensor constants, a rewrite that added shape guards (they would be lost on
 a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), and a graph
-that does not pickle.
+that does not pickle. The nested compile region tags (node meta too) are kept beside the graph and put back
+on a load, so a hit outlines the regions as a miss does (``rewrite/outline.py``).
 
 Where: ``$DYNASHARD_CACHE_DIR``, else ``dynashard/`` in Inductor's cache directory
 (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``). ``DYNASHARD_CACHE=0`` turns it
@@ -44,6 +45,7 @@ import torch.fx
 import dynashard
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
+from dynashard._torch import regions as private_regions
 from dynashard.capture.subclass_inputs import INNER
 from dynashard.comm.collectives import group_name, tag_regathers
 from dynashard.layout.split import Split
@@ -53,7 +55,7 @@ from dynashard.weights.store import EarlierCuts
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bumped when an entry's layout changes
+FORMAT = 4  # bumped when an entry's layout changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Entry:
     material: str  # what the key was made from, compared on every lookup
     planned: Planned
     graph: bytes  # the rewritten graph, pickled (GraphModule's own reduction: its code and attributes)
+    regions: tuple[tuple[int, str, int], ...] = ()  # its nested compile region tags (node meta: lost in a pickle)
 
 
 def enabled() -> bool:
@@ -179,6 +182,7 @@ def load(material: str) -> tuple[Planned, torch.fx.GraphModule] | None:
         graph = pickle.loads(entry.graph)
         if graph is not None:
             tag_regathers(graph)
+            private_regions.retag(graph, entry.regions)
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 - a damaged or foreign entry is a miss, never an error
@@ -196,12 +200,17 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     every later hit."""
     try:
         copy = torch.fx.GraphModule(graph, graph.graph) if graph is not None else None  # (code and attributes)
-        data = pickle.dumps(Entry(material, planned, pickle.dumps(copy)))
+        regions = private_regions.region_tags(graph) if graph is not None else ()
+        data = pickle.dumps(Entry(material, planned, pickle.dumps(copy), regions))
         back = pickle.loads(pickle.loads(data).graph)  # (a graph that pickles but does not load back: not stored)
     except Exception as e:  # noqa: BLE001
         return None, f"the rewritten graph does not pickle ({type(e).__name__}: {e})"
     if back is not None and _tags(tag_regathers(back)) != _tags(graph):
         return None, "the model's activation-checkpoint tags (node meta, which a pickled graph loses)"
+    if back is not None and regions:  # (read back node for node: the tags and values carried by position)
+        if len(back.graph.nodes) != len(graph.graph.nodes) or not private_regions.retag(back, regions):
+            return None, "its nested compile region tags (node meta: the graph read back has other nodes)"
+        _carry_vals(graph, back)
     path = _path(material)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +220,15 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     except OSError as e:
         return None, f"the cache directory is not writable ({e})"
     return back, None
+
+
+def _carry_vals(graph: torch.fx.GraphModule, back: torch.fx.GraphModule) -> None:
+    """Each node of ``back`` (``graph`` read back from its pickle, as many nodes) given its twin's ``meta["val"]``
+    where both are the same op: the outline reads them (``rewrite/outline.py``), and would else trace the graph
+    on fakes again to make them."""
+    for old, new in zip(graph.graph.nodes, back.graph.nodes):
+        if old.op == new.op and old.target == new.target and "val" in old.meta:
+            new.meta["val"] = old.meta["val"]
 
 
 def _tags(gm: torch.fx.GraphModule) -> list[tuple[int, Any, Any]]:

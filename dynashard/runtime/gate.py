@@ -32,6 +32,7 @@ import torch.fx
 
 from dynashard import _torch as private
 from dynashard._torch import aten as private_aten
+from dynashard._torch import regions as private_regions
 from dynashard.comm.protocol import Handshake
 
 # slot -> the handshake of the call in progress (one entry per program call in flight: popped after it)
@@ -58,6 +59,18 @@ def _collective(node: torch.fx.Node) -> bool:
         return False
     name = private_aten.schema_of(node.target).name
     return name.startswith("_c10d_functional::") and name != "_c10d_functional::wait_tensor"
+
+
+def _regions_follow(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], collectives: list[torch.fx.Node]) -> bool:
+    """Whether every outlined region with collectives inside (``rewrite/outline.py``) reads the result of one of
+    the graph's own collectives (so it follows a gate): else the graph is not gated."""
+    after: set[torch.fx.Node] = set()
+    for node in nodes:
+        if node in collectives or any(a in after for a in node.all_input_nodes):
+            after.add(node)
+        elif (sub := private_regions.subgraph_of(gm, node)) is not None and any(map(_collective, sub.graph.nodes)):
+            return False
+    return True
 
 
 def _mutates_input(node: torch.fx.Node) -> bool:
@@ -98,6 +111,8 @@ def insert(gm: torch.fx.GraphModule) -> int | None:
     collectives = [n for n in nodes if _collective(n)]
     if not collectives or any(_mutates_input(n) for n in nodes) or \
             not all(isinstance(n.args[0], torch.fx.Node) for n in collectives):
+        return None
+    if not _regions_follow(gm, nodes, collectives):
         return None
     slot = next(_SLOTS)
     gated: set[torch.fx.Node] = set()  # nodes that follow a gate
