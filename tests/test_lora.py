@@ -95,6 +95,39 @@ def test_lora_on_every_projection_costs_no_collective():
     assert "joins the base's one all_reduce" in o_a.reason or "join the base's" in o_a.reason, o_a.reason
 
 
+@pytest.mark.unit
+def test_plan_dicts_and_hf_plans_reach_peft_base_layers():
+    """HF Llama's own base_model_tp_plan on a PEFT model (module names gain ``base_model.model.`` and
+    ``.base_layer``): the base layers are cut as the plan says and each adapter by its base, so LoRA adds no
+    collective (2 all_reduces a layer, the embedding not in the plan: whole). A dict of PEFT's own module
+    names plans the same; a key naming no module is still refused."""
+    import transformers as T
+
+    from tests.test_graphs import rewritten
+
+    ids = torch.randint(0, 96, (2, 7))
+    hf = dict(T.LlamaConfig.base_model_tp_plan)
+    plain = rewritten(Logits(llama()), ids, plan=hf)
+    adapted = rewritten(Logits(lora(llama())), ids, plan=hf)
+    assert (_count(plain, "all_reduce"), _count(plain, "all_gather")) == (4, 0)
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (4, 0)
+    model = Logits(lora(llama(layers=1)))
+    peft_names = {n + ".base_layer" if n.endswith("_proj") else n: hf[k] for n, _ in model.named_modules()
+                  for k in hf if n.endswith(k.removeprefix("layers.*"))}
+    assert len(peft_names) == len(hf), peft_names
+    for plan in (hf, peft_names):
+        layers = dynashard.explain(model, ids, world_size=2, options={**OPTIONS, "plan": plan}).layers
+        styles = {fqn.split("layers.0.")[-1]: style for fqn, style in layers.items() if "layers.0." in fqn}
+        for key, style in hf.items():
+            name = key.removeprefix("layers.*.")
+            a, b = ("replicate", "colwise") if style == "colwise" else ("rowwise", "replicate")
+            assert (styles[f"{name}.base_layer"], styles[f"{name}.lora_A.default"], styles[f"{name}.lora_B.default"]
+                    ) == (style, a, b), (plan, styles)
+    typo = {"layers.*.self_attn.qq_proj": "colwise"}
+    with pytest.raises(ValueError, match="plan key 'layers.*.self_attn.qq_proj' matches no linear"):
+        dynashard.explain(model, ids, world_size=2, options={**OPTIONS, "plan": typo})
+
+
 def _grads(model, twin) -> tuple[float, list[str]]:
     """Worst relative error of the LoRA parameters' raw gradients against the twin's (whole:
     dynashard.full_tensor of a sharded one), and the trainable parameters without a gradient."""
