@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import dynashard
 from tests.scenarios import Scenarios
 
-# One spawn at world 2 runs the 4 scenarios: ~230 s on the 2-core machine under a load of other jobs (the
+# One spawn at world 2 runs the 5 scenarios: ~230 s on the 2-core machine under a load of other jobs (the
 # unit test ~90 s beside it); 600 s leaves a 2.5x margin.
 SCENARIOS_DEADLINE_S = 600
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
@@ -145,9 +145,9 @@ def _grads(model, twin) -> tuple[float, list[str]]:
     return worst, missing
 
 
-def _train(model, twin, batches, seeds=None) -> tuple[float, float, list[str]]:
+def _train(model, twin, batches, seeds=None, options=OPTIONS) -> tuple[float, float, list[str]]:
     """SGD steps on both; the worst forward difference, the worst gradient error, missing grads."""
-    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    fast = torch.compile(model, backend=dynashard.backend(**options))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.1)
     opt_twin = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1)
@@ -185,6 +185,28 @@ def test_lora_training_matches_the_twin(rank, world):
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
     out_err, grad_err, missing = _train(model, twin, _batches())
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_lora_under_the_models_own_tp_plan_trains_as_the_twin(rank, world):
+    """The HF model's own base_model_tp_plan on the PEFT model: the base layers and the adapters are held
+    cut as the plan and their bases say (each rank half of q's and B's rows, half of o's and A's columns),
+    and 3 SGD steps give the twin's logits and raw adapter gradients, as under plan="auto"."""
+    import transformers as T
+
+    from dynashard.weights.store import STORE
+
+    options = {**OPTIONS, "plan": dict(T.LlamaConfig.base_model_tp_plan)}
+    model = Logits(lora(llama()))
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, _batches(1)[0][0], options=options)
+    attn = model.lm.base_model.model.model.layers[0].self_attn
+    held = tuple(STORE.shard_of(w).shape for w in (attn.q_proj.base_layer.weight, attn.q_proj.lora_B.default.weight,
+                                                    attn.o_proj.base_layer.weight, attn.o_proj.lora_A.default.weight))
+    assert held == ((32, 64), (32, 4), (64, 32), (4, 32)), held
+    out_err, grad_err, missing = _train(model, twin, _batches(), options=options)
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
 
