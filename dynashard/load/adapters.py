@@ -10,11 +10,19 @@ cut tensor PEFT keeps (the adapters' weights, embedding layers it saves) and let
 rank 0 (``is_main_process`` unless given). Every other tensor is written as PEFT writes it. Anything
 PEFT would still write as a piece is refused before a file is written.
 
+Several adapters: ``parallelize``'s example runs with every adapter of each PEFT model active
+(:func:`every_adapter_active`), so each is planned, cut by its base layer and registered, whichever is
+active later (an adapter no graph read would stay whole, and one a later compile cut would be held by no
+parameter: its training refused); the active adapters and ``requires_grad`` are restored afterwards.
+
 PEFT is not imported here unless a PEFT model is found (it is a test dependency only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +34,8 @@ from dynashard.errors import UsageError
 from dynashard.layout import placement
 from dynashard.weights.facades import full_tensor
 
+log = logging.getLogger(__name__)
+
 _STAGE = ("saving a PEFT adapter: PeftModel.save_pretrained of a parallelized model gathers the cut adapter weights, "
           "so every rank calls it (rank 0 writes; is_main_process=rank == 0 by default)")
 
@@ -36,12 +46,59 @@ def is_peft_model(module: nn.Module) -> bool:
         and callable(getattr(type(module), "save_pretrained", None))
 
 
+@contextlib.contextmanager
+def every_adapter_active(model: nn.Module) -> Iterator[None]:
+    """Every adapter of each PEFT model in ``model`` active inside the block (PEFT's tuner
+    ``set_adapter([...])``: several active adapters chain their adds, each cut by its base); after
+    it, each tuner's active adapters and every parameter's ``requires_grad`` as they were. A model
+    whose adapters PEFT cannot activate together (``modules_to_save`` takes one) is left as it is."""
+    grads = {p: p.requires_grad for p in model.parameters()}
+    changed = []
+    for tuner in (m.base_model for m in model.modules() if is_peft_model(m)):
+        names, before = list(tuner.peft_config), getattr(tuner, "active_adapter", None)
+        active = [before] if isinstance(before, str) else list(before or ())
+        if set(active) >= set(names) or not callable(getattr(tuner, "set_adapter", None)):
+            continue
+        try:
+            tuner.set_adapter(names)
+        except ValueError as e:  # (PEFT's own refusal; the adapters that stay inactive stay whole)
+            log.debug("dynashard: PEFT cannot activate the adapters %s together (%s); planning the active %s only",
+                      names, e, active)
+            tuner.set_adapter(before)
+            continue
+        changed.append((tuner, before))
+    try:
+        yield
+    finally:
+        for tuner, before in changed:
+            tuner.set_adapter(before)
+        for p, wanted in grads.items():
+            p.requires_grad_(wanted)
+
+
 def install(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
     """Every PEFT model in ``model`` (itself included) saves whole adapters; returns them."""
     found = [m for m in model.modules() if is_peft_model(m)]
     for m in found:
         m.save_pretrained = _whole_saver(m, type(m).save_pretrained.__get__(m), group)
+        for layer in m.modules():  # (merge_adapter, merge_and_unload: each tuner layer's merge)
+            if type(layer).__module__.startswith("peft.") and callable(getattr(layer, "merge", None)) \
+                    and hasattr(layer, "get_delta_weight"):
+                layer.merge = _refuse_merge
+                if getattr(layer, "merged", False):  # (unmerging one merged before parallelize: the same)
+                    layer.unmerge = _refuse_merge
     return found
+
+
+def _refuse_merge(*args: Any, **kwargs: Any) -> None:
+    """A tuner layer's ``merge`` (or ``unmerge`` of one merged) after ``parallelize``: PEFT would add
+    ``B @ A`` of the full-shape facades into the base weight, whose values are this rank's shard (it
+    raises before it changes a weight)."""
+    raise UsageError(
+        "dynashard: merging or unmerging a LoRA adapter of a parallelized model (merge_adapter, unmerge_adapter, "
+        "merge_and_unload) is not supported: its base weights and adapters are held as this rank's shards. "
+        "Expected merge_adapter() or merge_and_unload() before dynashard.parallelize (a merged adapter is a plain "
+        "linear, cut like its base), or the unmerged adapters kept (they run sharded, adding no collective).")
 
 
 def _whole_saver(model: nn.Module, original: Any, group: dist.ProcessGroup) -> Any:

@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     try:
         if source is not None:
             source.make_facades()
-        with torch.no_grad():
+        with torch.no_grad(), adapters.every_adapter_active(model):  # (all of a PEFT model's adapters cut)
             if one_trace:
                 # The example is a plain call of the parallelized model, which runs as the user's
                 # torch.compile(model, backend="dynashard", options=options) would (the same frame, an equal
