@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import dynashard
 from tests.scenarios import Scenarios
 
-# One spawn at world 2 runs the 5 scenarios: ~230 s on the 2-core machine under a load of other jobs (the
+# One spawn at world 2 runs the 6 scenarios: ~230 s on the 2-core machine under a load of other jobs (the
 # unit test ~90 s beside it); 600 s leaves a 2.5x margin.
 SCENARIOS_DEADLINE_S = 600
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
@@ -128,6 +128,29 @@ def test_plan_dicts_and_hf_plans_reach_peft_base_layers():
         dynashard.explain(model, ids, world_size=2, options={**OPTIONS, "plan": typo})
 
 
+def two_adapters(layers: int = 1):
+    """A PEFT Llama with adapter "default" on every projection and "other" (another rank and scale) on
+    three, "default" active; both B's random."""
+    import peft
+
+    lm = lora(llama(layers=layers))
+    lm.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "up_proj", "down_proj"]))
+    randomise_b(lm, 2)
+    return lm
+
+
+@pytest.mark.unit
+def test_two_active_adapters_cost_no_collective():
+    """Two adapters active at once (PEFT's ``base_model.set_adapter([...])``: their adds chained on each
+    layer): each cut by its base, still 5 all_reduces for 2 layers and no gather."""
+    from tests.test_graphs import rewritten
+
+    lm = two_adapters(layers=2)
+    lm.base_model.set_adapter(["default", "other"])
+    adapted = rewritten(Logits(lm), torch.randint(0, 96, (2, 7)))
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)
+
+
 def _grads(model, twin) -> tuple[float, list[str]]:
     """Worst relative error of the LoRA parameters' raw gradients against the twin's (whole:
     dynashard.full_tensor of a sharded one), and the trainable parameters without a gradient."""
@@ -209,6 +232,52 @@ def test_lora_under_the_models_own_tp_plan_trains_as_the_twin(rank, world):
     out_err, grad_err, missing = _train(model, twin, _batches(), options=options)
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_several_adapters_switch_train_and_merge_as_the_twin(rank, world):
+    """Three adapters on one model ("default", "other", and "mix", PEFT's weighted combination of the two),
+    parallelized with "default" active: every adapter is planned and cut by its base, so switching
+    (set_adapter, base_model.set_adapter([...]) for two at once) gives the twin's logits, and "other", made
+    active after parallelize, trains as the twin's (raw gradients, SGD). Merged before parallelize
+    (merge_adapter, merge_and_unload), the adapters are plain linears: cut, the twin's logits. Merging after
+    parallelize is refused on every rank, naming the fix, with nothing changed."""
+    from dynashard.weights.store import STORE
+    from tests.scenarios import raised
+
+    ids = _batches(1)[0][0]
+    lm = two_adapters()
+    lm.base_model.add_weighted_adapter(["default", "other"], [0.7, 0.3], "mix", combination_type="cat")
+    lm.set_adapter("default")
+    model = Logits(lm)
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, ids, options=OPTIONS)
+    errs = {}
+    with torch.no_grad():
+        for active in ("other", ["default", "other"], "mix", "default"):
+            for m in (model, twin):
+                m.lm.base_model.set_adapter(active)
+            errs[str(active)] = float((model(ids) - twin(ids)).abs().max())
+    assert max(errs.values()) < 1e-5, errs
+    for m in (model, twin):
+        m.lm.set_adapter("other")
+    out_err, grad_err, missing = _train(model, twin, _batches(2))
+    assert not missing and out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err, missing)
+    refused = raised(model.lm.merge_adapter)
+    assert "before dynashard.parallelize" in str(refused), refused
+    with torch.no_grad():
+        assert float((model(ids) - twin(ids)).abs().max()) < 1e-5
+
+    merged, unloaded = two_adapters(), two_adapters()
+    merged.merge_adapter()
+    merged, unloaded = Logits(merged), Logits(unloaded.merge_and_unload())
+    for plain, weight in ((merged, lambda m: m.lm.base_model.model.model.layers[0].self_attn.q_proj.base_layer),
+                          (unloaded, lambda m: m.lm.model.layers[0].self_attn.q_proj)):
+        plain_twin = copy.deepcopy(plain)
+        dynashard.parallelize(plain, ids, options=OPTIONS)
+        assert STORE.shard_of(weight(plain).weight).shape == (32, 64)
+        with torch.no_grad():
+            assert float((plain(ids) - plain_twin(ids)).abs().max()) < 1e-5
 
 
 class Chain(nn.Module):
