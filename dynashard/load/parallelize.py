@@ -47,7 +47,7 @@ from dynashard.dynamo_backend import dynashard_backend, parallelizing
 from dynashard.errors import UsageError
 from dynashard.layout.placement import check_loadable, cut_placed, gather_placed, words
 from dynashard.layout.placement import of as placement_of
-from dynashard.load import adapters
+from dynashard.load import adapters, quantized_state
 from dynashard.load.loader import Loader
 from dynashard.options import parse_options
 from dynashard.training import fsdp
@@ -146,6 +146,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
     _register(model)
+    quantized_state.install(model)  # (a quantized weight's cut inner tensors in its state dict: DCP saves them)
     # (DCP's full_state_dict: whole tensors)
     private.follow_placements_in_dcp(functools.partial(gather_placed, gather=_gather_placed),
                                      functools.partial(cut_placed, cut=_cut_placed))
