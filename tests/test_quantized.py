@@ -32,7 +32,7 @@ from torchao.quantization import (
 import dynashard
 from tests.scenarios import Scenarios
 
-SCENARIOS_DEADLINE_S = 180  # one spawn at world 2: ~15 s quiet; 3x slower machine, 2x margin, plus startup
+SCENARIOS_DEADLINE_S = 240  # one spawn at world 2: ~15 s quiet before the DCP round trips (~5 s CPU each); 3x slower machine, 2x margin, plus startup
 pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
 
@@ -609,6 +609,7 @@ def _quantized_llama(config, seed: int) -> nn.Module:
     return model
 
 
+# (int8 PerGroup(16) and float8 per row pass too, 15-20 s each under load: left out for time)
 @on_ranks(cases=["int8 per row", "int4 PerGroup(16)"])
 @torch.no_grad()
 def test_dcp_round_trip_of_a_parallelized_quantized_model(rank, world, tmp_path, case):
