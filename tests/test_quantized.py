@@ -32,7 +32,9 @@ from torchao.quantization import (
 import dynashard
 from tests.scenarios import Scenarios
 
-SCENARIOS_DEADLINE_S = 240  # one spawn at world 2: ~15 s quiet before the DCP round trips (~5 s CPU each); 3x slower machine, 2x margin, plus startup
+# one spawn at world 2: ~15 s quiet before the DCP round trips (~5 s CPU each); 3x slower machine, 2x margin,
+# plus startup
+SCENARIOS_DEADLINE_S = 240
 pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
 
