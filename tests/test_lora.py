@@ -252,6 +252,11 @@ def test_several_adapters_switch_train_and_merge_as_the_twin(rank, world):
     model = Logits(lm)
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, ids, options=OPTIONS)
+    layer = model.lm.base_model.model.model.layers[0]
+    held = [STORE.shard_of(w) for w in (layer.self_attn.q_proj.lora_B.other.weight,
+                                        layer.mlp.down_proj.lora_A.other.weight, layer.mlp.down_proj.lora_A.mix.weight)]
+    # (inactive when parallelize ran, cut by their bases all the same: q colwise, down rowwise over 128 features)
+    assert [None if h is None else tuple(h.shape) for h in held] == [(32, 2), (2, 64), (6, 64)], held
     errs = {}
     with torch.no_grad():
         for active in ("other", ["default", "other"], "mix", "default"):
