@@ -240,9 +240,12 @@ def test_several_adapters_switch_train_and_merge_as_the_twin(rank, world):
     """Three adapters on one model ("default", "other", and "mix", PEFT's weighted combination of the two),
     parallelized with "default" active: every adapter is planned and cut by its base, so switching
     (set_adapter, base_model.set_adapter([...]) for two at once) gives the twin's logits, and "other", made
-    active after parallelize, trains as the twin's (raw gradients, SGD). Merged before parallelize
-    (merge_adapter, merge_and_unload), the adapters are plain linears: cut, the twin's logits. Merging after
-    parallelize is refused on every rank, naming the fix, with nothing changed."""
+    active after parallelize, trains as the twin's (raw gradients, SGD). Merged after that (merge_adapter,
+    unmerge_adapter, merge_and_unload: PEFT's merge of the shards), the twin's logits; an adapter a plan cut
+    otherwise than its base is refused, naming the fix, unmerged. Merged before parallelize, the adapters are
+    plain linears: cut, the twin's logits."""
+    import transformers as T
+
     from dynashard.weights.store import STORE
     from tests.scenarios import raised
 
@@ -260,7 +263,9 @@ def test_several_adapters_switch_train_and_merge_as_the_twin(rank, world):
     assert [None if h is None else tuple(h.shape) for h in held] == [(32, 2), (2, 64), (6, 64)], held
     errs = {}
     with torch.no_grad():
-        for active in ("other", ["default", "other"], "mix", "default"):
+        # (each active set, and each merge state below, is a compile of its own: Dynamo's recompile_limit, 8 a frame,
+        # bounds them; past it the frame runs eagerly, where a parallelized model cannot run)
+        for active in ("other", ["default", "other"], "mix"):
             for m in (model, twin):
                 m.lm.base_model.set_adapter(active)
             errs[str(active)] = float((model(ids) - twin(ids)).abs().max())
@@ -269,10 +274,22 @@ def test_several_adapters_switch_train_and_merge_as_the_twin(rank, world):
         m.lm.set_adapter("other")
     out_err, grad_err, missing = _train(model, twin, _batches(2))
     assert not missing and out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err, missing)
-    refused = raised(model.lm.merge_adapter)
-    assert "before dynashard.parallelize" in str(refused), refused
-    with torch.no_grad():
-        assert float((model(ids) - twin(ids)).abs().max()) < 1e-5
+    errs = {}
+    with torch.no_grad():  # (merged into the shards: each rank's part of the unsharded merge)
+        for what in ("merge_adapter", "unmerge_adapter", "merge_and_unload"):
+            done = [getattr(m.lm, what)() for m in (model, twin)]
+            if what == "merge_and_unload":
+                model.lm, twin.lm = done
+            errs[what] = float((model(ids) - twin(ids)).abs().max())
+    assert max(errs.values()) < 1e-5, errs
+
+    # an adapter a plan cuts otherwise than its base (A colwise on its r features): no merge of the shards
+    plan = {**T.LlamaConfig.base_model_tp_plan, "layers.*.self_attn.q_proj.lora_A.*": "colwise"}
+    odd = Logits(lora(llama(layers=1)))
+    dynashard.parallelize(odd, ids, options={**OPTIONS, "plan": plan})
+    refused = raised(odd.lm.merge_adapter)
+    assert "is not cut by its base layer's style" in str(refused) and "before dynashard.parallelize" in str(refused)
+    assert not odd.lm.base_model.model.model.layers[0].self_attn.q_proj.merged
 
     merged, unloaded = two_adapters(), two_adapters()
     merged.merge_adapter()

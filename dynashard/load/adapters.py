@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,24 +82,72 @@ def install(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
     found = [m for m in model.modules() if is_peft_model(m)]
     for m in found:
         m.save_pretrained = _whole_saver(m, type(m).save_pretrained.__get__(m), group)
-        for layer in m.modules():  # (merge_adapter, merge_and_unload: each tuner layer's merge)
-            if type(layer).__module__.startswith("peft.") and callable(getattr(layer, "merge", None)) \
-                    and hasattr(layer, "get_delta_weight"):
-                layer.merge = _refuse_merge
-                if getattr(layer, "merged", False):  # (unmerging one merged before parallelize: the same)
-                    layer.unmerge = _refuse_merge
+        m.base_model.merge_and_unload = _on_shards(type(m.base_model).merge_and_unload.__get__(m.base_model), None)
+        for layer in m.modules():  # (merge_adapter, unmerge_adapter, merge_and_unload: each tuner layer's)
+            if type(layer).__module__.startswith("peft.") and hasattr(layer, "get_delta_weight"):
+                layer.merge = _on_shards(type(layer).merge.__get__(layer), layer)
+                layer.unmerge = _on_shards(type(layer).unmerge.__get__(layer), layer)
     return found
 
 
-def _refuse_merge(*args: Any, **kwargs: Any) -> None:
-    """A tuner layer's ``merge`` (or ``unmerge`` of one merged) after ``parallelize``: PEFT would add
-    ``B @ A`` of the full-shape facades into the base weight, whose values are this rank's shard (it
-    raises before it changes a weight)."""
-    raise UsageError(
-        "dynashard: merging or unmerging a LoRA adapter of a parallelized model (merge_adapter, unmerge_adapter, "
-        "merge_and_unload) is not supported: its base weights and adapters are held as this rank's shards. "
-        "Expected merge_adapter() or merge_and_unload() before dynashard.parallelize (a merged adapter is a plain "
-        "linear, cut like its base), or the unmerged adapters kept (they run sharded, adding no collective).")
+def merging() -> bool:
+    """Inside a merge of a parallelized model's LoRA layers: their parameters read as this rank's shards."""
+    return getattr(_MERGING, "on", False)
+
+
+_MERGING = threading.local()
+
+
+def _on_shards(original: Any, layer: nn.Module | None) -> Any:
+    """PEFT's ``merge`` / ``unmerge`` (``layer``'s), or ``merge_and_unload``, run on this rank's shards: where each
+    adapter is cut by its base (colwise: B's rows with the base's, A whole; rowwise: A's columns with the base's,
+    B whole; or all whole), ``B @ A`` of the shards is the base shard's part of the whole ``B @ A``, so PEFT's own
+    merge of the shards is the unsharded merge's, cut. Any other layout is refused before anything changes."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        layers = [layer] if layer is not None else [t for t in original.__self__.modules() if hasattr(t, "lora_A")
+                                                    and hasattr(t, "get_delta_weight")]
+        if original.__name__ == "unmerge":
+            layers = [t for t in layers if t.merged]  # (nothing to unmerge: PEFT only warns)
+        for t in layers:
+            why = _unmergeable(t)
+            if why is not None:
+                raise UsageError(f"dynashard: merging the LoRA adapters of a parallelized layer: {why}. Expected "
+                                 "merge_adapter() or merge_and_unload() before dynashard.parallelize (a merged adapter "
+                                 "is a plain linear, cut like its base), or the adapters kept unmerged.")
+        _MERGING.on = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _MERGING.on = False
+
+    return run
+
+
+def _unmergeable(layer: nn.Module) -> str | None:
+    """Why ``layer``'s adapters cannot be merged shard by shard (None: they can)."""
+    if getattr(layer, "fan_in_fan_out", False) or any(getattr(layer, "lora_variant", {}).values()) \
+            or any(getattr(layer, "lora_bias", {}).values()):
+        return "fan_in_fan_out, a LoRA variant (DoRA, ...) or lora_bias, whose merge is not a product of the shards"
+    base = _cut(layer.get_base_layer())
+    for name in layer.lora_A:
+        a, b = _cut(layer.lora_A[name]), _cut(layer.lora_B[name])
+        if not (base == a == b == (None,) or (base[0] == 0 and (a, b) == ((None,), base))
+                or (base[0] == 1 and (a, b) == (base, (None,)))):
+            return f"adapter {name!r} is not cut by its base layer's style (base {base}, A {a}, B {b})"
+    return None
+
+
+def _cut(module: nn.Module) -> tuple:
+    """``(dim, each rank's ranges)`` of ``module.weight``'s cut, ``(None,)`` where it is held whole."""
+    from dynashard.load.parallelize import FACADES  # lazy: parallelize imports this module
+    from dynashard.weights.store import STORE
+
+    facade = module.__dict__.get(FACADES, {}).get("weight")
+    spec = None if facade is None else STORE.spec_of(facade)
+    if spec is None:
+        return (None,)
+    return spec.dim % facade.dim(), tuple(map(tuple, spec.split.owned(spec.world)))
 
 
 def _whole_saver(model: nn.Module, original: Any, group: dist.ProcessGroup) -> Any:

@@ -378,6 +378,8 @@ def _register_parameter(self, name: str, param) -> None:
     the compiled program reads the shard registered by ``parallelize``, so a new object would be
     ignored silently. A parameter left whole is replaced as in any module (Dynamo reads the new one)."""
     entries = self.__dict__.get(FACADES, {})
+    if param is not None and param is private.parameter_slots(self).get(name):
+        return  # (the parameter it holds, assigned again: PEFT's merge_and_unload hands a base layer its own)
     if name in entries and entries[name] is private.parameter_slots(self).get(name) and not _is_dtensor(param):
         entries[name] = param
         nn.Module.register_parameter(self, name, param)
@@ -417,8 +419,9 @@ def _facade_property(attr: str) -> property:
         if attr not in facades:  # another instance of the class, whose parameter was not sharded
             return nn.Module.__getattr__(self, attr)
         facade = facades[attr]
-        if not private.compiling() and fsdp.is_live(facade):
-            return private.parameter_slots(self)[attr]  # dtensor=True: eager code (FSDP2) gets the DTensor
+        if not private.compiling() and (fsdp.is_live(facade) or adapters.merging()):
+            # dtensor=True: eager code (FSDP2) gets the DTensor; a merge of LoRA layers, the shards (adapters.py)
+            return private.parameter_slots(self)[attr]
         return facade  # (eager use of it is answered by the facade itself: facades.py)
 
     return property(get, doc=f"the full-shape facade of the sharded parameter {attr!r} (Dynamo reads it)")
