@@ -1,4 +1,6 @@
-"""PEFT adapters of a parallelized model saved whole: ``save_pretrained`` gathers, rank 0 writes.
+"""PEFT adapters of a parallelized model: saved whole, all of them cut, merged on the shards.
+
+``save_pretrained`` gathers, rank 0 writes.
 
 Before: after ``parallelize``, a PEFT model's ``state_dict()`` holds this rank's pieces of every cut
 adapter weight (B of a colwise layer: its rows; A of a rowwise layer: its columns), and PEFT's
@@ -14,6 +16,10 @@ Several adapters: ``parallelize``'s example runs with every adapter of each PEFT
 (:func:`every_adapter_active`), so each is planned, cut by its base layer and registered, whichever is
 active later (an adapter no graph read would stay whole, and one a later compile cut would be held by no
 parameter: its training refused); the active adapters and ``requires_grad`` are restored afterwards.
+
+Merging after ``parallelize`` (:func:`_on_shards`): PEFT's own ``merge`` / ``unmerge`` / ``merge_and_unload`` run
+with the layers' parameters read as this rank's shards, where each adapter is cut by its base (then ``B @ A`` of
+the shards is this rank's part of the whole product); any other layout is refused before anything changes.
 
 PEFT is not imported here unless a PEFT model is found (it is a test dependency only).
 """
