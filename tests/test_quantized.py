@@ -619,9 +619,10 @@ def test_dcp_round_trip_of_a_parallelized_quantized_model(rank, world, tmp_path,
     set_model_state_dict into another, quantized alike from other weights: the saved model's logits. The state
     dict holds each weight's inner tensors (``q_proj.weight.qdata``: this rank's rows), not the subclass, whose
     freed qdata DCP would pickle (before: every rank raised inside dcp.save, after writing its files). A
-    checkpoint of another quantization is refused by DCP on every rank, the model left as it was."""
+    checkpoint of another quantization is refused by DCP on every rank, the model left as it was. A full state
+    dict (``full_state_dict=True``) holds the whole inner tensors, and loads back cut."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     model = _quantized_llama(LOAD_CONFIGS[case](), seed=0)
@@ -638,6 +639,15 @@ def test_dcp_round_trip_of_a_parallelized_quantized_model(rank, world, tmp_path,
     got, want = other(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
     # the same integers and scales, partial sums added in another order: ulps of O(1) float32 logits
     assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    if case == "int4 PerGroup(16)":  # (full_state_dict: every inner tensor gathered whole, and cut again on load)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        scale = reference.model.layers[0].mlp.down_proj.weight.scale  # (cut by groups of columns: rowwise)
+        assert torch.equal(full["model.layers.0.mlp.down_proj.weight.scale"], scale)
+        third = _quantized_llama(LOAD_CONFIGS[case](), seed=7)
+        dynashard.parallelize(third, ids, options=OPTIONS, use_cache=False)
+        set_model_state_dict(third, full, options=StateDictOptions(full_state_dict=True))
+        got = third(ids, use_cache=False).logits
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
     if case == "int8 per row":
         regrouped = _quantized_llama(Int8WeightOnlyConfig(granularity=PerGroup(16)), seed=5)
         dynashard.parallelize(regrouped, ids, options=OPTIONS, use_cache=False)
