@@ -20,8 +20,9 @@ import torch.nn.functional as F
 import dynashard
 from tests.scenarios import Scenarios
 
-# One spawn at world 2 runs the 4 scenarios: ~230 s on the 2-core machine under a load of other jobs (the
-# unit test ~90 s beside it); 600 s leaves a 2.5x margin.
+# One spawn at world 2 runs the scenarios: the first 4 took ~230 s on the 2-core machine under a load of other
+# jobs (the unit test ~90 s beside it); the whole file with 6 took 146 s here under a lighter load (the
+# several-adapters one ~70 s of it alone). 600 s leaves a 2x margin.
 SCENARIOS_DEADLINE_S = 600
 on_ranks = Scenarios(__name__, worlds=(2,), deadline_s=SCENARIOS_DEADLINE_S)
 pytestmark = pytest.mark.timeout(SCENARIOS_DEADLINE_S + 60)  # (the first scenario's test waits for the spawn)
@@ -95,6 +96,62 @@ def test_lora_on_every_projection_costs_no_collective():
     assert "joins the base's one all_reduce" in o_a.reason or "join the base's" in o_a.reason, o_a.reason
 
 
+@pytest.mark.unit
+def test_plan_dicts_and_hf_plans_reach_peft_base_layers():
+    """HF Llama's own base_model_tp_plan on a PEFT model (module names gain ``base_model.model.`` and
+    ``.base_layer``): the base layers are cut as the plan says and each adapter by its base, so LoRA adds no
+    collective (2 all_reduces a layer, the embedding not in the plan: whole). A dict of PEFT's own module
+    names plans the same; a key naming no module is still refused."""
+    import transformers as T
+
+    from tests.test_graphs import rewritten
+
+    ids = torch.randint(0, 96, (2, 7))
+    hf = dict(T.LlamaConfig.base_model_tp_plan)
+    plain = rewritten(Logits(llama()), ids, plan=hf)
+    adapted = rewritten(Logits(lora(llama())), ids, plan=hf)
+    assert (_count(plain, "all_reduce"), _count(plain, "all_gather")) == (4, 0)
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (4, 0)
+    model = Logits(lora(llama(layers=1)))
+    peft_names = {n + ".base_layer" if n.endswith("_proj") else n: hf[k] for n, _ in model.named_modules()
+                  for k in hf if n.endswith(k.removeprefix("layers.*"))}
+    assert len(peft_names) == len(hf), peft_names
+    for plan in (hf, peft_names):
+        layers = dynashard.explain(model, ids, world_size=2, options={**OPTIONS, "plan": plan}).layers
+        styles = {fqn.split("layers.0.")[-1]: style for fqn, style in layers.items() if "layers.0." in fqn}
+        for key, style in hf.items():
+            name = key.removeprefix("layers.*.")
+            a, b = ("replicate", "colwise") if style == "colwise" else ("rowwise", "replicate")
+            assert (styles[f"{name}.base_layer"], styles[f"{name}.lora_A.default"], styles[f"{name}.lora_B.default"]
+                    ) == (style, a, b), (plan, styles)
+    typo = {"layers.*.self_attn.qq_proj": "colwise"}
+    with pytest.raises(ValueError, match="plan key 'layers.*.self_attn.qq_proj' matches no linear"):
+        dynashard.explain(model, ids, world_size=2, options={**OPTIONS, "plan": typo})
+
+
+def two_adapters(layers: int = 1):
+    """A PEFT Llama with adapter "default" on every projection and "other" (another rank and scale) on
+    three, "default" active; both B's random."""
+    import peft
+
+    lm = lora(llama(layers=layers))
+    lm.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "up_proj", "down_proj"]))
+    randomise_b(lm, 2)
+    return lm
+
+
+@pytest.mark.unit
+def test_two_active_adapters_cost_no_collective():
+    """Two adapters active at once (PEFT's ``base_model.set_adapter([...])``: their adds chained on each
+    layer): each cut by its base, still 5 all_reduces for 2 layers and no gather."""
+    from tests.test_graphs import rewritten
+
+    lm = two_adapters(layers=2)
+    lm.base_model.set_adapter(["default", "other"])
+    adapted = rewritten(Logits(lm), torch.randint(0, 96, (2, 7)))
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)
+
+
 def _grads(model, twin) -> tuple[float, list[str]]:
     """Worst relative error of the LoRA parameters' raw gradients against the twin's (whole:
     dynashard.full_tensor of a sharded one), and the trainable parameters without a gradient."""
@@ -112,9 +169,9 @@ def _grads(model, twin) -> tuple[float, list[str]]:
     return worst, missing
 
 
-def _train(model, twin, batches, seeds=None) -> tuple[float, float, list[str]]:
+def _train(model, twin, batches, seeds=None, options=OPTIONS) -> tuple[float, float, list[str]]:
     """SGD steps on both; the worst forward difference, the worst gradient error, missing grads."""
-    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    fast = torch.compile(model, backend=dynashard.backend(**options))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.1)
     opt_twin = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.1)
@@ -154,6 +211,96 @@ def test_lora_training_matches_the_twin(rank, world):
     out_err, grad_err, missing = _train(model, twin, _batches())
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_lora_under_the_models_own_tp_plan_trains_as_the_twin(rank, world):
+    """The HF model's own base_model_tp_plan on the PEFT model: the base layers and the adapters are held
+    cut as the plan and their bases say (each rank half of q's and B's rows, half of o's and A's columns),
+    and 3 SGD steps give the twin's logits and raw adapter gradients, as under plan="auto"."""
+    import transformers as T
+
+    from dynashard.weights.store import STORE
+
+    options = {**OPTIONS, "plan": dict(T.LlamaConfig.base_model_tp_plan)}
+    model = Logits(lora(llama()))
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, _batches(1)[0][0], options=options)
+    attn = model.lm.base_model.model.model.layers[0].self_attn
+    held = tuple(STORE.shard_of(w).shape for w in (attn.q_proj.base_layer.weight, attn.q_proj.lora_B.default.weight,
+                                                    attn.o_proj.base_layer.weight, attn.o_proj.lora_A.default.weight))
+    assert held == ((32, 64), (32, 4), (64, 32), (4, 32)), held
+    out_err, grad_err, missing = _train(model, twin, _batches(), options=options)
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_several_adapters_switch_train_and_merge_as_the_twin(rank, world):
+    """Three adapters on one model ("default", "other", and "mix", PEFT's weighted combination of the two),
+    parallelized with "default" active: every adapter is planned and cut by its base, so switching
+    (set_adapter, base_model.set_adapter([...]) for two at once) gives the twin's logits, and "other", made
+    active after parallelize, trains as the twin's (raw gradients, SGD). Merged after that (merge_adapter,
+    unmerge_adapter, merge_and_unload: PEFT's merge of the shards), the twin's logits; an adapter a plan cut
+    otherwise than its base is refused, naming the fix, unmerged. Merged before parallelize, the adapters are
+    plain linears: cut, the twin's logits."""
+    import transformers as T
+
+    from dynashard.weights.store import STORE
+    from tests.scenarios import raised
+
+    ids = _batches(1)[0][0]
+    lm = two_adapters()
+    lm.base_model.add_weighted_adapter(["default", "other"], [0.7, 0.3], "mix", combination_type="cat")
+    lm.set_adapter("default")
+    model = Logits(lm)
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, ids, options=OPTIONS)
+    layer = model.lm.base_model.model.model.layers[0]
+    held = [STORE.shard_of(w) for w in (layer.self_attn.q_proj.lora_B.other.weight,
+                                        layer.mlp.down_proj.lora_A.other.weight, layer.mlp.down_proj.lora_A.mix.weight)]
+    # (inactive when parallelize ran, cut by their bases all the same: q colwise, down rowwise over 128 features)
+    assert [None if h is None else tuple(h.shape) for h in held] == [(32, 2), (2, 64), (6, 64)], held
+    errs = {}
+    with torch.no_grad():
+        # (each active set, and each merge state below, is a compile of its own: Dynamo's recompile_limit, 8 a frame,
+        # bounds them; past it the frame runs eagerly, where a parallelized model cannot run)
+        for active in ("other", ["default", "other"], "mix"):
+            for m in (model, twin):
+                m.lm.base_model.set_adapter(active)
+            errs[str(active)] = float((model(ids) - twin(ids)).abs().max())
+    assert max(errs.values()) < 1e-5, errs
+    for m in (model, twin):
+        m.lm.set_adapter("other")
+    out_err, grad_err, missing = _train(model, twin, _batches(2))
+    assert not missing and out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err, missing)
+    errs = {}
+    with torch.no_grad():  # (merged into the shards: each rank's part of the unsharded merge)
+        for what in ("merge_adapter", "unmerge_adapter", "merge_and_unload"):
+            done = [getattr(m.lm, what)() for m in (model, twin)]
+            if what == "merge_and_unload":
+                model.lm, twin.lm = done
+            errs[what] = float((model(ids) - twin(ids)).abs().max())
+    assert max(errs.values()) < 1e-5, errs
+
+    # an adapter a plan cuts otherwise than its base (A colwise on its r features): no merge of the shards
+    plan = {**T.LlamaConfig.base_model_tp_plan, "layers.*.self_attn.q_proj.lora_A.*": "colwise"}
+    odd = Logits(lora(llama(layers=1)))
+    dynashard.parallelize(odd, ids, options={**OPTIONS, "plan": plan})
+    refused = raised(odd.lm.merge_adapter)
+    assert "is not cut by its base layer's style" in str(refused) and "before dynashard.parallelize" in str(refused)
+    assert not odd.lm.base_model.model.model.layers[0].self_attn.q_proj.merged
+
+    merged, unloaded = two_adapters(), two_adapters()
+    merged.merge_adapter()
+    merged, unloaded = Logits(merged), Logits(unloaded.merge_and_unload())
+    for plain, weight in ((merged, lambda m: m.lm.base_model.model.model.layers[0].self_attn.q_proj.base_layer),
+                          (unloaded, lambda m: m.lm.model.layers[0].self_attn.q_proj)):
+        plain_twin = copy.deepcopy(plain)
+        dynashard.parallelize(plain, ids, options=OPTIONS)
+        assert STORE.shard_of(weight(plain).weight).shape == (32, 64)
+        with torch.no_grad():
+            assert float((plain(ids) - plain_twin(ids)).abs().max()) < 1e-5
 
 
 class Chain(nn.Module):

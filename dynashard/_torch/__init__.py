@@ -19,8 +19,11 @@ import torch.fx
 
 from dynashard.errors import DynashardError
 
-# (a module's _modules / _parameters / _buffers entry, or a facade dynashard.parallelize keeps in its __dict__)
-_SOURCE_PART = re.compile(r"(?:_modules|_parameters|_buffers|__dict__\['_dynashard_facades'\])\['([^']+)'\]")
+# (a module's _modules / _parameters / _buffers entry, also reached through its __dict__ as Dynamo names a
+# module read by a class's own __getattr__ (PEFT's base_model.model), or a facade dynashard.parallelize keeps
+# in its __dict__)
+_SOURCE_PART = re.compile(
+    r"(?:(?:__dict__\[')?(?:_modules|_parameters|_buffers)(?:'\])?|__dict__\['_dynashard_facades'\])\['([^']+)'\]")
 
 
 # Dynamo's graphs and their fake inputs (torch._guards, torch._subclasses, make_fx).

@@ -1,4 +1,6 @@
-"""PEFT adapters of a parallelized model saved whole: ``save_pretrained`` gathers, rank 0 writes.
+"""PEFT adapters of a parallelized model: saved whole, all of them cut, merged on the shards.
+
+``save_pretrained`` gathers, rank 0 writes.
 
 Before: after ``parallelize``, a PEFT model's ``state_dict()`` holds this rank's pieces of every cut
 adapter weight (B of a colwise layer: its rows; A of a rowwise layer: its columns), and PEFT's
@@ -10,11 +12,24 @@ cut tensor PEFT keeps (the adapters' weights, embedding layers it saves) and let
 rank 0 (``is_main_process`` unless given). Every other tensor is written as PEFT writes it. Anything
 PEFT would still write as a piece is refused before a file is written.
 
+Several adapters: ``parallelize``'s example runs with every adapter of each PEFT model active
+(:func:`every_adapter_active`), so each is planned, cut by its base layer and registered, whichever is
+active later (an adapter no graph read would stay whole, and one a later compile cut would be held by no
+parameter: its training refused); the active adapters and ``requires_grad`` are restored afterwards.
+
+Merging after ``parallelize`` (:func:`_on_shards`): PEFT's own ``merge`` / ``unmerge`` / ``merge_and_unload`` run
+with the layers' parameters read as this rank's shards, where each adapter is cut by its base (then ``B @ A`` of
+the shards is this rank's part of the whole product); any other layout is refused before anything changes.
+
 PEFT is not imported here unless a PEFT model is found (it is a test dependency only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +41,8 @@ from dynashard.errors import UsageError
 from dynashard.layout import placement
 from dynashard.weights.facades import full_tensor
 
+log = logging.getLogger(__name__)
+
 _STAGE = ("saving a PEFT adapter: PeftModel.save_pretrained of a parallelized model gathers the cut adapter weights, "
           "so every rank calls it (rank 0 writes; is_main_process=rank == 0 by default)")
 
@@ -36,12 +53,107 @@ def is_peft_model(module: nn.Module) -> bool:
         and callable(getattr(type(module), "save_pretrained", None))
 
 
+@contextlib.contextmanager
+def every_adapter_active(model: nn.Module) -> Iterator[None]:
+    """Every adapter of each PEFT model in ``model`` active inside the block (PEFT's tuner
+    ``set_adapter([...])``: several active adapters chain their adds, each cut by its base); after
+    it, each tuner's active adapters and every parameter's ``requires_grad`` as they were. A model
+    whose adapters PEFT cannot activate together (``modules_to_save`` takes one) is left as it is."""
+    grads = {p: p.requires_grad for p in model.parameters()}
+    changed = []
+    for tuner in (m.base_model for m in model.modules() if is_peft_model(m)):
+        names, before = list(tuner.peft_config), getattr(tuner, "active_adapter", None)
+        active = [before] if isinstance(before, str) else list(before or ())
+        if set(active) >= set(names) or not callable(getattr(tuner, "set_adapter", None)):
+            continue
+        try:
+            tuner.set_adapter(names)
+        except ValueError as e:  # (PEFT's own refusal; the adapters that stay inactive stay whole)
+            log.debug("dynashard: PEFT cannot activate the adapters %s together (%s); planning the active %s only",
+                      names, e, active)
+            tuner.set_adapter(before)
+            continue
+        changed.append((tuner, before))
+    try:
+        yield
+    finally:
+        for tuner, before in changed:
+            tuner.set_adapter(before)
+        for p, wanted in grads.items():
+            p.requires_grad_(wanted)
+
+
 def install(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
     """Every PEFT model in ``model`` (itself included) saves whole adapters; returns them."""
     found = [m for m in model.modules() if is_peft_model(m)]
     for m in found:
         m.save_pretrained = _whole_saver(m, type(m).save_pretrained.__get__(m), group)
+        m.base_model.merge_and_unload = _on_shards(type(m.base_model).merge_and_unload.__get__(m.base_model), None)
+        for layer in m.modules():  # (merge_adapter, unmerge_adapter, merge_and_unload: each tuner layer's)
+            if type(layer).__module__.startswith("peft.") and hasattr(layer, "get_delta_weight"):
+                layer.merge = _on_shards(type(layer).merge.__get__(layer), layer)
+                layer.unmerge = _on_shards(type(layer).unmerge.__get__(layer), layer)
     return found
+
+
+def merging() -> bool:
+    """Inside a merge of a parallelized model's LoRA layers: their parameters read as this rank's shards."""
+    return getattr(_MERGING, "on", False)
+
+
+_MERGING = threading.local()
+
+
+def _on_shards(original: Any, layer: nn.Module | None) -> Any:
+    """PEFT's ``merge`` / ``unmerge`` (``layer``'s), or ``merge_and_unload``, run on this rank's shards: where each
+    adapter is cut by its base (colwise: B's rows with the base's, A whole; rowwise: A's columns with the base's,
+    B whole; or all whole), ``B @ A`` of the shards is the base shard's part of the whole ``B @ A``, so PEFT's own
+    merge of the shards is the unsharded merge's, cut. Any other layout is refused before anything changes."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        layers = [layer] if layer is not None else [t for t in original.__self__.modules() if hasattr(t, "lora_A")
+                                                    and hasattr(t, "get_delta_weight")]
+        if original.__name__ == "unmerge":
+            layers = [t for t in layers if t.merged]  # (nothing to unmerge: PEFT only warns)
+        for t in layers:
+            why = _unmergeable(t)
+            if why is not None:
+                raise UsageError(f"dynashard: merging the LoRA adapters of a parallelized layer: {why}. Expected "
+                                 "merge_adapter() or merge_and_unload() before dynashard.parallelize (a merged adapter "
+                                 "is a plain linear, cut like its base), or the adapters kept unmerged.")
+        _MERGING.on = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _MERGING.on = False
+
+    return run
+
+
+def _unmergeable(layer: nn.Module) -> str | None:
+    """Why ``layer``'s adapters cannot be merged shard by shard (None: they can)."""
+    if getattr(layer, "fan_in_fan_out", False) or any(getattr(layer, "lora_variant", {}).values()) \
+            or any(getattr(layer, "lora_bias", {}).values()):
+        return "fan_in_fan_out, a LoRA variant (DoRA, ...) or lora_bias, whose merge is not a product of the shards"
+    base = _cut(layer.get_base_layer())
+    for name in layer.lora_A:
+        a, b = _cut(layer.lora_A[name]), _cut(layer.lora_B[name])
+        if not (base == a == b == (None,) or (base[0] == 0 and (a, b) == ((None,), base))
+                or (base[0] == 1 and (a, b) == (base, (None,)))):
+            return f"adapter {name!r} is not cut by its base layer's style (base {base}, A {a}, B {b})"
+    return None
+
+
+def _cut(module: nn.Module) -> tuple:
+    """``(dim, each rank's ranges)`` of ``module.weight``'s cut, ``(None,)`` where it is held whole."""
+    from dynashard.load.parallelize import FACADES  # lazy: parallelize imports this module
+    from dynashard.weights.store import STORE
+
+    facade = module.__dict__.get(FACADES, {}).get("weight")
+    spec = None if facade is None else STORE.spec_of(facade)
+    if spec is None:
+        return (None,)
+    return spec.dim % facade.dim(), tuple(map(tuple, spec.split.owned(spec.world)))
 
 
 def _whole_saver(model: nn.Module, original: Any, group: dist.ProcessGroup) -> Any:

@@ -29,6 +29,7 @@ from dynashard.errors import UsageError
 from dynashard.load import integrity
 from dynashard.load.checkpoint import _INDEX, _SAFETENSORS_DTYPES
 from dynashard.load.parallelize import facades
+from dynashard.load.quantized_state import quantized_slots
 from dynashard.weights.store import STORE
 
 
@@ -163,6 +164,8 @@ def _export_entries(model: torch.nn.Module, store: Any) -> list[tuple[str, torch
     for module in model.modules():
         for facade in facades(module).values():
             facade_of[id(store.shard_of(facade))] = facade
+        for inner in quantized_slots(module).values():  # (state_dict() holds their shards: quantized_state.py)
+            facade_of.update((id(store.shard_of(t)), t) for _, t in inner if store.is_sharded(t))
     entries, seen = [], set()
     for name, value in model.state_dict(keep_vars=True).items():
         if id(value) in seen or not isinstance(value, torch.Tensor):

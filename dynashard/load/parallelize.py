@@ -47,7 +47,7 @@ from dynashard.dynamo_backend import dynashard_backend, parallelizing
 from dynashard.errors import UsageError
 from dynashard.layout.placement import check_loadable, cut_placed, gather_placed, words
 from dynashard.layout.placement import of as placement_of
-from dynashard.load import adapters
+from dynashard.load import adapters, quantized_state
 from dynashard.load.loader import Loader
 from dynashard.options import parse_options
 from dynashard.training import fsdp
@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
     try:
         if source is not None:
             source.make_facades()
-        with torch.no_grad():
+        with torch.no_grad(), adapters.every_adapter_active(model):  # (all of a PEFT model's adapters cut)
             if one_trace:
                 # The example is a plain call of the parallelized model, which runs as the user's
                 # torch.compile(model, backend="dynashard", options=options) would (the same frame, an equal
@@ -146,6 +146,7 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
             "this rank's shards of them. Fix the error, then compile with torch.compile(model, backend='dynashard') "
             "and the same options (or rebuild the model).") from e
     _register(model)
+    quantized_state.install(model)  # (a quantized weight's cut inner tensors in its state dict: DCP saves them)
     # (DCP's full_state_dict: whole tensors)
     private.follow_placements_in_dcp(functools.partial(gather_placed, gather=_gather_placed),
                                      functools.partial(cut_placed, cut=_cut_placed))
@@ -377,6 +378,8 @@ def _register_parameter(self, name: str, param) -> None:
     the compiled program reads the shard registered by ``parallelize``, so a new object would be
     ignored silently. A parameter left whole is replaced as in any module (Dynamo reads the new one)."""
     entries = self.__dict__.get(FACADES, {})
+    if param is not None and param is private.parameter_slots(self).get(name):
+        return  # (the parameter it holds, assigned again: PEFT's merge_and_unload hands a base layer its own)
     if name in entries and entries[name] is private.parameter_slots(self).get(name) and not _is_dtensor(param):
         entries[name] = param
         nn.Module.register_parameter(self, name, param)
@@ -416,8 +419,9 @@ def _facade_property(attr: str) -> property:
         if attr not in facades:  # another instance of the class, whose parameter was not sharded
             return nn.Module.__getattr__(self, attr)
         facade = facades[attr]
-        if not private.compiling() and fsdp.is_live(facade):
-            return private.parameter_slots(self)[attr]  # dtensor=True: eager code (FSDP2) gets the DTensor
+        if not private.compiling() and (fsdp.is_live(facade) or adapters.merging()):
+            # dtensor=True: eager code (FSDP2) gets the DTensor; a merge of LoRA layers, the shards (adapters.py)
+            return private.parameter_slots(self)[attr]
         return facade  # (eager use of it is answered by the facade itself: facades.py)
 
     return property(get, doc=f"the full-shape facade of the sharded parameter {attr!r} (Dynamo reads it)")

@@ -8,6 +8,11 @@ Before: the matched linears of one graph and the plan dict. After: a
     layers.0.mlp.down -> rowwise, "plan key 'mlp.down'"   (a key also matches a dotted suffix)
     lm_head           -> replicate, "not named by the plan"
 
+A PEFT-wrapped layer (``q_proj`` holding ``q_proj.base_layer`` and its adapters ``q_proj.lora_A.*``,
+``q_proj.lora_B.*``) is named by the layer's own FQN, as before wrapping, so a plan written for the base
+model (an HF ``base_model_tp_plan``) cuts the base layer; an adapter no key names follows its base's style
+(auto.adapter_decision: no collective of its own), one a key names takes that key's style.
+
 A Hugging Face plan's styles for expert parameters (keys under a ``moe_tp_experts`` container) name
 the weight dim HF cuts; each becomes colwise or rowwise by how the weight is stored (options.ParamDim).
 
@@ -27,13 +32,19 @@ import torch.fx
 
 from dynashard.errors import UsageError
 from dynashard.options import ParamDim, Style
+from dynashard.plan.auto import adapter_decision
 from dynashard.plan.context import PlanContext
 from dynashard.plan.decision import Decision, shared_conflicts, split_dim
 
+# PEFT's tuner layers (``lora.Linear`` and the others) hold the layer they adapt under this name
+_PEFT_BASE = ".base_layer"
+
 
 def key_matches(key: str, fqn: str) -> bool:
-    """A plan key matches a module FQN in full, or a dotted suffix of it (HF base-model plans)."""
-    return fnmatch.fnmatchcase(fqn, key) or fnmatch.fnmatchcase(fqn, "*." + key)
+    """A plan key matches a module FQN in full, or a dotted suffix of it (HF base-model plans); a PEFT
+    base layer's FQN also as the FQN of the layer it was before PEFT wrapped it."""
+    names = (fqn, fqn.removesuffix(_PEFT_BASE)) if fqn.endswith(_PEFT_BASE) else (fqn,)
+    return any(fnmatch.fnmatchcase(n, key) or fnmatch.fnmatchcase(n, "*." + key) for n in names)
 
 
 def _layer_style(style: Style | ParamDim, m) -> Style:
@@ -63,8 +74,13 @@ def user_decisions(ctx: PlanContext) -> dict[torch.fx.Node, Decision]:
                 "matched against module FQNs as in model.named_modules())."
             )
     decisions: dict[torch.fx.Node, Decision] = {}
+    followers = []  # LoRA A and B no key names: they follow their base's style, decided below
     for m in linears:
         keys = [k for k in plan if key_matches(k, m.fqn)]
+        update = ctx.updates.get(m.node)
+        if not keys and update is not None and m in (update.a, update.b):
+            followers.append(m)
+            continue
         if not keys:
             decisions[m.node] = Decision(Style.REPLICATE, "not named by the plan")
             continue
@@ -92,6 +108,9 @@ def user_decisions(ctx: PlanContext) -> dict[torch.fx.Node, Decision]:
             raise UsageError(f"dynashard: plan asks for {style} on {m.kind} {m.fqn!r} at world size {mesh.world}, but "
                              f"{refused}; expected 'replicate' for it, or 'colwise'.")
         decisions[m.node] = Decision(style, f"plan key {keys[-1]!r}")
+    for m in followers:
+        follows = None if blocked[m.node] else adapter_decision(m, ctx.updates, decisions)
+        decisions[m.node] = follows or Decision(Style.REPLICATE, "not named by the plan")
     for ms in shared_conflicts(linears, decisions).values():
         uses = ", ".join(sorted({f"{m.fqn} as {decisions[m.node].style}" for m in ms}))
         raise UsageError(
