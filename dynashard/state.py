@@ -32,6 +32,9 @@ TRACING = threading.local()  # .conversions: the TracedConversions of this threa
 # .source: the checkpoint or rank 0's deal of this thread's dynashard.parallelize example run in progress (None
 # when it reads nothing); set while that run calls the model (dynamo_backend.parallelizing)
 PARALLELIZING = threading.local()
+# .on: this thread runs PEFT's merge (or unmerge) of a parallelized model's LoRA layers, whose parameters then read
+# as this rank's shards (load.adapters); set while that merge runs
+MERGING = threading.local()
 
 STATE: dict[str, str] = {
     "dynashard.comm.protocol._HOSTS":
@@ -81,6 +84,8 @@ STATE: dict[str, str] = {
         "this thread's rewrite in progress (comm.collectives.TracedConversions); set while it traces",
     "dynashard.state.PARALLELIZING":
         "this thread's dynashard.parallelize example run (its loader); set while that run calls the model",
+    "dynashard.state.MERGING":
+        "this thread runs PEFT's merge of a parallelized model's LoRA layers; set while that merge runs",
 }
 
 HOOKS: dict[str, str] = {

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,10 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dynashard import state
 from dynashard.comm.protocol import peer_guard
 from dynashard.errors import UsageError
 from dynashard.layout import placement
 from dynashard.weights.facades import full_tensor
+from dynashard.weights.store import STORE
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +99,7 @@ def install(model: nn.Module, group: dist.ProcessGroup) -> list[nn.Module]:
 
 def merging() -> bool:
     """Inside a merge of a parallelized model's LoRA layers: their parameters read as this rank's shards."""
-    return getattr(_MERGING, "on", False)
-
-
-_MERGING = threading.local()
+    return getattr(state.MERGING, "on", False)
 
 
 def _on_shards(original: Any, layer: nn.Module | None) -> Any:
@@ -121,11 +119,11 @@ def _on_shards(original: Any, layer: nn.Module | None) -> Any:
                 raise UsageError(f"dynashard: merging the LoRA adapters of a parallelized layer: {why}. Expected "
                                  "merge_adapter() or merge_and_unload() before dynashard.parallelize (a merged adapter "
                                  "is a plain linear, cut like its base), or the adapters kept unmerged.")
-        _MERGING.on = True
+        state.MERGING.on = True
         try:
             return original(*args, **kwargs)
         finally:
-            _MERGING.on = False
+            state.MERGING.on = False
 
     return run
 
@@ -147,7 +145,6 @@ def _unmergeable(layer: nn.Module) -> str | None:
 def _cut(module: nn.Module) -> tuple:
     """``(dim, each rank's ranges)`` of ``module.weight``'s cut, ``(None,)`` where it is held whole."""
     from dynashard.load.parallelize import FACADES  # lazy: parallelize imports this module
-    from dynashard.weights.store import STORE
 
     facade = module.__dict__.get(FACADES, {}).get("weight")
     spec = None if facade is None else STORE.spec_of(facade)
