@@ -123,3 +123,17 @@ def test_the_programs_dynamo_binds_go_with_the_model(fake_group):
         model(ids)
     assert not [k for k in vars(module) if k.startswith("__compiled_fn")]
     assert [k for k in model.forward.__globals__ if k.startswith("__compiled_fn")]  # (where they are)
+
+
+def test_a_call_past_the_recompile_limit_is_said_as_that(fake_group):
+    """A parallelized model's frame at Dynamo's recompile_limit runs the next variant of the call uncompiled:
+    the error names the limit and the fix. (Before: the eager run reached a facade and said "a submodule cannot
+    run on its own", which was not what happened: PEFT's adapter switches met it.)"""
+    from dynashard.errors import UsageError
+
+    model, ids = _llama()
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        dynashard.parallelize(model, ids, options=OPTIONS)
+        model(ids)  # (the same variant: the entry parallelize left)
+        with pytest.raises(UsageError, match=r"compiled 1 times, torch._dynamo.config.recompile_limit \(1\)"):
+            model(ids[:, :5])  # another length: a compile of its own (dynamic from then on), past the limit of 1

@@ -218,6 +218,14 @@ def dynamo_compile_id() -> tuple[int, int] | None:
     return compile_id.frame_id, compile_id.frame_compile_id
 
 
+def frame_compiles(code: Any) -> int:
+    """How many compiled entries Dynamo holds for the code object ``code`` (a frame past ``recompile_limit`` of
+    them runs uncompiled). NOTE: torch 2.13's ``torch._dynamo.eval_frame._debug_get_cache_entry_list``."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code))
+
+
 def recompile_limit() -> int:
     """Dynamo's limit on a frame's compiles: once reached, its later calls run uncompiled, with one warning
     ("hit config.recompile_limit"). NOTE: ``config.recompile_limit`` (8 by default; ``cache_size_limit``

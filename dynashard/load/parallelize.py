@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from dynashard import _torch as private
+from dynashard._torch import regions as private_regions
 from dynashard._torch.subclass import is_traceable_subclass
 from dynashard.capture.subclass_inputs import inner_tensors
 from dynashard.comm.protocol import agreed, resolve_group
@@ -180,7 +181,10 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
     inside = threading.local()
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if private.compiling() or getattr(inside, "on", False):
+        if private.compiling():
+            return original(*args, **kwargs)
+        if getattr(inside, "on", False):  # (Dynamo left this frame uncompiled: the call runs eagerly)
+            _refuse_past_the_recompile_limit(model, code[0])
             return original(*args, **kwargs)
         inside.on = True
         try:
@@ -197,8 +201,24 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
     functools.update_wrapper(forward, original)
     # (had, what it was): _uninstall_all puts it back; runtime/uncompiled_calls: its plain calls are not eager
     forward._dynashard_parallelized = (had, model.__dict__.get("forward"))
+    code = [forward.__code__]
     compiled = torch.compile(forward, backend="dynashard", options=options)
     model.forward = forward
+
+
+def _refuse_past_the_recompile_limit(model: nn.Module, code: Any) -> None:
+    """A parallelized model whose forward Dynamo runs uncompiled because its frame has reached
+    ``recompile_limit`` compiles (each new grad mode, train/eval flag, active adapter set or static size is
+    one): said as that, not as the facade's "a submodule cannot run on its own" the eager run would raise."""
+    compiles, limit = private_regions.frame_compiles(code), private_regions.recompile_limit()
+    if compiles >= limit:
+        raise UsageError(
+            f"dynashard: {type(model).__name__} (parallelized) has been compiled {compiles} times, "
+            f"torch._dynamo.config.recompile_limit ({limit}), so Dynamo runs this call uncompiled, and a "
+            "parallelized model holds only this rank's shards. Expected fewer variants of the call (each grad "
+            "mode, train/eval flag, set of active adapters or new static size is a compile of its own; "
+            "TORCH_LOGS=recompiles says which guard failed), or torch._dynamo.config.recompile_limit raised to "
+            "the number of variants, on every rank.")
 
 
 def _install_all(model: nn.Module) -> None:
