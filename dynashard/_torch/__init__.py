@@ -283,9 +283,9 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches = {} if mode == "default" else dict(list_mode_options(mode))
-    if cacheable:
-        import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config
 
+    if cacheable and hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # (torch 2.8+)
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}
     if on_backward_error is None:
