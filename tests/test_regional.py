@@ -197,6 +197,42 @@ def _tagged_graph(fn, calls: list[list[str]], *args: torch.Tensor) -> torch.fx.G
 
 
 @pytest.mark.unit
+@torch.no_grad()
+def test_hf_llama_of_nested_regions_compiles_with_the_compile_cache_on(fake_group, monkeypatch, tmp_path):
+    """An HF Llama whose decoder layers' forward is one nested region, compiled with dynashard's compile cache
+    on (as by default): its graph is not stored (the graph read back has other nodes than the tags name), and
+    the rewritten graph then outlines as without the cache. Before: the store's copy of the graph took the
+    shared Graph's ownership, so the outline's subgraph was added to one module and linted on the other
+    ("references nonexistent attribute dynashard_region_0"): an InternalError on every rank, the model
+    uncompilable while the cache was on."""
+    import transformers as T
+
+    from dynashard.runtime import compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DYNASHARD_CACHE", "1")
+    assert compile_cache.enabled()
+    torch.manual_seed(0)
+    hf = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=96))
+    region = torch.compiler.nested_compile_region(type(hf.model.layers[0]).forward)
+    for layer in hf.model.layers:
+        layer.forward = region.__get__(layer)
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.hf(input_ids=ids, use_cache=False).logits
+
+    (gm,) = _compiled_graphs(monkeypatch, Logits().eval(), {**OPTIONS, "compiler": "aot_eager"})
+    calls = _invokes(gm)
+    assert len(calls) == 2 and len({c.args[0].target for c in calls}) == 1, gm.code
+
+
+@pytest.mark.unit
 def test_outline_moves_a_reader_of_a_call_after_it():
     """An outer op between a call's nodes that reads one of its values (none of the call's reads it): the
     call becomes one op before that reader, both of its values read outside, and the result is unchanged."""

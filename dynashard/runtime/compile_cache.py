@@ -200,6 +200,8 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     every later hit."""
     try:
         copy = torch.fx.GraphModule(graph, graph.graph) if graph is not None else None  # (code and attributes)
+        if graph is not None:  # (the copy took the shared Graph's ownership: the caller may still use ``graph``)
+            graph.graph.owning_module = graph
         regions = private_regions.region_tags(graph) if graph is not None else ()
         data = pickle.dumps(Entry(material, planned, pickle.dumps(copy), regions))
         back = pickle.loads(pickle.loads(data).graph)  # (a graph that pickles but does not load back: not stored)
