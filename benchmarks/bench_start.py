@@ -21,6 +21,9 @@ process start, imports, reading the checkpoint, compiling and the call, for ever
 - ``ds_cold``: the README's recipe: ``AutoModelForCausalLM.from_config`` under ``dynashard.empty_weights()``,
   ``dynashard.parallelize(model, ids, checkpoint=DIR, use_cache=False)``, ``torch.compile(model,
   backend="dynashard")`` (Inductor), with an empty Inductor cache.
+- ``ds_nested_cold`` / ``ds_nested_warm``: ``ds_cold`` / ``ds_warm`` with every decoder layer's forward one
+  ``torch.compiler.nested_compile_region`` (set on the layers before ``parallelize``): planned flat, one
+  region compiled by Inductor for all layers (``rewrite/outline.py``).
 - ``ds_warm``: a new torchrun of ``ds_cold`` (same model, options, world size) on the Inductor and
   AOTAutograd caches its cold run filled (AOTAutograd's lives under ``TORCHINDUCTOR_CACHE_DIR`` too).
 
@@ -56,8 +59,9 @@ import time
 
 from benchmarks._common import OUT_HELP, out_path, record, write_json
 
-SYSTEMS = ("hf_eager", "hf_compiled", "hf_compiled_warm", "ds_cold", "ds_warm")
-GROUPS = (("hf_eager",), ("hf_compiled", "hf_compiled_warm"), ("ds_cold", "ds_warm"))
+SYSTEMS = ("hf_eager", "hf_compiled", "hf_compiled_warm", "ds_cold", "ds_warm", "ds_nested_cold", "ds_nested_warm")
+GROUPS = (("hf_eager",), ("hf_compiled", "hf_compiled_warm"), ("ds_cold", "ds_warm"),
+          ("ds_nested_cold", "ds_nested_warm"))
 # Dynamo's timers summed in the record (the rest are kept too; these are the ones the README reads)
 # What the profiled warm run is split into: (label, the file's path ends with, function), cumulative seconds
 PROFILED = (
@@ -152,10 +156,14 @@ def worker(args: argparse.Namespace) -> None:
             model = T.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, tp_plan="auto").eval()
             t_loaded = time.time() - t0
             run = torch.compile(model) if system == "hf_compiled" else model
-        elif system == "ds":
+        elif system in ("ds", "ds_nested"):
             dist.init_process_group("gloo")
             with dynashard.empty_weights():
                 model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(hf_dir)).eval()
+            if system == "ds_nested":  # every decoder layer's forward one nested compile region (the same function)
+                region = torch.compiler.nested_compile_region(type(model.model.layers[0]).forward)
+                for layer in model.model.layers:
+                    layer.forward = region.__get__(layer)
             dynashard.parallelize(model, ids, checkpoint=hf_dir, use_cache=False)
             t_loaded = time.time() - t0
             run = torch.compile(model, backend="dynashard")
@@ -354,6 +362,8 @@ def check_targets(results: dict, train: bool = False) -> dict:
     out, lines = {}, []
     for name, num, den, bound in (("cold_vs_hf_compiled", "ds_cold", "hf_compiled", 0.6),
                                   ("warm_vs_hf_eager", "ds_warm", "hf_eager", 1.5),
+                                  ("nested_cold_vs_hf_compiled", "ds_nested_cold", "hf_compiled", 0.6),
+                                  ("nested_warm_vs_hf_eager", "ds_nested_warm", "hf_eager", 1.5),
                                   ("hf_warm_vs_hf_eager", "hf_compiled_warm", "hf_eager", None)):
         if med(num) is None or med(den) is None:
             continue
