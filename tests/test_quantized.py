@@ -657,3 +657,28 @@ def test_dcp_round_trip_of_a_parallelized_quantized_model(rank, world, tmp_path,
                      planner=dynashard.LoadPlanner())
         assert all("Size mismatch" in str(e) for e in refused.value.failures.values()), refused.value.failures
         assert torch.equal(regrouped(ids, use_cache=False).logits, before)
+
+
+@pytest.mark.unit
+@torch.no_grad()
+def test_a_quantized_load_missing_an_inner_tensor_changes_nothing(fake_group):
+    """load_state_dict of a parallelized int8 Llama from another one's state dict, the last layer's down_proj
+    scale left out: refused naming the missing key, and no module loaded (the first layer's int8 shard is as
+    it was). Before: each module checked and copied its own entries as the load reached it, so the earlier
+    layers were loaded before the refusal, and a weight's qdata loaded without its scale was not reported
+    missing at all (its subclass key was marked loaded): integers of one checkpoint with scales of another."""
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    model, other = _quantized_llama(Int8WeightOnlyConfig(), seed=0), _quantized_llama(Int8WeightOnlyConfig(), seed=5)
+    for m in (model, other):
+        dynashard.parallelize(m, ids, options=OPTIONS, use_cache=False)
+    first = "model.layers.0.self_attn.q_proj.weight.qdata"
+    before = model.state_dict()[first].clone()
+    state = other.state_dict()
+    assert not torch.equal(state[first], before)  # (a load would change it)
+    del state["model.layers.1.mlp.down_proj.weight.scale"]
+    from dynashard.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"'model.layers.1.mlp.down_proj.weight'.*not "
+                                                   r"\['model.layers.1.mlp.down_proj.weight.scale'\]"):
+        model.load_state_dict(state)
+    assert torch.equal(model.state_dict()[first], before)

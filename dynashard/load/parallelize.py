@@ -503,6 +503,7 @@ def check_loads(module: nn.Module, state_dict: dict, prefix: str = "", recurse: 
     a load that raises changes nothing."""
     modules = module.named_modules(remove_duplicate=False) if recurse else [("", module)]
     for name, sub in modules:
+        quantized_state.check(sub, state_dict, prefix + (f"{name}." if name else ""))  # (its inner tensors)
         for attr, facade in facades(sub).items():
             key = prefix + (f"{name}." if name else "") + attr
             value, shard = state_dict.get(key), private.parameter_slots(sub).get(attr)

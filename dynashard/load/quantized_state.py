@@ -16,7 +16,8 @@ whole one the tensor itself. ``dcp.load(..., planner=dynashard.LoadPlanner())`` 
 world size; ``load_state_dict`` (``set_state_dict``) copies such entries into the shards (a whole value cut to
 this rank's pieces, a piece checked to be this rank's) and does not ask for the subclass's own key.
 
-Invariants: every value is checked before any is copied (a load that raises changes nothing); the subclass
+Invariants: every value is checked before any is copied, every module's before any module's (``check``,
+run by ``parallelize.check_loads``): a load that raises changes nothing; the subclass
 object and its quantization (class, block size) are never replaced: a checkpoint holds integers and scales
 only, so it loads into a model quantized as the saved one was (as a ``save_pretrained`` directory does).
 """
@@ -70,17 +71,26 @@ def _flattened_state(module: nn.Module, state: dict, prefix: str, _metadata: Any
                 state[f"{prefix}{attr}.{name}"] = _value(t)
 
 
-def _inner_into_shards(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
-    """Each inner tensor's entry checked (all before any copy), then copied into the shard or the tensor."""
+def check(module: nn.Module, state: dict, prefix: str) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], set[str]]:
+    """``state``'s entries for ``module``'s quantized weights' inner tensors, each checked (raises, changing
+    nothing): ``([(tensor to fill, value), ...], the subclass keys they fill)``. A weight with some of its
+    inner tensors in ``state`` and not all is refused: loading its integers without their scales (or the
+    reverse) would compute with a mix of two checkpoints. ``parallelize.check_loads`` runs this for every
+    module before any is loaded."""
     copies, done = [], set()
     for attr, inner in quantized_slots(module).items():
         keys = [f"{prefix}{attr}.{name}" for name, _ in inner]
-        if not any(k in state for k in keys):
-            continue
+        present = [isinstance(state.get(k), torch.Tensor) for k in keys]
+        if not any(present):
+            continue  # (none: load_state_dict reports the subclass's own key as missing)
+        if not all(present):
+            missing = [k for k, here in zip(keys, present) if not here]
+            raise UsageError(f"dynashard: load_state_dict of the quantized weight {prefix + attr!r}: the state dict "
+                             f"holds some of its inner tensors and not {missing}. Expected all of "
+                             f"{[k.removeprefix(prefix) for k in keys]} (a state dict of a model quantized the same "
+                             "way). Nothing was loaded.")
         for key, (_, t) in zip(keys, inner):
-            value = state.pop(key, None)
-            if not isinstance(value, torch.Tensor):
-                continue  # (missing: load_state_dict reports the subclass's own key)
+            value = state[key]
             target = STORE.shard_of(t) if STORE.is_sharded(t) else t
             if value is target:
                 continue  # (dcp.load filled the state dict's own values in place)
@@ -94,6 +104,15 @@ def _inner_into_shards(module: nn.Module, state: dict, prefix: str, *_: Any) -> 
                                  f"{list(value.shape)}. Nothing was loaded.")
             copies.append((target, value))
         done.add(prefix + attr)
+    return copies, done
+
+
+def _inner_into_shards(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
+    """Each inner tensor's entry checked (all before any copy), then copied into the shard or the tensor."""
+    copies, done = check(module, state, prefix)
+    for attr, inner in quantized_slots(module).items():
+        for name, _ in inner:
+            state.pop(f"{prefix}{attr}.{name}", None)
     with torch.no_grad():
         for target, value in copies:
             target.copy_(value)
