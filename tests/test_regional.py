@@ -240,8 +240,8 @@ def _tagged_graph(fn, calls: list[list[str]], *args: torch.Tensor) -> torch.fx.G
 @torch.no_grad()
 def test_hf_llama_of_nested_regions_compiles_with_the_compile_cache_on(fake_group, monkeypatch, tmp_path):
     """An HF Llama whose decoder layers' forward is one nested region, compiled with dynashard's compile cache
-    on (as by default): its graph is not stored (the graph read back has other nodes than the tags name), and
-    the rewritten graph then outlines as without the cache. Before: the store's copy of the graph took the
+    on (as by default): its graph is stored (tests/test_compile_cache.py restarts from it), and the graph read
+    back outlines as the rewritten one does without the cache. Before: the store's copy of the graph took the
     shared Graph's ownership, so the outline's subgraph was added to one module and linted on the other
     ("references nonexistent attribute dynashard_region_0"): an InternalError on every rank, the model
     uncompilable while the cache was on."""
