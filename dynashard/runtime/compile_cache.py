@@ -210,12 +210,14 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     if back is not None and _tags(tag_regathers(back)) != _tags(graph):
         return None, "the model's activation-checkpoint tags (node meta, which a pickled graph loses)"
     regions: tuple[tuple[int, str, int], ...] = ()
-    if back is not None and private_regions.region_tags(graph):  # (carried to the twins, kept by their position)
+    if back is not None and private_regions.region_tags(graph):  # (each node's tag put on its twin, by position)
         twins = _twins(graph, back)
-        if twins is None:
+        position = {n: i for i, n in enumerate(back.graph.nodes)}
+        regions = tuple((position[new], *tag) for old, new in twins or ()
+                        if (tag := private_regions.region_of(old)) is not None)
+        if twins is None or not private_regions.retag(back, regions):
             return None, "its nested compile region tags (node meta: the graph read back has other nodes)"
-        _carry_meta(twins)
-        regions = private_regions.region_tags(back)
+        _carry_vals(twins)
     try:
         data = pickle.dumps(Entry(material, planned, pickled, regions))
     except Exception as e:  # noqa: BLE001
@@ -253,15 +255,13 @@ def _twins(graph: torch.fx.GraphModule, back: torch.fx.GraphModule,
     return list(zip(olds, news))
 
 
-def _carry_meta(twins: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
-    """Each node of the graph read back given its twin's region tag and ``meta["val"]``, and each constant it
-    reads the ``val`` of what its twin read there: the outline reads them (``rewrite/outline.py``), and would
-    else trace the graph on fakes again to make them."""
+def _carry_vals(twins: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
+    """Each node of the graph read back given its twin's ``meta["val"]``, and each constant it reads the ``val`` of
+    what its twin read there: the outline reads them (``rewrite/outline.py``), and would else trace the graph on
+    fakes again to make them."""
     for old, new in twins:
         if "val" in old.meta:
             new.meta["val"] = old.meta["val"]
-        if (tag := private_regions.region_of(old)) is not None:
-            new.meta["custom"] = {**(new.meta.get("custom") or {}), private_regions.REGION: tag}
         for a, b in zip(_flat_args(old), _flat_args(new)):
             if isinstance(b, torch.fx.Node) and b.op == "get_attr" and isinstance(a, torch.fx.Node) \
                     and "val" in a.meta and "val" not in b.meta:
