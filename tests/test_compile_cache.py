@@ -100,6 +100,60 @@ def test_a_hit_outlines_nested_regions_as_a_miss_does(fake_group, cache_on, plan
     assert torch.equal(first, again)
 
 
+class _Logits(torch.nn.Module):
+    """An HF causal LM's logits for ``ids`` (no KV cache): one tensor out, as ``_compile_fresh`` calls it."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.unit
+def test_hf_llama_of_nested_regions_restarts_from_the_compile_cache(fake_group, cache_on, plans, caplog,
+                                                                    monkeypatch):
+    """An HF Llama whose decoder layers' forward is one nested region: the first start stores its graph, a
+    restart (a fresh Dynamo, no earlier program in memory) reads it instead of tracing and planning, and the
+    compiler gets the same graph, the region outlined once for both layers, with the same output. Before: never
+    stored ("its nested compile region tags: the graph read back has other nodes"): the pickle folds the
+    input-free computations (the causal mask, a ``where`` of two ``scalar_tensor`` inside each layer) into
+    constants, and the tags, carried by position, no longer fitted the graph read back."""
+    import transformers as T
+
+    from dynashard import _torch as private
+    from tests.hf_configs import CONFIGS
+
+    graphs, compile_graph = [], private.compile_graph
+
+    def recording(compiler, gm, *args, **kwargs):
+        graphs.append(gm)
+        return compile_graph(compiler, gm, *args, **kwargs)
+
+    monkeypatch.setattr(private, "compile_graph", recording)
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = 2
+    hf = T.LlamaForCausalLM(config).eval()
+    region = torch.compiler.nested_compile_region(type(hf.model.layers[0]).forward)
+    for layer in hf.model.layers:
+        layer.forward = region.__get__(layer)
+    model = _Logits(hf)
+    _, first = _compile_fresh(model, compiler="aot_eager")
+    assert plans.count == 1 and len(_entries(cache_on)) == 1, (plans.count, _entries(cache_on))
+    regions._REGIONS.clear()  # (a new process holds no earlier program)
+    with caplog.at_level(logging.INFO, logger="dynashard"):
+        _, again = _compile_fresh(model, compiler="aot_eager")
+    assert plans.count == 1, "the second start traced and planned again"
+    assert "dynashard cache: hit" in caplog.text, caplog.text
+    invoke = torch.ops.higher_order.invoke_subgraph
+    calls = [gm.graph.find_nodes(op="call_function", target=invoke) for gm in graphs]
+    assert [len(c) for c in calls] == [2, 2], [gm.code for gm in graphs]
+    assert len({c.args[0].target for c in calls[1]}) == 1 and graphs[0].code == graphs[1].code, graphs[1].code
+    assert torch.equal(first, again)
+
+
 @pytest.mark.unit
 def test_a_hit_logs_the_plan_table_as_a_miss_does(fake_group, cache_on, plans, caplog, monkeypatch):
     """TORCH_LOGS=dynashard on a warm start shows the plan table (rank 0, once per plan in the process), read from

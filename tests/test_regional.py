@@ -181,6 +181,46 @@ def test_nested_regions_planned_differently_stay_flat(fake_group, monkeypatch, c
     assert _count(gm, "all_reduce") == 2 * (LAYERS - 1), gm.code  # (layer 2 and the embedding whole)
 
 
+@pytest.mark.unit
+@torch.no_grad()
+@pytest.mark.parametrize("floats", ["unspecialized", "specialized"])
+def test_nested_regions_under_dynamic_shapes_compute_what_the_flat_model_does(fake_group, caplog, floats):
+    """``torch.compile(dynamic=True)`` of a decoder of nested regions, called at two sequence lengths (one
+    compile, reused): every output equals the flat model's (no regions) at world 2. Dynamo's default leaves
+    each norm's ``eps`` a SymFloat, which the later calls get from outside the region: the region is inlined on
+    that number and stays flat for the compiler (DEBUG names ``specialize_float``); with floats specialized it is
+    outlined, the size arithmetic (``s0 * s1`` for a view) reaching every call as an operand. Before: an
+    InternalError while planning ("'SymFloat' object has no attribute 'item'"); specialized, the region stayed
+    flat ("call 0 gives mul (not one tensor) to the graph outside")."""
+    layers, counters = 2, torch._dynamo.utils.counters
+    torch.manual_seed(0)
+    flat = models.LlamaDecoder(n_layer=layers)
+    nested = copy.deepcopy(flat)
+    for block in nested.layers:
+        block.__class__ = RegionBlock
+    specialized = torch._dynamo.config.patch(specialize_float=True) if floats == "specialized" \
+        else contextlib.nullcontext()
+    options = {**OPTIONS, "compiler": "aot_eager"}
+    outputs, graphs = {}, {}
+    with specialized, caplog.at_level("DEBUG", logger="dynashard"), _outlined() as counts:
+        for name, model in (("nested", nested), ("flat", flat)):
+            counters.clear()
+            fast = torch.compile(model, backend="dynashard", dynamic=True, options=options)
+            outputs[name] = [fast(torch.randint(0, 96, (2, t), generator=torch.Generator().manual_seed(t)))
+                             for t in (7, 12)]
+            graphs[name] = counters["stats"]["unique_graphs"]
+    assert graphs == {"nested": 1, "flat": 1}, graphs  # (the second length reused the dynamic graph)
+    assert [o.shape[1] for o in outputs["nested"]] == [7, 12]
+    for got, expected in zip(outputs["nested"], outputs["flat"]):
+        assert torch.equal(got, expected), float((got - expected).abs().max())
+    if floats == "specialized":
+        assert counts[0] == layers, counts  # (the nested model's compile: one region called per layer)
+    else:
+        assert not any(counts), counts
+        assert "left flat for the compiler: call 0 reads the symbolic number" in caplog.text, caplog.text
+        assert "torch._dynamo.config.specialize_float = True" in caplog.text, caplog.text
+
+
 def _tagged_graph(fn, calls: list[list[str]], *args: torch.Tensor) -> torch.fx.GraphModule:
     """``fn`` traced to aten, the nodes of each call (named by the aten op's position among those of its kind,
     e.g. ``"mm"``, ``"mm_1"``) tagged as calls of one nested region, as the inliner tags them."""
@@ -200,8 +240,8 @@ def _tagged_graph(fn, calls: list[list[str]], *args: torch.Tensor) -> torch.fx.G
 @torch.no_grad()
 def test_hf_llama_of_nested_regions_compiles_with_the_compile_cache_on(fake_group, monkeypatch, tmp_path):
     """An HF Llama whose decoder layers' forward is one nested region, compiled with dynashard's compile cache
-    on (as by default): its graph is not stored (the graph read back has other nodes than the tags name), and
-    the rewritten graph then outlines as without the cache. Before: the store's copy of the graph took the
+    on (as by default): its graph is stored (tests/test_compile_cache.py restarts from it), and the graph read
+    back outlines as the rewritten one does without the cache. Before: the store's copy of the graph took the
     shared Graph's ownership, so the outline's subgraph was added to one module and linted on the other
     ("references nonexistent attribute dynashard_region_0"): an InternalError on every rank, the model
     uncompilable while the cache was on."""

@@ -113,9 +113,13 @@ def _inline_invoke_subgraph(gm: torch.fx.GraphModule, tag: bool = False) -> torc
         subgraph = getattr(gm, str(get_attr.target))
         renamed = _hoist_submodules(gm, subgraph)
         env: dict[torch.fx.Node, Any] = dict(zip(subgraph.graph.find_nodes(op="placeholder"), operands))
+        given = {p for p, operand in env.items() if _number_given(p, operand)}
         with gm.graph.inserting_before(node):
             for sub in subgraph.graph.nodes:
                 if sub.op in ("placeholder", "output"):
+                    continue
+                if sub.op == "call_method" and sub.target == "item" and sub.args[0] in given:
+                    env[sub] = env[sub.args[0]]  # (the number the call gave: the ``.item()`` Dynamo made outside)
                     continue
                 copied = env[sub] = gm.graph.node_copy(sub, env.__getitem__)
                 if sub.op == "get_attr" and sub.target in renamed:
@@ -131,6 +135,28 @@ def _inline_invoke_subgraph(gm: torch.fx.GraphModule, tag: bool = False) -> torc
         if not get_attr.users:
             gm.graph.erase_node(get_attr)
     return gm
+
+
+def _number_given(placeholder: torch.fx.Node, operand: Any) -> bool:
+    """Whether a call gives a number (a float, a SymFloat: a value Dynamo took ``.item()`` of outside the call)
+    where the subgraph takes the one-element tensor it takes ``.item()`` of, and of which it reads nothing else.
+
+    NOTE: torch 2.13's Dynamo, under ``dynamic=True`` (``torch._dynamo.config.specialize_float`` False by
+    default), passes a module's float attribute (an RMSNorm's ``eps``) to the graph as a 0-d float64 tensor
+    and takes its ``.item()``, a SymFloat. A nested region traced with such a tensor operand takes ``.item()``
+    inside its subgraph on the first call, but Dynamo's later calls of the same subgraph pass the SymFloat it
+    made outside (``invoke_subgraph(subgraph_0, 'subgraph_0', s0, s1, x_1, item_1, ...)``): copied as it is,
+    the subgraph's ``.item()`` of a SymFloat failed ("'SymFloat' object has no attribute 'item'")."""
+    if not isinstance(operand, torch.fx.Node):
+        return isinstance(operand, float)
+    value = operand.meta.get("example_value", operand.meta.get("val"))
+    taken = placeholder.meta.get("example_value", placeholder.meta.get("val"))
+    if not isinstance(value, (float, torch.SymFloat)) or not isinstance(taken, torch.Tensor):
+        return False
+    if not all(u.op == "call_method" and u.target == "item" for u in placeholder.users):
+        raise NotImplementedError(f"dynashard: a nested_compile_region call gives the number {operand.name} "
+                                  f"where its subgraph reads the tensor {placeholder.name} otherwise than by .item()")
+    return True
 
 
 def _hoist_submodules(gm: torch.fx.GraphModule, subgraph: torch.fx.GraphModule) -> dict[str, str]:

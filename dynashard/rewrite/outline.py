@@ -85,7 +85,7 @@ def outline_regions(gm: torch.fx.GraphModule, fake_args: list[Any]) -> torch.fx.
         private_regions.propagate_vals(gm, fake_args)
     outlined = []
     for identifier, by_number in regions.items():
-        calls = [Call.of(number, nodes) for number, nodes in sorted(by_number.items())]
+        calls = [Call.of(number, _outer_sizes(nodes)) for number, nodes in sorted(by_number.items())]
         why = _why_flat(gm, calls)
         if why is not None:
             log.debug("dynashard: nested_compile_region %s left flat for the compiler: %s", identifier, why)
@@ -109,6 +109,10 @@ def _why_flat(gm: torch.fx.GraphModule, calls: list[Call]) -> str | None:
         return "called once"
     first = calls[0].key()
     for call in calls:
+        if (number := _symbolic_number(call)) is not None:
+            return (f"call {call.number} reads the symbolic number {number.name} (a float Dynamo left unspecialized "
+                    "under dynamic=True, e.g. a norm's eps; torch._dynamo.config.specialize_float = True makes it a "
+                    "constant, and the region outlinable)")
         for node in call.nodes:
             if "recompute" in node.meta:
                 return f"activation checkpoint tags inside it ({node.name}; the partitioner reads them per graph)"
@@ -148,6 +152,37 @@ def _difference(first: list[Any], other: list[Any], call: Call) -> str:
         if a != b:
             return f"its operand {i} ({call.operands[i].name}) is {b}, call 0's {a}"
     return "its operands"
+
+
+def _outer_sizes(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """A call's nodes less its size arithmetic on outer values (``mul = s0 * s1`` of Dynamo's symbolic sizes,
+    for a ``view``), which stays in the outer graph, ahead of the call, and reaches it as an operand.
+
+    NOTE: under ``dynamic=True`` the aten trace computes each size expression once (make_fx reuses the proxy of
+    an equal SymInt): call 0's ``mul`` is read by every later call. Kept in call 0, it was an output of the call
+    that is not a tensor (invoke_subgraph gives tensors only), and every region stayed flat; an operand, every
+    call reads it alike. Size arithmetic reading a value the call computes stays inside it."""
+    inner, outer = set(nodes), set()
+    for node in nodes:
+        if _outer_size(node, inner, outer):
+            outer.add(node)
+    return [n for n in nodes if n not in outer]
+
+
+def _outer_size(node: torch.fx.Node, inner: set[torch.fx.Node], outer: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` is size arithmetic (a SymInt) on values outside the call (or on such arithmetic)."""
+    return (node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt)
+            and all(a not in inner or a in outer for a in node.all_input_nodes))
+
+
+def _symbolic_number(call: Call) -> torch.fx.Node | None:
+    """A symbolic float the call reads (an operand) or makes (``.item()`` of a tensor), or None: invoke_subgraph
+    takes tensors and integers only, and a call that takes the ``.item()`` of an operand inside is not alike its
+    later calls, which Dynamo gives the number taken outside (``_torch/regions.py``)."""
+    for node in (*call.operands, *call.nodes):
+        if isinstance(node.meta.get("val"), torch.SymFloat):
+            return node
+    return None
 
 
 def _crossing(gm: torch.fx.GraphModule, call: Call) -> torch.fx.Node | None:

@@ -19,7 +19,8 @@ importable function over plain values), and the regather tags pickling drops are
 weights, FSDP2 or DTensor inputs, tensor constants, a rewrite that added shape guards (they would be lost on
 a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), and a graph
 that does not pickle. The nested compile region tags (node meta too) are kept beside the graph and put back
-on a load, so a hit outlines the regions as a miss does (``rewrite/outline.py``).
+on a load, so a hit outlines the regions as a miss does (``rewrite/outline.py``): carried to the graph read
+back node by node, past the input-free computations the pickle folds into constants (:func:`_twins`).
 
 Where: ``$DYNASHARD_CACHE_DIR``, else ``dynashard/`` in Inductor's cache directory
 (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``). ``DYNASHARD_CACHE=0`` turns it
@@ -202,17 +203,25 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
         copy = torch.fx.GraphModule(graph, graph.graph) if graph is not None else None  # (code and attributes)
         if graph is not None:  # (the copy took the shared Graph's ownership: the caller may still use ``graph``)
             graph.graph.owning_module = graph
-        regions = private_regions.region_tags(graph) if graph is not None else ()
-        data = pickle.dumps(Entry(material, planned, pickle.dumps(copy), regions))
-        back = pickle.loads(pickle.loads(data).graph)  # (a graph that pickles but does not load back: not stored)
+        pickled = pickle.dumps(copy)
+        back = pickle.loads(pickled)  # (a graph that pickles but does not load back: not stored)
     except Exception as e:  # noqa: BLE001
         return None, f"the rewritten graph does not pickle ({type(e).__name__}: {e})"
     if back is not None and _tags(tag_regathers(back)) != _tags(graph):
         return None, "the model's activation-checkpoint tags (node meta, which a pickled graph loses)"
-    if back is not None and regions:  # (read back node for node: the tags and values carried by position)
-        if len(back.graph.nodes) != len(graph.graph.nodes) or not private_regions.retag(back, regions):
+    regions: tuple[tuple[int, str, int], ...] = ()
+    if back is not None and private_regions.region_tags(graph):  # (each node's tag put on its twin, by position)
+        twins = _twins(graph, back)
+        position = {n: i for i, n in enumerate(back.graph.nodes)}
+        regions = tuple((position[new], *tag) for old, new in twins or ()
+                        if (tag := private_regions.region_of(old)) is not None)
+        if twins is None or not private_regions.retag(back, regions):
             return None, "its nested compile region tags (node meta: the graph read back has other nodes)"
-        _carry_vals(graph, back)
+        _carry_vals(twins)
+    try:
+        data = pickle.dumps(Entry(material, planned, pickled, regions))
+    except Exception as e:  # noqa: BLE001
+        return None, f"the entry does not pickle ({type(e).__name__}: {e})"
     path = _path(material)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,13 +233,45 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
     return back, None
 
 
-def _carry_vals(graph: torch.fx.GraphModule, back: torch.fx.GraphModule) -> None:
-    """Each node of ``back`` (``graph`` read back from its pickle, as many nodes) given its twin's ``meta["val"]``
-    where both are the same op: the outline reads them (``rewrite/outline.py``), and would else trace the graph
-    on fakes again to make them."""
-    for old, new in zip(graph.graph.nodes, back.graph.nodes):
-        if old.op == new.op and old.target == new.target and "val" in old.meta:
+def _twins(graph: torch.fx.GraphModule, back: torch.fx.GraphModule,
+           ) -> list[tuple[torch.fx.Node, torch.fx.Node]] | None:
+    """(node of ``graph``, its twin in ``back``, ``graph`` read back from its pickle) for every node of ``back``
+    but its constants, in order; None where ``back`` is not ``graph`` less what the pickle folds.
+
+    NOTE: unpickling a GraphModule traces its code again (``fx.graph_module._deserialize_graph_module``), and a
+    call none of whose arguments is a traced value runs there and then: an input-free computation (an aten
+    ``zeros``, ``arange``, a ``scalar_tensor`` and the ``where`` of two) reads back as one tensor constant, a
+    ``get_attr`` at each of its uses, and a tensor attribute of the graph the same. HF Llama's causal mask is
+    such a computation, and a layer's ``where(scalar_tensor, scalar_tensor)`` inside each nested region: paired
+    by position, every node after the first fold had another's tags, and the graph was never stored."""
+    folded: set[torch.fx.Node] = set()
+    for node in graph.graph.nodes:
+        if node.op == "get_attr" or (node.op == "call_function" and all(a in folded for a in node.all_input_nodes)):
+            folded.add(node)
+    olds = [n for n in graph.graph.nodes if n not in folded]
+    news = [n for n in back.graph.nodes if n.op != "get_attr"]
+    if len(olds) != len(news) or any(a.op != b.op or a.target != b.target for a, b in zip(olds, news)):
+        return None
+    return list(zip(olds, news))
+
+
+def _carry_vals(twins: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
+    """Each node of the graph read back given its twin's ``meta["val"]``, and each constant it reads the ``val`` of
+    what its twin read there: the outline reads them (``rewrite/outline.py``), and would else trace the graph on
+    fakes again to make them."""
+    for old, new in twins:
+        if "val" in old.meta:
             new.meta["val"] = old.meta["val"]
+        for a, b in zip(_flat_args(old), _flat_args(new)):
+            if isinstance(b, torch.fx.Node) and b.op == "get_attr" and isinstance(a, torch.fx.Node) \
+                    and "val" in a.meta and "val" not in b.meta:
+                b.meta["val"] = a.meta["val"]
+
+
+def _flat_args(node: torch.fx.Node) -> list[Any]:
+    out: list[Any] = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs), out.append)
+    return out
 
 
 def _tags(gm: torch.fx.GraphModule) -> list[tuple[int, Any, Any]]:
