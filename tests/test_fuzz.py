@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
@@ -28,6 +31,7 @@ from torchao.quantization import (
 )
 
 import dynashard
+from dynashard import _torch as private
 from dynashard.weights.checksum import checksum, close
 from tests import models
 
@@ -640,3 +644,79 @@ def test_random_quantized_mlps(world, g, kh, kf, config, plan_draw, shape3d, dat
         return
     whole = [r for r in report.rows if str(r.style) == "replicate" and not plan_draw]
     assert all(r.reason for r in whole), str(report)  # (a layer left whole says why)
+
+
+# Computations with no traced input, on the model's replicated output: the compile cache stores the rewritten graph
+# as a pickle, and reading a GraphModule's pickle runs such a computation once and keeps its result as a constant
+# (dynashard/runtime/compile_cache.py, _frozen_by_pickle). A draw (torch.rand of a fixed shape, stochastic depth's
+# mask, a dropout of a constant) read back so would be one draw for every call, a buffer made by zeros and written
+# or returned one tensor shared by every call. Under static shapes these are input-free; under dynamic=True the
+# sizes are the graph's inputs, and nothing folds.
+INPUT_FREE = {
+    "rand": lambda y: y + torch.rand(y.shape),
+    "stochastic_depth": lambda y: y * torch.empty(y.shape[0], *[1] * (y.dim() - 1)).bernoulli_(0.5) * 2,
+    "dropout_of_ones": lambda y: y * F.dropout(torch.ones(y.shape[-1]), 0.5, training=True),
+    "zeros_written": lambda y: torch.zeros(y.shape).add_(y) * 2,
+    "arange": lambda y: y + torch.arange(y.shape[-1]) / y.shape[-1],  # (pure: a constant read back is the same)
+    "new_empty_bernoulli": lambda y: y * y.new_empty(y.shape).bernoulli_(0.5),  # (reads y: never folded)
+}
+PURE = {"arange", "new_empty_bernoulli"}
+
+
+class InputFreeTail(nn.Module):
+    def __init__(self, hidden, ffn, forms, returned):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.forms, self.returned = forms, returned
+
+    def forward(self, x):
+        y = self.down(F.relu(self.up(x)))
+        for form in self.forms:
+            y = INPUT_FREE[form](y)
+        return (y, torch.zeros(x.shape[0], 3)) if self.returned else y  # (a buffer handed out: one per call)
+
+
+@fuzz(4, 20, world=st.integers(2, 4), hidden=st.integers(2, 12), ffn=st.integers(2, 24),
+      forms=st.lists(st.sampled_from(sorted(INPUT_FREE)), min_size=1, max_size=3), returned=st.booleans(),
+      dynamic=st.booleans(), data=st.data())
+def test_random_input_free_computations_through_the_compile_cache(world, hidden, ffn, forms, returned, dynamic, data):
+    """The compile cache on (the default) computes what it computes off, call after call, from the same seeds: each
+    call's draws its own, and a call's output untouched by the next call (on the fake group, whose collectives move
+    nothing, both run the same plan: their outputs are equal bit for bit)."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    model = InputFreeTail(hidden, ffn, forms, returned)
+    x = torch.randn(5, hidden)
+    outputs = {}
+    private.init_fake_process_group(world, 0)
+    with tempfile.TemporaryDirectory() as name, pytest.MonkeyPatch.context() as monkeypatch:
+        directory = Path(name)
+        _through_the_cache(model, x, returned, dynamic, directory, monkeypatch, outputs)
+        stored = list(directory.rglob("*.pkl"))
+    for off, on in zip(outputs["0"], outputs["1"]):
+        assert all(torch.equal(a, b) for a, b in zip(off, on)), (forms, returned, dynamic)
+    if set(forms) <= PURE and not returned:  # (a graph the pickle reads back as it was is stored)
+        assert stored, (forms, dynamic)
+
+
+def _through_the_cache(model, x, returned, dynamic, directory, monkeypatch, outputs) -> None:
+    try:
+        for cache in ("0", "1"):
+            monkeypatch.setenv("DYNASHARD_CACHE", cache)
+            monkeypatch.setenv("DYNASHARD_CACHE_DIR", str(directory))
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="dynashard", dynamic=dynamic,
+                                     options={"min_shard_numel": 0, "compiler": "eager"})
+            calls = []
+            with torch.no_grad():
+                for seed in (1, 2):
+                    torch.manual_seed(seed)
+                    out = compiled(x)
+                    calls.append((out, [t.clone() for t in (out if returned else (out,))]))
+                    if returned:
+                        out[1].add_(1)  # (the caller writes the buffer it was handed, as its own)
+            for out, kept in calls:  # (a later call wrote into nothing an earlier call returned)
+                assert torch.equal((out[0] if returned else out), kept[0]), cache
+            outputs[cache] = [kept for _, kept in calls]
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -17,8 +17,9 @@ Training graphs are cached too: their conversions are bound to ``collectives.app
 importable function over plain values), and the regather tags pickling drops are made again on a load
 (``collectives.tag_regathers``). Not cached (a miss, with the reason at DEBUG): ``per_rank`` inputs or
 weights, FSDP2 or DTensor inputs, tensor constants, a rewrite that added shape guards (they would be lost on
-a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), and a graph
-that does not pickle. The nested compile region tags (node meta too) are kept beside the graph and put back
+a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), a graph
+whose computations with no traced input draw random numbers, are written or are returned (a pickle read back
+makes each one constant: :func:`_frozen_by_pickle`), and a graph that does not pickle. The nested compile region tags (node meta too) are kept beside the graph and put back
 on a load, so a hit outlines the regions as a miss does (``rewrite/outline.py``): carried to the graph read
 back node by node, past the input-free computations the pickle folds into constants (:func:`_twins`).
 
@@ -209,6 +210,8 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
         return None, f"the rewritten graph does not pickle ({type(e).__name__}: {e})"
     if back is not None and _tags(tag_regathers(back)) != _tags(graph):
         return None, "the model's activation-checkpoint tags (node meta, which a pickled graph loses)"
+    if graph is not None and (frozen := _frozen_by_pickle(graph)) is not None:
+        return None, frozen
     regions: tuple[tuple[int, str, int], ...] = ()
     if back is not None and private_regions.region_tags(graph):  # (each node's tag put on its twin, by position)
         twins = _twins(graph, back)
@@ -244,15 +247,59 @@ def _twins(graph: torch.fx.GraphModule, back: torch.fx.GraphModule,
     ``get_attr`` at each of its uses, and a tensor attribute of the graph the same. HF Llama's causal mask is
     such a computation, and a layer's ``where(scalar_tensor, scalar_tensor)`` inside each nested region: paired
     by position, every node after the first fold had another's tags, and the graph was never stored."""
-    folded: set[torch.fx.Node] = set()
-    for node in graph.graph.nodes:
-        if node.op == "get_attr" or (node.op == "call_function" and all(a in folded for a in node.all_input_nodes)):
-            folded.add(node)
+    folded = _folded(graph.graph)
     olds = [n for n in graph.graph.nodes if n not in folded]
     news = [n for n in back.graph.nodes if n.op != "get_attr"]
     if len(olds) != len(news) or any(a.op != b.op or a.target != b.target for a, b in zip(olds, news)):
         return None
     return list(zip(olds, news))
+
+
+def _folded(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes a pickle round trip turns into constants: ``get_attr`` and every call none of whose arguments
+    is anything but such a node (:func:`_twins`' NOTE)."""
+    folded: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr" or (node.op == "call_function" and all(a in folded for a in node.all_input_nodes)):
+            folded.add(node)
+    return folded
+
+
+def _frozen_by_pickle(graph: torch.fx.GraphModule) -> str | None:
+    """Why ``graph`` read back from its pickle would compute something else than ``graph``, or None.
+
+    A call with no traced input runs once when the pickle is read and becomes one constant (:func:`_twins`'
+    NOTE), which is the same value only for a pure computation whose result nothing writes or hands out: a random
+    op (``torch.rand(4, 8)``, stochastic depth's ``empty(...).bernoulli_(p)`` under static shapes) would draw
+    once and give every later call that draw; a buffer made by ``empty`` and written by the graph (an ``out=``
+    call, a ``copy_``) or returned would be one tensor shared by every call, each call's result overwritten by
+    the next. Such a graph is not stored, and the graph compiled is the rewritten one, not the one read back."""
+    for gm in graph.modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        folded = {n for n in _folded(gm.graph) if n.op == "call_function"}
+        if not folded:
+            continue
+        for node in gm.graph.nodes:
+            if node in folded and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+                return (f"a random op with no traced input ({node.format_node()}): read back from the cache it "
+                        "would be one constant draw, the same at every call")
+            if node.op == "output" and (out := next((a for a in node.all_input_nodes if a in folded), None)):
+                return (f"it returns {out.name}, computed from no input: read back from the cache it would be one "
+                        "tensor returned by every call")
+            schema = private_aten.schema_of(node.target)
+            if node.op != "call_function" or schema is None:
+                continue
+            for arg, value in zip(schema.arguments, _schema_values(node, schema)):
+                if arg.alias_info is not None and arg.alias_info.is_write and value in folded:
+                    return (f"{node.name} writes {value.name}, computed from no input: read back from the cache it "
+                            "would be one tensor every call writes")
+    return None
+
+
+def _schema_values(node: torch.fx.Node, schema: Any) -> list[Any]:
+    """The value given for each argument of ``schema`` at ``node`` (positional, then by name; None if absent)."""
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
 
 
 def _carry_vals(twins: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
