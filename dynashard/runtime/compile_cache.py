@@ -19,9 +19,10 @@ importable function over plain values), and the regather tags pickling drops are
 weights, FSDP2 or DTensor inputs, tensor constants, a rewrite that added shape guards (they would be lost on
 a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), a graph
 whose computations with no traced input draw random numbers, are written or are returned (a pickle read back
-makes each one constant: :func:`_frozen_by_pickle`), and a graph that does not pickle. The nested compile region tags (node meta too) are kept beside the graph and put back
-on a load, so a hit outlines the regions as a miss does (``rewrite/outline.py``): carried to the graph read
-back node by node, past the input-free computations the pickle folds into constants (:func:`_twins`).
+makes each one constant: :func:`_frozen_by_pickle`), and a graph that does not pickle. The nested compile
+region tags (node meta too) are kept beside the graph and put back on a load, so a hit outlines the regions as
+a miss does (``rewrite/outline.py``): carried to the graph read back node by node, past the input-free
+computations the pickle folds into constants (:func:`_twins`).
 
 Where: ``$DYNASHARD_CACHE_DIR``, else ``dynashard/`` in Inductor's cache directory
 (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``). ``DYNASHARD_CACHE=0`` turns it
