@@ -392,11 +392,23 @@ def test_float8_llama_is_cut_as_its_float_twin(world):
     assert not report.outside, report.outside
 
 
-@on_ranks(cases=list(FLOAT8_CONFIGS))
+# Per tensor in the slow tier, a spawn of its own: the default run compiles the per-row Llama here, and loads
+# and runs the per-tensor one on these ranks (test_quantized_hf_checkpoint_loads_sharded[float8 per tensor]:
+# its float8 data cut, its [1, 1] scale whole, the logits the quantized model's); the second length's recompile
+# with freed inner tensors runs for int8, int4 and float8 per row here.
+@on_ranks
 @torch.no_grad()
-def test_float8_llama_on_real_ranks_equals_the_quantized_model(rank, world, case):
-    # cut: q/k/v/o/gate/up/down's float8 data (and per-row scales), halved; the embedding half; whole: lm_head, norms
-    _quantized_llama_equals_the_quantized_model(FLOAT8_CONFIGS[case](), held_at_most=0.62)
+def test_float8_llama_on_real_ranks_equals_the_quantized_model(rank, world):
+    # cut: q/k/v/o/gate/up/down's float8 data and per-row scales, halved; the embedding half; whole: lm_head, norms
+    _quantized_llama_equals_the_quantized_model(FLOAT8_CONFIGS["per row"](), held_at_most=0.62)
+
+
+@pytest.mark.slow
+@on_ranks.alone(2)
+@torch.no_grad()
+def test_float8_per_tensor_llama_on_real_ranks_equals_the_quantized_model(rank, world):
+    """test_float8_llama_on_real_ranks_equals_the_quantized_model with one scale for each weight."""
+    _quantized_llama_equals_the_quantized_model(FLOAT8_CONFIGS["per tensor"](), held_at_most=0.62)
 
 
 @pytest.fixture
@@ -522,13 +534,32 @@ def _expected_reads(weights: dict[str, torch.Tensor], world: int, case: str) -> 
     return want
 
 
-@on_ranks(cases=list(LOAD_CONFIGS))
+# float8 per row in the slow tier, a spawn of its own: float8 per tensor loads the same Float8Tensor (its float8
+# data read by rows and by columns, gathered whole by full_tensor over gloo), and a per-row scale's reads are
+# the others': cut with the rows of a colwise layer (as int8 and int4 PerGroup(16)'s [out, groups] scales), read
+# whole for a rowwise one (a scale of length 1 on the cut dim, as per tensor's [1, 1])
+LOAD_SLOW = ("float8 per row",)
+
+
+@on_ranks(cases=[c for c in LOAD_CONFIGS if c not in LOAD_SLOW])
 @torch.no_grad()
 def test_quantized_hf_checkpoint_loads_sharded(rank, world, tmp_path, case):
     """parallelize(meta model quantized alike, checkpoint=save_pretrained dir): each rank reads its rows or
     whole groups of qdata, scale and zero point; the logits equal the HF-loaded quantized model's. Float8 (qdata
     and scale): before, the load was right, but full_tensor's gloo all_gather of its float8 qdata raised "Invalid
     scalar type"."""
+    _load_sharded(rank, world, tmp_path, case)
+
+
+@pytest.mark.slow
+@on_ranks.alone(2, cases=list(LOAD_SLOW))
+@torch.no_grad()
+def test_quantized_hf_checkpoint_loads_sharded_float8_per_row(rank, world, tmp_path, case):
+    """test_quantized_hf_checkpoint_loads_sharded for float8 with a scale for each row."""
+    _load_sharded(rank, world, tmp_path, case)
+
+
+def _load_sharded(rank, world, tmp_path, case):
     import torch.distributed as dist
 
     if rank == 0:
