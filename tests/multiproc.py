@@ -23,8 +23,11 @@ from typing import Any
 # 2-rank spawn that compiles an MLP took 2.9 s with "spawn" and 0.95 s this way on the project's
 # 2-core machine (tools/bench_spawn.py). The server runs no torch op, so no thread pool exists to be forked.
 _CTX = mp.get_context("forkserver")
+# HF's Llama modules (0.8 s of imports: most HF tests' models share them) and Inductor's compile_fx (0.7 s) are
+# imported by most ranks on their first HF model or Inductor compile; importing them creates no thread or process.
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dynashard.dynamo_backend",
-                             "dynashard.load.parallelize", "tests.battery", "tests.scenarios", "transformers"])
+                             "dynashard.load.parallelize", "tests.battery", "tests.scenarios", "transformers",
+                             "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx"])
 
 # A torchrun or python subprocess of a test (a tiny model on 2-4 ranks) takes 3-16 s on the project's
 # quiet 2-core machine; CI has run that kind of machine 3x slower, and a second 2-process job on the
