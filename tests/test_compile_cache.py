@@ -423,3 +423,31 @@ def test_sgd_steps_after_a_restart_equal_the_unsharded_twins(rank, world, case, 
         again = start(model)
         assert all(err < GRAD_RTOL and not missing and same for _, err, missing, same in first + again), (first, again)
         assert counted.plans == 2, counted.plans  # parallelize's graph and the training graph, on the first start
+
+
+@pytest.mark.unit
+def test_a_graph_whose_input_free_calls_are_not_pure_aten_is_not_stored():
+    """Reading an entry runs each call that has no traced input (compile_cache._frozen_by_pickle): a collective or
+    a higher-order op there would run when the entry is read, on whichever ranks read it; a pure aten computation
+    (HF's causal mask) reads back as the constant it computes, and its graph is stored."""
+    def graph(make):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        g.output(g.call_function(torch.ops.aten.add.Tensor, (x, make(g))))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    def arange(g):
+        return g.call_function(torch.ops.aten.arange.default, (4,), {"dtype": torch.float32})
+
+    def all_reduced(g):
+        reduced = g.call_function(torch.ops._c10d_functional.all_reduce.default, (arange(g), "sum", "0"))
+        return g.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+
+    def written_in_a_list(g):
+        zeros = g.call_function(torch.ops.aten.zeros.default, ([4],))
+        g.call_function(torch.ops.aten._foreach_add_.Scalar, ([zeros], 1.0))
+        return zeros
+
+    assert compile_cache._frozen_by_pickle(graph(arange)) is None
+    assert "not an aten op" in compile_cache._frozen_by_pickle(graph(all_reduced))
+    assert "writes zeros" in compile_cache._frozen_by_pickle(graph(written_in_a_list))

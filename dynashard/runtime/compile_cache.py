@@ -285,6 +285,9 @@ def _frozen_by_pickle(graph: torch.fx.GraphModule) -> str | None:
             if node in folded and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
                 return (f"a random op with no traced input ({node.format_node()}): read back from the cache it "
                         "would be one constant draw, the same at every call")
+            if node in folded and not _pure_call(node.target):
+                return (f"a call with no traced input that is not an aten op ({node.format_node()}): reading the "
+                        "entry would run it (a collective, a higher-order op) there and then")
             if node.op == "output" and (out := next((a for a in node.all_input_nodes if a in folded), None)):
                 return (f"it returns {out.name}, computed from no input: read back from the cache it would be one "
                         "tensor returned by every call")
@@ -292,10 +295,16 @@ def _frozen_by_pickle(graph: torch.fx.GraphModule) -> str | None:
             if node.op != "call_function" or schema is None:
                 continue
             for arg, value in zip(schema.arguments, _schema_values(node, schema)):
-                if arg.alias_info is not None and arg.alias_info.is_write and value in folded:
-                    return (f"{node.name} writes {value.name}, computed from no input: read back from the cache it "
-                            "would be one tensor every call writes")
+                written = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if v in folded]
+                if arg.alias_info is not None and arg.alias_info.is_write and written:
+                    return (f"{node.name} writes {written[0].name}, computed from no input: read back from the cache "
+                            "it would be one tensor every call writes")
     return None
+
+
+def _pure_call(target: Any) -> bool:
+    """An aten or prims op (random ones are told apart by their tag), or a Python ``operator`` function."""
+    return getattr(target, "namespace", None) in ("aten", "prims") or getattr(target, "__module__", None) == "_operator"
 
 
 def _schema_values(node: torch.fx.Node, schema: Any) -> list[Any]:
