@@ -451,3 +451,36 @@ def test_a_graph_whose_input_free_calls_are_not_pure_aten_is_not_stored():
     assert compile_cache._frozen_by_pickle(graph(arange)) is None
     assert "not an aten op" in compile_cache._frozen_by_pickle(graph(all_reduced))
     assert "writes zeros" in compile_cache._frozen_by_pickle(graph(written_in_a_list))
+
+
+@pytest.mark.unit
+def test_caches_two_models_allocate_in_their_graph_are_their_own(tmp_path, monkeypatch):
+    """gpt-fast's / HF StaticCache's lazily allocated KV cache (``zeros`` in the prefill graph, written by
+    ``index_copy_``): a second model of the same class runs the same compiled prefill. Read back from the compile
+    cache's pickle, that ``zeros`` was one constant, so the second model's prefill wrote the first model's cache
+    (measured at 1 layer: the first model's next decode step off by up to 2.2 in a logit). With the cache on, each
+    model's decode step is what it is with the cache off (the fake group: both run the same plan, bit for bit)."""
+    from dynashard import _torch as private
+
+    def decode_after_the_other_prefill(cache: str) -> torch.Tensor:
+        monkeypatch.setenv("DYNASHARD_CACHE", cache)
+        monkeypatch.setenv("DYNASHARD_CACHE_DIR", str(tmp_path / cache))
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        first = models.CachedDecoder(form="lazy", n_layer=1).eval()
+        second = copy.deepcopy(first)
+        options = {**OPTIONS}
+        pos = torch.arange(5)
+        with torch.no_grad():
+            torch.compile(first, backend="dynashard", options=options)(torch.randint(0, 96, (2, 5)), pos)
+            torch.compile(second, backend="dynashard", options=options)(torch.randint(0, 96, (2, 5)), pos)
+            return torch.compile(first, backend="dynashard", options=options)(torch.randint(0, 96, (2, 1)),
+                                                                             torch.tensor([5]))
+
+    private.init_fake_process_group(2, 0)
+    try:
+        off, on = decode_after_the_other_prefill("0"), decode_after_the_other_prefill("1")
+    finally:
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+    assert torch.equal(off, on), (off - on).abs().max()
