@@ -186,6 +186,7 @@ def load(material: str) -> tuple[Planned, torch.fx.GraphModule] | None:
         if graph is not None:
             tag_regathers(graph)
             private_regions.retag(graph, entry.regions)
+            _fresh_outputs(graph)
     except FileNotFoundError:
         return None
     except Exception as e:  # noqa: BLE001 - a damaged or foreign entry is a miss, never an error
@@ -234,6 +235,8 @@ def store(material: str, planned: Planned, graph: torch.fx.GraphModule | None,
         os.replace(f.name, path)
     except OSError as e:
         return None, f"the cache directory is not writable ({e})"
+    if back is not None:
+        _fresh_outputs(back)
     return back, None
 
 
@@ -270,11 +273,13 @@ def _frozen_by_pickle(graph: torch.fx.GraphModule) -> str | None:
     """Why ``graph`` read back from its pickle would compute something else than ``graph``, or None.
 
     A call with no traced input runs once when the pickle is read and becomes one constant (:func:`_twins`'
-    NOTE), which is the same value only for a pure computation whose result nothing writes or hands out: a random
-    op (``torch.rand(4, 8)``, stochastic depth's ``empty(...).bernoulli_(p)`` under static shapes) would draw
-    once and give every later call that draw; a buffer made by ``empty`` and written by the graph (an ``out=``
-    call, a ``copy_``) or returned would be one tensor shared by every call, each call's result overwritten by
-    the next. Such a graph is not stored, and the graph compiled is the rewritten one, not the one read back."""
+    NOTE), which is the same value only for a pure computation whose result nothing writes: a random op
+    (``torch.rand(4, 8)``, stochastic depth's ``empty(...).bernoulli_(p)`` under static shapes) would draw once
+    and give every later call that draw; a buffer made by ``empty`` or ``zeros`` and written by the graph (an
+    ``out=`` call, a ``copy_``, a lazily allocated KV cache's ``index_copy_``) would be one tensor shared by
+    every call, each call's writes landing in the last call's. Such a graph is not stored, and the graph compiled
+    is the rewritten one, not the one read back. (A constant the graph returns is copied at each call:
+    :func:`_fresh_outputs`.)"""
     for gm in graph.modules():
         if not isinstance(gm, torch.fx.GraphModule):
             continue
@@ -288,9 +293,6 @@ def _frozen_by_pickle(graph: torch.fx.GraphModule) -> str | None:
             if node in folded and not _pure_call(node.target):
                 return (f"a call with no traced input that is not an aten op ({node.format_node()}): reading the "
                         "entry would run it (a collective, a higher-order op) there and then")
-            if node.op == "output" and (out := next((a for a in node.all_input_nodes if a in folded), None)):
-                return (f"it returns {out.name}, computed from no input: read back from the cache it would be one "
-                        "tensor returned by every call")
             schema = private_aten.schema_of(node.target)
             if node.op != "call_function" or schema is None:
                 continue
@@ -300,6 +302,32 @@ def _frozen_by_pickle(graph: torch.fx.GraphModule) -> str | None:
                     return (f"{node.name} writes {written[0].name}, computed from no input: read back from the cache "
                             "it would be one tensor every call writes")
     return None
+
+
+def _fresh_outputs(back: torch.fx.GraphModule) -> None:
+    """Each tensor constant the graph read back returns, returned as a copy made at each call.
+
+    NOTE: a graph that returns a tensor computed from no input (HF's sliding-window DynamicCache hands out a
+    ``torch.tensor`` made in the forward: ``lift_fresh_copy``) gives a new tensor at each call; read back from
+    its pickle, that computation is a constant (:func:`_twins`' NOTE), and returned as it is every call would
+    hand out the same tensor, which a caller owning it may write. Clones go just before the output, so the
+    positions the region tags name are unchanged."""
+    output = next(iter(reversed(back.graph.nodes)))
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def fresh(arg: torch.fx.Node) -> torch.fx.Node:
+        if arg.op != "get_attr" or not isinstance(getattr(back, str(arg.target), None), torch.Tensor):
+            return arg
+        if arg not in copies:
+            with back.graph.inserting_before(output):
+                copies[arg] = back.graph.call_function(torch.ops.aten.clone.default, (arg,))
+            if "val" in arg.meta:
+                copies[arg].meta["val"] = arg.meta["val"]
+        return copies[arg]
+
+    output.args = torch.fx.node.map_arg(output.args, fresh)
+    if copies:
+        back.recompile()
 
 
 def _pure_call(target: Any) -> bool:
