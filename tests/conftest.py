@@ -11,8 +11,9 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# dynashard's compile cache off for the tests (the ranks they spawn inherit it): every test traces and plans
-# its graphs, whatever ran before it; tests/test_compile_cache.py turns it on in a directory of its own.
+# dynashard's compile cache off in the test processes: every unit test traces and plans its graphs, whatever ran
+# before it; tests/test_compile_cache.py turns it on in a directory of its own. Spawned gloo ranks turn it on, as
+# a user's processes have it, in a directory per spawn (tests/multiproc.py).
 os.environ["DYNASHARD_CACHE"] = "0"
 
 

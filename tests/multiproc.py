@@ -12,6 +12,7 @@ import functools
 import multiprocessing as mp
 import os
 import queue as queue_module
+import shutil
 import tempfile
 import time
 import traceback
@@ -86,6 +87,11 @@ def _worker(fn, rank, world, init_file, gloo_timeout, args, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # The ranks compile as users do, with dynashard's compile cache on (tests/conftest.py turns it off for the
+    # test process): each compile stores its graph and compiles the graph read back from the entry, a directory
+    # per spawn (its ranks' entries are their own: the key holds the rank). A scenario may point it elsewhere.
+    os.environ["DYNASHARD_CACHE"] = "1"
+    os.environ["DYNASHARD_CACHE_DIR"] = f"{init_file}-compile-cache"
     try:
         if world > 0:
             dist.init_process_group(
@@ -155,4 +161,5 @@ def run_ranks_outcomes(
                 p.kill()
         if os.path.exists(init_file):
             os.unlink(init_file)
+        shutil.rmtree(f"{init_file}-compile-cache", ignore_errors=True)
     return [results[r] for r in range(world)]
