@@ -18,8 +18,9 @@ importable function over plain values), and the regather tags pickling drops are
 (``collectives.tag_regathers``). Not cached (a miss, with the reason at DEBUG): ``per_rank`` inputs or
 weights, FSDP2 or DTensor inputs, tensor constants, a rewrite that added shape guards (they would be lost on
 a hit), a graph carrying the model's own activation-checkpoint tags (node meta: lost on a hit), a graph
-whose computations with no traced input draw random numbers, are written or are returned (a pickle read back
-makes each one constant: :func:`_frozen_by_pickle`), and a graph that does not pickle. The nested compile
+whose computations with no traced input draw random numbers, are written or are not aten ops (a pickle read
+back makes each one constant: :func:`_frozen_by_pickle`; one the graph returns is copied at each call), and a
+graph that does not pickle. The nested compile
 region tags (node meta too) are kept beside the graph and put back on a load, so a hit outlines the regions as
 a miss does (``rewrite/outline.py``): carried to the graph read back node by node, past the input-free
 computations the pickle folds into constants (:func:`_twins`).
