@@ -38,6 +38,21 @@ def cache_on(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+@pytest.fixture
+def compiled_graphs(monkeypatch) -> list:
+    """Each graph dynashard hands its compiler (``_torch.compile_graph``), in order."""
+    from dynashard import _torch as private
+
+    graphs, compile_graph = [], private.compile_graph
+
+    def recording(compiler, gm, *args, **kwargs):
+        graphs.append(gm)
+        return compile_graph(compiler, gm, *args, **kwargs)
+
+    monkeypatch.setattr(private, "compile_graph", recording)
+    return graphs
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
 
@@ -72,21 +87,13 @@ def test_a_restart_reads_the_plan_and_graph_instead_of_tracing(fake_group, cache
 
 
 @pytest.mark.unit
-def test_a_hit_outlines_nested_regions_as_a_miss_does(fake_group, cache_on, plans, monkeypatch):
+def test_a_hit_outlines_nested_regions_as_a_miss_does(fake_group, cache_on, plans, compiled_graphs):
     """Nested compile regions: the region tags (node meta, which a pickle drops) are kept beside the cached graph,
     so the compiler gets the same graph, one subgraph called per layer, on a hit as on the miss."""
-    from dynashard import _torch as private
-
     class RegionBlock(models.LlamaBlock):
         forward = torch.compiler.nested_compile_region(models.LlamaBlock.forward)
 
-    graphs, compile_graph = [], private.compile_graph
-
-    def recording(compiler, gm, *args, **kwargs):
-        graphs.append(gm)
-        return compile_graph(compiler, gm, *args, **kwargs)
-
-    monkeypatch.setattr(private, "compile_graph", recording)
+    graphs = compiled_graphs
     torch.manual_seed(0)
     model = models.LlamaDecoder(n_layer=3)
     for block in model.layers:
@@ -113,7 +120,7 @@ class _Logits(torch.nn.Module):
 
 @pytest.mark.unit
 def test_hf_llama_of_nested_regions_restarts_from_the_compile_cache(fake_group, cache_on, plans, caplog,
-                                                                    monkeypatch):
+                                                                    compiled_graphs):
     """An HF Llama whose decoder layers' forward is one nested region: the first start stores its graph, a
     restart (a fresh Dynamo, no earlier program in memory) reads it instead of tracing and planning, and the
     compiler gets the same graph, the region outlined once for both layers, with the same output. Before: never
@@ -122,16 +129,9 @@ def test_hf_llama_of_nested_regions_restarts_from_the_compile_cache(fake_group, 
     constants, and the tags, carried by position, no longer fitted the graph read back."""
     import transformers as T
 
-    from dynashard import _torch as private
     from tests.hf_configs import CONFIGS
 
-    graphs, compile_graph = [], private.compile_graph
-
-    def recording(compiler, gm, *args, **kwargs):
-        graphs.append(gm)
-        return compile_graph(compiler, gm, *args, **kwargs)
-
-    monkeypatch.setattr(private, "compile_graph", recording)
+    graphs = compiled_graphs
     torch.manual_seed(0)
     config = CONFIGS["llama"]()
     config.num_hidden_layers = 2
