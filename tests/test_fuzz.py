@@ -9,6 +9,7 @@ examples in the default run, and the full count in the ``slow`` tier (``<name>_f
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import tempfile
@@ -704,7 +705,7 @@ def _through_the_cache(model, x, returned, dynamic, directory, monkeypatch, outp
             monkeypatch.setenv("DYNASHARD_CACHE", cache)
             monkeypatch.setenv("DYNASHARD_CACHE_DIR", str(directory))
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend="dynashard", dynamic=dynamic,
+            compiled = torch.compile(copy.deepcopy(model), backend="dynashard", dynamic=dynamic,  # (its own shards)
                                      options={"min_shard_numel": 0, "compiler": "eager"})
             calls = []
             with torch.no_grad():
