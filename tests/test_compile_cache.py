@@ -271,6 +271,34 @@ def test_a_restart_of_training_reads_the_plan_and_graph(fake_group, cache_on, pl
 
 
 @pytest.mark.unit
+def test_a_restart_of_hf_llama_training_reads_the_plan_and_graph(fake_group, cache_on, plans, caplog, monkeypatch):
+    """HF Llama's training graph is stored and read back as the hand-written Llama's is. Its causal mask is
+    computed from no input and read by the attention, whose output is cut: a Megatron copy (identity forward,
+    all_reduce backward) was put on it, a conversion of a value computed from no input, which reading the entry
+    would run (compile_cache._frozen_by_pickle): the graph was never stored, and every restart of an HF model's
+    training traced and planned again. A value no input reaches has no gradient: it gets no conversion."""
+    import transformers as T
+
+    from tests.hf_configs import CONFIGS
+
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = 2
+    model = _Logits(T.LlamaForCausalLM(config))
+    compiled = _Compiled(monkeypatch)
+    first, grads = _train_fresh(model, _ids())
+    assert plans.count == 2 and len(_entries(cache_on)) == 2, (plans.count, _entries(cache_on))
+    with caplog.at_level(logging.INFO, logger="dynashard"):
+        again, grads_again = _train_fresh(model, _ids())
+    assert plans.count == 2, "the second training compile traced and planned again"
+    assert torch.equal(first, again)
+    assert grads.keys() == grads_again.keys() and len(grads) == len(dict(model.named_parameters()))
+    assert all(torch.equal(grads[n], grads_again[n]) for n in grads)
+    (miss, hit) = compiled.graphs
+    assert miss == hit and len(miss[0]) >= 2 * 2, compiled.graphs  # (each layer's attention and MLP: f and g)
+
+
+@pytest.mark.unit
 def test_a_graph_with_the_models_checkpoint_tags_is_not_stored(fake_group, cache_on, plans, caplog):
     """The model's own activation checkpointing lives in node meta, which a stored graph loses: such a graph
     is traced on every start (a hit would keep every activation the user asked to recompute)."""

@@ -97,6 +97,7 @@ class Sharder(torch.fx.Interpreter):
         sharded = [m for m in plan.linears if self.lm.styles[m.node] != Style.REPLICATE]
         # (a dtype conversion of a cut weight, autocast's, is this rank's part too)
         self._weights = {n for m in sharded for n in (m.weight, m.transpose, *m.operand_path) if n is not None}
+        self._from_inputs = _from_inputs(gm.graph)
         # (kind, producer) -> the converted value: "sum", "copy", "to_shards" or a Read; (one per value)
         self._conversions: dict[tuple[Any, ...], Any] = {}
         self._roots, self._written = alias_roots(gm.graph), mutated_roots(gm.graph)
@@ -154,9 +155,10 @@ class Sharder(torch.fx.Interpreter):
         # own part's or term's contribution, all-reduced in backward. One f per value, shared by such
         # readers only (a reader with a replicated output must not be summed again). A partial value
         # all-reduced here is replicated from then on: a sharded reader reads the sum through f too.
-        sharded_reader = self.megatron and out is not None and _differentiable(value)
-        partial_reader = self.megatron and record is not None and record.partial is not None \
-            and _differentiable(value)
+        # A value no graph input reaches (a causal mask made from ``arange``) has no gradient: no f.
+        differentiable = _differentiable(value) and producer in self._from_inputs
+        sharded_reader = self.megatron and out is not None and differentiable
+        partial_reader = self.megatron and record is not None and record.partial is not None and differentiable
         replicated = self.lm.layouts.get(producer) is None and producer not in self._weights \
             and (reduced or producer not in self.lm.partial)
         if (sharded_reader or partial_reader) and replicated:
@@ -305,6 +307,27 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 def _differentiable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _from_inputs(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes a gradient may reach: those some placeholder reaches, and every alias of a value some op writes
+    into (``zeros`` then ``copy_(x)``: the buffer then holds ``x``'s values). The rest are computed from no input
+    (constants, ``arange``, a causal mask), so no gradient flows to or from them."""
+    roots = alias_roots(graph)
+    written = mutated_roots(graph)
+    for node in graph.nodes:  # (an out= or other written argument, besides the first)
+        schema = private_aten.schema_of(node.target) if node.op == "call_function" else None
+        for i, arg in enumerate(schema.arguments if schema is not None else ()):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written.update(roots.get(v, v) for v in (value if isinstance(value, (list, tuple)) else [value])
+                               if isinstance(v, torch.fx.Node))
+    reached: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or roots.get(node, node) in written \
+                or any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    return reached
 
 
 def rewrite(
