@@ -96,6 +96,33 @@ def test_lora_on_every_projection_costs_no_collective():
     assert "joins the base's one all_reduce" in o_a.reason or "join the base's" in o_a.reason, o_a.reason
 
 
+def int8(model):
+    """``model`` with torchao's per-row int8 weight-only linears (``(x @ qdata.t()) * scale``)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8WeightOnlyConfig())
+    return model
+
+
+@pytest.mark.unit
+@pytest.mark.filterwarnings("ignore:TorchaoLoraLinear was instantiated")  # (PEFT: merge needs HF's TorchAoConfig)
+def test_lora_on_an_int8_base_costs_no_collective():
+    """QLoRA's layout: LoRA on per-row int8 base layers (PEFT's ``TorchaoLoraLinear``), whose output is scaled per
+    feature after the matmul. The adapters are cut by their bases as on a float model: 5 all_reduces for 2
+    layers, none added. Before: the scale between the base's matmul and the add hid the base from the adapter
+    matcher, A and B were planned as layers of their own, and the plan ran 25 all_reduces."""
+    from tests.test_graphs import rewritten
+
+    ids = torch.randint(0, 96, (2, 7))
+    adapted = rewritten(Logits(lora(int8(llama()))), ids)
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)
+    styles = {r.fqn: r.style for r in dynashard.explain(Logits(lora(int8(llama(layers=1)))), ids, world_size=2,
+                                                          options=OPTIONS).rows}
+    float_styles = {r.fqn: r.style for r in dynashard.explain(Logits(lora(llama(layers=1))), ids, world_size=2,
+                                                                options=OPTIONS).rows}
+    assert styles == float_styles, (styles, float_styles)
+
+
 @pytest.mark.unit
 def test_plan_dicts_and_hf_plans_reach_peft_base_layers():
     """HF Llama's own base_model_tp_plan on a PEFT model (module names gain ``base_model.model.`` and
@@ -208,6 +235,29 @@ def test_lora_training_matches_the_twin(rank, world):
     model = Logits(lora(llama()))
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
+    out_err, grad_err, missing = _train(model, twin, _batches())
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_lora_on_an_int8_base_trains_as_the_twin(rank, world):
+    """QLoRA's layout (PEFT's LoRA on torchao per-row int8 base layers): 3 SGD steps on the adapters, the
+    twin's logits and raw adapter gradients, the adapters cut by their bases (held: half of q's B rows, half
+    of o's A columns)."""
+    import warnings
+
+    from dynashard.weights.store import STORE
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated")  # (merge needs HF's TorchAoConfig)
+        model = Logits(lora(int8(llama())))
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
+    attn = model.lm.base_model.model.model.layers[0].self_attn
+    adapters = (attn.q_proj.lora_B.default.weight, attn.o_proj.lora_A.default.weight)
+    held = tuple(STORE.shard_of(w).shape for w in adapters)
+    assert held == ((32, 4), (4, 32)), held
     out_err, grad_err, missing = _train(model, twin, _batches())
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)

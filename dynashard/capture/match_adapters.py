@@ -15,6 +15,10 @@ cuts A and B by the base's style so that the adapter adds no collective (plan/au
   is this rank's partial sum; B, whole, is linear in it, so B's output is a partial sum too, and it
   joins the base's partial sum before the base's one all_reduce (rules/origins.py, rules/partial.py).
 
+A base whose output is scaled per output feature before the add (torchao's per-row int8 weight-only
+linear, gpt-fast's int8: ``mm(x, t(qdata).to(f32)) * scale``, PEFT's ``TorchaoLoraLinear`` on it) is the
+same base: the scale is linear in its output, so a rowwise base's partial sums stay partial through it.
+
 Several adapters on one layer chain their adds (``(y + s1 u1) + s2 u2``): each add's base is the
 previous add. Found by structure, not by name: any model whose graph has this shape (A and B
 matched linears, A's output read only by B, r below both outer widths, the sum added to a linear of
@@ -72,6 +76,31 @@ def _source(node: object, path: tuple = _VIEWS) -> object:
     return node
 
 
+def _feature_scale(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``user`` is ``node * s`` (``s * node``), ``s`` one number or one value per output feature of ``node``
+    (``[out]``, ``[1, out]``): linear in ``node`` (a per-row quantized linear's scales on its output)."""
+    if user.target is not aten.mul.Tensor or len(user.args) != 2 or user.kwargs or node not in user.args:
+        return False
+    other = user.args[1] if user.args[0] is node else user.args[0]
+    out, scale = val(node), val(other)
+    if out is None or scale is None or other is node or out.dim() == 0:
+        return False
+    return scale.numel() == 1 or (scale.dim() <= out.dim() and tuple(scale.shape[:-1]) == (1,) * (scale.dim() - 1)
+                                  and scale.shape[-1] == out.shape[-1])
+
+
+def _base_source(node: object) -> object:
+    """``node`` with views and per-feature scalings (:func:`_feature_scale`) stripped off its front."""
+    while isinstance(node, torch.fx.Node):
+        node = _source(node)
+        scaled = next((a for a in node.args if isinstance(a, torch.fx.Node) and _feature_scale(node, a)), None) \
+            if isinstance(node, torch.fx.Node) and node.op == "call_function" else None
+        if scaled is None:
+            break
+        node = scaled
+    return node
+
+
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
     """``node``'s users but size queries (``sym_size`` under dynamic shapes reads no values)."""
     return [u for u in node.users if u.target not in _SIZES]
@@ -123,7 +152,7 @@ def find_low_rank_updates(graph: torch.fx.Graph, linears: dict[torch.fx.Node, Li
         if joined is None:
             continue
         add, other = joined
-        base = _source(other)
+        base = _base_source(other)
         earlier = found.get(base) if base in found and found[base].add is base else None
         base_linear = earlier.base_linear if earlier is not None else linears.get(base)
         if base_linear is None or base_linear is a or base_linear is b or base_linear.out_features != b.out_features:
@@ -140,5 +169,6 @@ def joins_update(node: torch.fx.Node, updates: dict[torch.fx.Node, LowRankUpdate
     """Every reader of ``node`` (through views) is the add of an update whose base ``node`` is."""
     users = _readers(node)
     return bool(users) and all(
-        (u.target in _VIEWS and depth > 0 and joins_update(u, updates, depth - 1))
-        or (u in updates and updates[u].add is u and _source(updates[u].base) is _source(node)) for u in users)
+        ((u.target in _VIEWS or _feature_scale(u, node)) and depth > 0 and joins_update(u, updates, depth - 1))
+        or (u in updates and updates[u].add is u and _base_source(updates[u].base) is _base_source(node))
+        for u in users)
