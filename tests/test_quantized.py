@@ -642,10 +642,16 @@ def _quantized_llama(config, seed: int) -> nn.Module:
     return model
 
 
-# (int8 PerGroup(16) and float8 per row pass too, 15-20 s each under load: left out for time)
+DCP_SLOW = ("int8 PerGroup(16)", "float8 per row")  # (15-20 s each under load: the slow tier)
+
+
 @on_ranks(cases=["int8 per row", "int4 PerGroup(16)"])
 @torch.no_grad()
 def test_dcp_round_trip_of_a_parallelized_quantized_model(rank, world, tmp_path, case):
+    _dcp_round_trip(rank, world, tmp_path, case)
+
+
+def _dcp_round_trip(rank, world, tmp_path, case):
     """get_model_state_dict + dcp.save of a parallelized quantized Llama, then dcp.load (LoadPlanner) +
     set_model_state_dict into another, quantized alike from other weights: the saved model's logits. The state
     dict holds each weight's inner tensors (``q_proj.weight.qdata``: this rank's rows), not the subclass, whose
@@ -688,6 +694,15 @@ def test_dcp_round_trip_of_a_parallelized_quantized_model(rank, world, tmp_path,
                      planner=dynashard.LoadPlanner())
         assert all("Size mismatch" in str(e) for e in refused.value.failures.values()), refused.value.failures
         assert torch.equal(regrouped(ids, use_cache=False).logits, before)
+
+
+@pytest.mark.slow
+@on_ranks.alone(2, cases=list(DCP_SLOW))
+@torch.no_grad()
+def test_dcp_round_trip_of_a_parallelized_quantized_model_slow_tier(rank, world, tmp_path, case):
+    """test_dcp_round_trip_of_a_parallelized_quantized_model for int8 by groups (scales and zero points cut with
+    their groups) and float8 with a scale for each row (no zero point)."""
+    _dcp_round_trip(rank, world, tmp_path, case)
 
 
 @pytest.mark.unit
