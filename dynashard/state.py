@@ -69,7 +69,7 @@ STATE: dict[str, str] = {
         "freed weights alive (weakly) and the step hook's handle, held while one is alive",
     "dynashard.training.fsdp._LIVE":
         "STORE.live under a shorter name (the same table)",
-    "dynashard.load.parallelize._SWAPPED":
+    "dynashard.load.registered._SWAPPED":
         "module class -> its subclass holding shards; one per class, for the process",
     "dynashard._torch.dtensor._FOLLOWING":
         "the (gather, cut) that DCP's wrapped state-dict functions call; set by parallelize, for the process",
@@ -101,8 +101,8 @@ HOOKS: dict[str, str] = {
         "the forward pre-hook is never a Dynamo frame of its own; for the process",
     "dynashard.weights.facades: never_a_frame":
         "a facade's eager answer is never a Dynamo frame of its own; for the process",
-    "dynashard.load.parallelize: never_a_frame":
-        "the parallelized forward is never a Dynamo frame of its own; for the process",
+    "dynashard.load.registered: never_a_frame":
+        "a facade property's getter is never a Dynamo frame of its own; for the process",
     "dynashard._torch: skip_code":
         "what never_a_frame and never_a_frame_of_its_own do (Dynamo's skip list); for the process",
     "dynashard.runtime.program: atexit.register":
@@ -113,7 +113,7 @@ HOOKS: dict[str, str] = {
         "DCP's set_* cut whole values into placed tensors; from the first parallelize on",
     "dynashard._torch.dtensor: dsd._broadcast_state_dict =":
         "the same, for the broadcast path; from the first parallelize on",
-    "dynashard.load.parallelize: __class__ =":
+    "dynashard.load.registered: __class__ =":
         "a parallelized module's class swapped for one holding shards; the module's lifetime",
     "dynashard.weights.facades: __class__ =":
         "a freed tensor becomes a facade (and back when filled); the tensor's lifetime",

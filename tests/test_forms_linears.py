@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 import dynashard
 from dynashard.errors import UsageError
-from dynashard.load.parallelize import facades as facades_of
+from dynashard.load.registered import facades as facades_of
 from dynashard.weights.store import STORE, cut
 from tests import models
 from tests.scenarios import Scenarios

@@ -128,7 +128,7 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 @on_ranks
 def test_olmo2_trains_as_its_unsharded_twin(rank, world):
-    from dynashard.load.parallelize import facades as facades_of
+    from dynashard.load.registered import facades as facades_of
     from dynashard.weights.store import STORE, cut
 
     model = _olmo2()

@@ -28,7 +28,7 @@ import dynashard
 from dynashard.dynamo_backend import dynashard_backend
 from dynashard.errors import DynashardError, UsageError
 from dynashard.load.checkpoint import Checkpoint, open_checkpoint
-from dynashard.load.parallelize import facades as facades_of
+from dynashard.load.registered import facades as facades_of
 from dynashard.weights.store import STORE
 from tests import models
 from tests.battery import SHARDED

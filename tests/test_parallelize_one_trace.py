@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import dynashard
 from dynashard import _torch as private
-from dynashard.load.parallelize import FACADES, facades
+from dynashard.load.registered import FACADES, facades
 from dynashard.weights.store import STORE
 from tests import models
 

@@ -305,7 +305,7 @@ def test_sgd_steps_match_the_unsharded_twin(rank, world, case):
 
 
 def _facades(model) -> dict:
-    from dynashard.load.parallelize import facades as facades_of
+    from dynashard.load.registered import facades as facades_of
 
     out = {}
     for prefix, module in model.named_modules():

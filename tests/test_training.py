@@ -76,7 +76,7 @@ def _loss(out, target):
 
 
 def _facades(model) -> dict:
-    from dynashard.load.parallelize import facades as facades_of
+    from dynashard.load.registered import facades as facades_of
 
     out = {}
     for prefix, module in model.named_modules():

@@ -124,7 +124,7 @@ def test_tp_inside_ddp_trains_as_the_unsharded_model_on_both_batches(rank, world
     import torch.distributed as dist
 
     from dynashard.comm.protocol import all_gather_objects
-    from dynashard.load.parallelize import facades as facades_of
+    from dynashard.load.registered import facades as facades_of
     from dynashard.weights.store import STORE, cut
 
     name, hidden, ddp_inside, adamw_steps = CASES[case]

@@ -39,6 +39,7 @@ from dynashard import state
 from dynashard.comm.protocol import peer_guard
 from dynashard.errors import UsageError
 from dynashard.layout import placement
+from dynashard.load.registered import FACADES
 from dynashard.weights.facades import full_tensor
 from dynashard.weights.store import STORE
 
@@ -144,8 +145,6 @@ def _unmergeable(layer: nn.Module) -> str | None:
 
 def _cut(module: nn.Module) -> tuple:
     """``(dim, each rank's ranges)`` of ``module.weight``'s cut, ``(None,)`` where it is held whole."""
-    from dynashard.load.parallelize import FACADES  # lazy: parallelize imports this module
-
     facade = module.__dict__.get(FACADES, {}).get("weight")
     spec = None if facade is None else STORE.spec_of(facade)
     if spec is None:

@@ -28,8 +28,8 @@ from dynashard.comm.transport import gather_to_first
 from dynashard.errors import UsageError
 from dynashard.load import integrity
 from dynashard.load.checkpoint import _INDEX, _SAFETENSORS_DTYPES
-from dynashard.load.parallelize import facades
 from dynashard.load.quantized_state import quantized_slots
+from dynashard.load.registered import facades
 from dynashard.weights.store import STORE
 
 

@@ -17,7 +17,7 @@ world size; ``load_state_dict`` (``set_state_dict``) copies such entries into th
 this rank's pieces, a piece checked to be this rank's) and does not ask for the subclass's own key.
 
 Invariants: every value is checked before any is copied, every module's before any module's (``check``,
-run by ``parallelize.check_loads``): a load that raises changes nothing; the subclass
+run by ``registered.check_loads``): a load that raises changes nothing; the subclass
 object and its quantization (class, block size) are never replaced: a checkpoint holds integers and scales
 only, so it loads into a model quantized as the saved one was (as a ``save_pretrained`` directory does).
 """
@@ -75,7 +75,7 @@ def check(module: nn.Module, state: dict, prefix: str) -> tuple[list[tuple[torch
     """``state``'s entries for ``module``'s quantized weights' inner tensors, each checked (raises, changing
     nothing): ``([(tensor to fill, value), ...], the subclass keys they fill)``. A weight with some of its
     inner tensors in ``state`` and not all is refused: loading its integers without their scales (or the
-    reverse) would compute with a mix of two checkpoints. ``parallelize.check_loads`` runs this for every
+    reverse) would compute with a mix of two checkpoints. ``registered.check_loads`` runs this for every
     module before any is loaded."""
     copies, done = [], set()
     for attr, inner in quantized_slots(module).items():
