@@ -1,12 +1,14 @@
 """A LoRA fine-tuning step at world N against full fine-tuning and the unsharded LoRA twin, side by side.
 
 Launch: torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_lora [--layers 4] [--hidden 256]
-        [--tokens 512] [--rank 16] [--compiler eager] [--iters 10] [--smoke] [--out PATH]
+        [--tokens 512] [--rank 16] [--compiler eager] [--base int8] [--iters 10] [--smoke] [--out PATH]
 
 Model: HF Llama (transformers' LlamaForCausalLM from a config, random weights; 8 heads, 4 K/V heads,
 SwiGLU ``intermediate = 2.75 x hidden``, vocab 2048), float32, batch 1 of ``--tokens`` tokens, the
 same weights and inputs on every rank. LoRA: PEFT ``LoraConfig(r, lora_alpha=2r)`` on q, k, v, o,
-gate, up, down (7 per layer), base frozen.
+gate, up, down (7 per layer), base frozen. ``--base int8``: QLoRA's layout, the base's linears quantized by
+torchao's ``Int8WeightOnlyConfig`` (per-row int8) before PEFT wraps them (``TorchaoLoraLinear``); "full sharded"
+is then left out (int8 weights do not train).
 
 Systems (each a deep copy of the same model with an SGD of its own, lr 1e-3, over its trainable
 parameters; the step is ``zero_grad``, cross-entropy of the logits against random tokens, backward,
@@ -47,6 +49,7 @@ from benchmarks.train_metrics import PHASES, count_collectives
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SYSTEMS = ("full sharded", "lora sharded", "lora unsharded")
+LORA_ONLY = ("lora sharded", "lora unsharded")  # (--base int8: int8 weights do not train)
 
 
 class Logits(nn.Module):
@@ -63,9 +66,18 @@ def build_base(args: argparse.Namespace) -> nn.Module:
 
     torch.manual_seed(0)
     ffn = int(2.75 * args.hidden) // 8 * 8
-    return T.LlamaForCausalLM(T.LlamaConfig(
+    model = T.LlamaForCausalLM(T.LlamaConfig(
         hidden_size=args.hidden, intermediate_size=ffn, num_hidden_layers=args.layers, num_attention_heads=8,
         num_key_value_heads=4, vocab_size=args.vocab))
+    if args.base == "int8":
+        import warnings
+
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig())
+        # (PEFT's TorchaoLoraLinear warns that merge() needs HF's TorchAoConfig: no merge here)
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated")
+    return model
 
 
 def with_lora(base: nn.Module, r: int) -> nn.Module:
@@ -134,6 +146,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--rank", type=int, default=16, help="LoRA's r")
     p.add_argument("--compiler", default="eager", help="dynashard's compiler option and the twin's backend")
+    p.add_argument("--base", choices=("float", "int8"), default="float",
+                   help="int8: the base's linears torchao per-row int8 weight-only (QLoRA's layout)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
@@ -148,14 +162,15 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     rank, world = init(args.threads)
-    progress = Progress(len(SYSTEMS) * 2 + args.warmup + args.iters, rank == 0)
+    names = LORA_ONLY if args.base == "int8" else SYSTEMS
+    progress = Progress(len(names) * 2 + args.warmup + args.iters, rank == 0)
     base = build_base(args)
     adapted = with_lora(base, args.rank)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
     target = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
     systems, per_system = {}, {}
-    for name in SYSTEMS:
+    for name in names:
         progress.step(label=f"building {name}")
         systems[name] = build(name, base, adapted, ids, args)
     checked = check(systems["lora sharded"], systems["lora unsharded"], ids, target)
@@ -169,14 +184,15 @@ def main() -> None:
     progress.close()
     results = summarize(rank, per_system, times)
     by = {r["system"]: r for r in results}
-    ratios = {"lora sharded / full sharded": by["lora sharded"]["median_ms"] / by["full sharded"]["median_ms"],
-              "lora sharded / lora unsharded": by["lora sharded"]["median_ms"] / by["lora unsharded"]["median_ms"]}
+    ratios = {"lora sharded / lora unsharded": by["lora sharded"]["median_ms"] / by["lora unsharded"]["median_ms"]}
+    if "full sharded" in by:
+        ratios["lora sharded / full sharded"] = by["lora sharded"]["median_ms"] / by["full sharded"]["median_ms"]
     config = {k: v for k, v in vars(args).items() if k != "out"}
     rec = record({**config, "targets": TARGETS, "dtype": "float32", "batch": 1, "optimizer": "SGD lr 1e-3"},
                  {"systems": results, "ratios": ratios, "check": checked}, world, args.threads)
     ok = checked["grad_max_rel_err"] < 1e-4 and checked["logits_max_abs_diff"] < 1e-4
     if rank == 0:
-        path = out_path(args.out, f"lora_w{world}", args.smoke)
+        path = out_path(args.out, f"lora_w{world}" + ("_int8" if args.base == "int8" else ""), args.smoke)
         write_json(path, rec)
         for r in results:
             c = per_system[r["system"]]["collectives"]
