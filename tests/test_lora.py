@@ -123,6 +123,40 @@ def test_lora_on_an_int8_base_costs_no_collective():
     assert styles == float_styles, (styles, float_styles)
 
 
+def gpt2_lora(bias: str = "none"):
+    """PEFT LoRA on a 2-layer HF GPT-2's Conv1D layers (``fan_in_fan_out``), whose rowwise ones (both
+    ``c_proj``) have a bias; ``bias="all"``: the biases train too. B at random; no dropout (a model built from a
+    config is in train mode)."""
+    import peft
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # (the twin's draws)
+    lm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"],
+                                                    fan_in_fan_out=True, bias=bias))
+    randomise_b(lm, 1)
+    return lm
+
+
+@pytest.mark.unit
+def test_lora_on_a_rowwise_base_with_a_bias_costs_no_collective():
+    """GPT-2's rowwise layers (``c_proj``, attention's and the MLP's) have a bias: their LoRA's partial sums join
+    the base's one all_reduce, the bias added by rank 0 alone, as many collectives as GPT-2 without LoRA. Before:
+    a biased base kept its own all_reduce and A's ``r`` features had one more (10 all_reduces instead of 6)."""
+    import transformers as T
+
+    from tests.test_graphs import rewritten
+
+    ids = torch.randint(0, 96, (2, 7))
+    torch.manual_seed(0)
+    plain = rewritten(Logits(T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96,
+                                                            n_positions=32))), ids)
+    adapted = rewritten(Logits(gpt2_lora()), ids)
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == \
+        (_count(plain, "all_reduce"), _count(plain, "all_gather")) == (6, 1)
+
+
 @pytest.mark.unit
 def test_plan_dicts_and_hf_plans_reach_peft_base_layers():
     """HF Llama's own base_model_tp_plan on a PEFT model (module names gain ``base_model.model.`` and
@@ -258,6 +292,19 @@ def test_lora_on_an_int8_base_trains_as_the_twin(rank, world):
     adapters = (attn.q_proj.lora_B.default.weight, attn.o_proj.lora_A.default.weight)
     held = tuple(STORE.shard_of(w).shape for w in adapters)
     assert held == ((32, 4), (4, 32)), held
+    out_err, grad_err, missing = _train(model, twin, _batches())
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_lora_on_biased_rowwise_bases_trains_as_the_twin(rank, world):
+    """GPT-2 with LoRA and its biases trained (PEFT ``bias="all"``): the rowwise bases' biases are added by rank 0
+    alone inside the partial sums, each read through Megatron's f, so every rank's gradient of a bias is the
+    whole one. 3 SGD steps: the twin's logits and raw gradients (adapters and biases)."""
+    model = Logits(gpt2_lora(bias="all"))
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
     out_err, grad_err, missing = _train(model, twin, _batches())
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)

@@ -152,10 +152,6 @@ def adapter_decision(m: LinearMatch, updates: dict[torch.fx.Node, LowRankUpdate]
     if m is update.b:
         return Decision(Style.REPLICATE, f"LoRA B of rowwise {base}: whole, applied to each rank's partial sums "
                                          "of A; they join the base's")
-    if update.base_linear.bias is not None:
-        return Decision(Style.ROWWISE, f"LoRA A of rowwise {base}: cut on its input features like it; one "
-                                       f"all_reduce of its {m.out_features} features (the base's bias is added "
-                                       "after the base's own)")
     return Decision(Style.ROWWISE, f"LoRA A of rowwise {base}: cut on its input features like it; its partial "
                                    "sums join the base's one all_reduce through B")
 

@@ -276,17 +276,26 @@ class Renorm(Lowering):
 @dataclasses.dataclass(frozen=True)
 class RowwiseLinear(Lowering):
     """This rank's features times its rows of the weight, the partial sums combined (all_reduce;
-    reduce_scatter of every rank's rows under ``inputs="per_rank"``), the bias added once after."""
+    reduce_scatter of every rank's rows under ``inputs="per_rank"``), the bias added once after.
+
+    ``reduce=False`` (reduced with other partial sums later: a LoRA's on this base): left partial, a bias added
+    by rank 0 alone (``b * 1`` there, ``b * 0`` on the others: with gradients, every rank's ``b`` is read through
+    Megatron's f, whose backward all_reduce then runs on every rank and sums rank 0's gradient with zeros)."""
 
     match: LinearMatch
     in_shard: Shard  # this rank's input features
-    reduce: bool = True  # False: left as this rank's partial sums (no bias), reduced with others later
+    reduce: bool = True  # False: left as this rank's partial sums (the bias on rank 0), reduced with others later
     seq: Shard | None = None  # sequence_parallel: the part of the sequence this rank keeps of the sum
 
     def emit(self, sharder: Any, node: torch.fx.Node) -> Any:
         y = _matmul(sharder, self.match, _rowwise_input(sharder, node, self.match, self.in_shard))
         y = y[1] if sharder.lm.stacked else y
-        return _combined(sharder, node, self.match, y, self.seq) if self.reduce else y
+        if self.reduce:
+            return _combined(sharder, node, self.match, y, self.seq)
+        if self.match.bias is not None:
+            once = aten.mul(sharder.read(node, self.match.bias, None), 1.0 if sharder.lm.rank == 0 else 0.0)
+            y = aten.add(y, once)
+        return y
 
 
 @dataclasses.dataclass(frozen=True)

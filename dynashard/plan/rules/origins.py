@@ -263,9 +263,10 @@ def _joins_partial_sums(lm: LayoutMap, match: LinearMatch) -> bool:
 def _joins_low_rank_update(lm: LayoutMap, match: LinearMatch) -> bool:
     """A LoRA on a rowwise base (match_adapters.py): the base, whose every reader adds the update to
     it, and A, once its base is partial sums, are left partial: A's terms go through B (whole, linear
-    in them) into the base's, and one all_reduce serves the layer. Not with a bias, as above."""
+    in them) into the base's, and one all_reduce serves the layer. A base's bias is then added to rank 0's
+    partial sums alone (RowwiseLinear), so the sum holds it once (GPT-2's ``c_proj``, OPT's ``out_proj``)."""
     update = lm.updates.get(match.node)
-    if update is None or match.bias is not None or lm.per_rank or lm.stacked or lm.sequence:
+    if update is None or lm.per_rank or lm.stacked or lm.sequence:
         return False
     if update.a is match:
         return update.base in lm.partial
