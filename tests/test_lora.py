@@ -157,6 +157,37 @@ def test_lora_on_a_rowwise_base_with_a_bias_costs_no_collective():
         (_count(plain, "all_reduce"), _count(plain, "all_gather")) == (6, 1)
 
 
+def embedding_lora(model, seed: int = 1):
+    """PEFT LoRA on the embedding (``lora.Embedding``) and every projection, both B factors at random."""
+    import peft
+
+    lm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", *TARGETS]))
+    randomise_b(lm, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if "lora_embedding_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return lm
+
+
+@pytest.mark.unit
+def test_lora_on_the_embedding_costs_no_collective():
+    """An embedding's LoRA (``embed(ids) + s * embedding(A.T, ids) @ B.T``: A a table, no A linear): B held whole,
+    added after the vocab-parallel lookup's all_reduce, and the rest of the plan as without it: 5 all_reduces for 2
+    layers. Before: B ([hidden, r]) was planned as a colwise layer of its own, the residual stream cut after the
+    embedding and every layer's pairs turned around (17 all_reduces)."""
+    from tests.test_graphs import rewritten
+
+    ids = torch.randint(0, 96, (2, 7))
+    adapted = rewritten(Logits(embedding_lora(llama())), ids)
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)
+    plan = dynashard.explain(Logits(embedding_lora(llama(layers=1))), ids, world_size=2, options=OPTIONS)
+    styles = {r.fqn.split("base_model.model.")[-1]: r.style for r in plan.rows}
+    assert styles["model.embed_tokens.lora_embedding_B.default"] == "replicate", str(plan)
+    assert styles["model.layers.0.self_attn.q_proj.base_layer"] == "colwise", str(plan)
+
+
 @pytest.mark.unit
 def test_plan_dicts_and_hf_plans_reach_peft_base_layers():
     """HF Llama's own base_model_tp_plan on a PEFT model (module names gain ``base_model.model.`` and
@@ -308,6 +339,27 @@ def test_lora_on_biased_rowwise_bases_trains_as_the_twin(rank, world):
     out_err, grad_err, missing = _train(model, twin, _batches())
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+@on_ranks
+def test_lora_on_the_embedding_trains_as_the_twin(rank, world):
+    """LoRA on the embedding and every projection of HF Llama: 3 SGD steps, the twin's logits and raw adapter
+    gradients (the embedding's A and B whole on every rank, their gradients computed whole). Merging them after
+    parallelize is refused before anything changes (the merge is the whole [vocab, hidden] product, which the cut
+    embedding holds part of; before: PEFT's own "size of tensor a (48) must match ... (96)")."""
+    model = Logits(embedding_lora(llama()))
+    twin = copy.deepcopy(model)
+    dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
+    out_err, grad_err, missing = _train(model, twin, _batches())
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+    ids = _batches(1)[0][0]
+    with torch.no_grad():
+        before = model(ids)
+        with pytest.raises(ValueError, match="an embedding's adapter.*merge_adapter\\(\\) or merge_and_unload\\(\\) "
+                                             "before dynashard.parallelize"):
+            model.lm.merge_adapter()
+        assert torch.equal(model(ids), before)
 
 
 @on_ranks

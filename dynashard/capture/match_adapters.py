@@ -19,6 +19,10 @@ A base whose output is scaled per output feature before the add (torchao's per-r
 linear, gpt-fast's int8: ``mm(x, t(qdata).to(f32)) * scale``, PEFT's ``TorchaoLoraLinear`` on it) is the
 same base: the scale is linear in its output, so a rowwise base's partial sums stay partial through it.
 
+An embedding's LoRA (PEFT's ``lora.Embedding``: ``embed(ids) + s * embedding(A.T, ids) @ B.T``) has no A linear: A
+is a table looked up by the base's ids. Its update has ``a`` None; B is held whole (plan/auto.py), applied to the
+whole lookup of A (``r`` features a token), and added after the base's all_reduce: no collective.
+
 Several adapters on one layer chain their adds (``(y + s1 u1) + s2 u2``): each add's base is the
 previous add. Found by structure, not by name: any model whose graph has this shape (A and B
 matched linears, A's output read only by B, r below both outer widths, the sum added to a linear of
@@ -36,7 +40,7 @@ import operator
 import torch
 import torch.fx
 
-from dynashard.capture.records import LinearMatch
+from dynashard.capture.records import EMBEDDING, LinearMatch
 from dynashard.layout.nodes import val
 
 aten = torch.ops.aten
@@ -54,13 +58,13 @@ _SCALES = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, a
 class LowRankUpdate:
     base: torch.fx.Node  # the base linear's node, or the add of the adapter before it on the same layer
     base_linear: LinearMatch  # the base layer itself (the first of a chain)
-    a: LinearMatch
+    a: LinearMatch | None  # None: an embedding's LoRA, whose A is a table looked up (_looked_up_table)
     b: LinearMatch
     add: torch.fx.Node  # where the scaled update joins the base's output
 
     @property
     def rank(self) -> int:
-        return self.a.out_features
+        return self.b.in_features
 
 
 def _source(node: object, path: tuple = _VIEWS) -> object:
@@ -99,6 +103,17 @@ def _base_source(node: object) -> object:
             break
         node = scaled
     return node
+
+
+def _looked_up_table(node: object) -> torch.fx.Node | None:
+    """The ids of ``node`` when it is ``embedding(A.T, ids)``, A a graph input (PEFT's ``lora_embedding_A``)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.embedding.default):
+        return None
+    table = node.args[0]
+    transposed = isinstance(table, torch.fx.Node) and (
+        table.target is aten.t.default or (table.target is aten.permute.default and list(table.args[1]) == [1, 0])
+        or (table.target is aten.transpose.int and sorted(d % 2 for d in table.args[1:3]) == [0, 1]))
+    return node.args[1] if transposed and table.args[0].op == "placeholder" else None
 
 
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -142,11 +157,15 @@ def find_low_rank_updates(graph: torch.fx.Graph, linears: dict[torch.fx.Node, Li
         if b is None or b.kind.weight_dims or b.bias is not None:
             continue
         a = linears.get(_source(b.input))
-        if a is None or a.kind.weight_dims or a.bias is not None or (
+        ids = _looked_up_table(_source(b.input)) if a is None else None
+        if ids is not None:  # an embedding's LoRA
+            if not (b.in_features < b.out_features and _only_into(_source(b.input), b.input)):
+                continue
+        elif a is None or a.kind.weight_dims or a.bias is not None or (
                 a.node is not b.input and not _only_into(a.node, b.input)):
             continue
-        r = a.out_features
-        if not (r == b.in_features and r < a.in_features and r < b.out_features):
+        elif not (a.out_features == b.in_features and a.out_features < a.in_features
+                  and a.out_features < b.out_features):
             continue
         joined = _scaled_into_add(b.node)
         if joined is None:
@@ -157,10 +176,12 @@ def find_low_rank_updates(graph: torch.fx.Graph, linears: dict[torch.fx.Node, Li
         base_linear = earlier.base_linear if earlier is not None else linears.get(base)
         if base_linear is None or base_linear is a or base_linear is b or base_linear.out_features != b.out_features:
             continue
-        if _source(base_linear.input, _INPUT_PATH) is not _source(a.input, _INPUT_PATH):
+        if a is None and (base_linear.kind is not EMBEDDING or _source(base_linear.input) is not _source(ids)):
+            continue
+        if a is not None and _source(base_linear.input, _INPUT_PATH) is not _source(a.input, _INPUT_PATH):
             continue
         update = LowRankUpdate(base, base_linear, a, b, add)
-        for key in (a.node, b.node, add) + (() if earlier is not None else (base,)):
+        for key in (b.node, add) + (() if a is None else (a.node,)) + (() if earlier is not None else (base,)):
             found[key] = update
     return found
 

@@ -135,6 +135,9 @@ def _unmergeable(layer: nn.Module) -> str | None:
             or any(getattr(layer, "lora_bias", {}).values()):
         return "fan_in_fan_out, a LoRA variant (DoRA, ...) or lora_bias, whose merge is not a product of the shards"
     base = _cut(layer.get_base_layer())
+    if base != (None,) and len(getattr(layer, "lora_embedding_A", {})):
+        return ("an embedding's adapter, whose A and B are held whole (match_adapters.py): its merge is the whole "
+                "[vocabulary, hidden] product, which a cut embedding holds only part of")
     for name in layer.lora_A:
         a, b = _cut(layer.lora_A[name]), _cut(layer.lora_B[name])
         if not (base == a == b == (None,) or (base[0] == 0 and (a, b) == ((None,), base))

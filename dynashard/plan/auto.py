@@ -141,6 +141,9 @@ def adapter_decision(m: LinearMatch, updates: dict[torch.fx.Node, LowRankUpdate]
     if update is None or m not in (update.a, update.b) or update.base_linear.node not in decisions:
         return None
     base, style = update.base_linear.fqn, decisions[update.base_linear.node].style
+    if update.a is None:  # (an embedding's LoRA: A a table looked up whole, match_adapters.py)
+        return Decision(Style.REPLICATE, f"LoRA B of embedding {base}: whole, applied to the whole lookup of A "
+                                         f"({m.in_features} features a token) and added after the base's collective")
     if style == Style.REPLICATE:
         return Decision(Style.REPLICATE, f"LoRA {'A' if m is update.a else 'B'} of {base}, kept whole like it")
     if m is update.a and style == Style.COLWISE:
