@@ -110,17 +110,12 @@ def test_lora_on_an_int8_base_costs_no_collective():
     """QLoRA's layout: LoRA on per-row int8 base layers (PEFT's ``TorchaoLoraLinear``), whose output is scaled per
     feature after the matmul. The adapters are cut by their bases as on a float model: 5 all_reduces for 2
     layers, none added. Before: the scale between the base's matmul and the add hid the base from the adapter
-    matcher, A and B were planned as layers of their own, and the plan ran 25 all_reduces."""
+    matcher, A and B were planned as layers of their own, and the plan ran 28 all_reduces."""
     from tests.test_graphs import rewritten
 
     ids = torch.randint(0, 96, (2, 7))
     adapted = rewritten(Logits(lora(int8(llama()))), ids)
-    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)
-    styles = {r.fqn: r.style for r in dynashard.explain(Logits(lora(int8(llama(layers=1)))), ids, world_size=2,
-                                                          options=OPTIONS).rows}
-    float_styles = {r.fqn: r.style for r in dynashard.explain(Logits(lora(llama(layers=1))), ids, world_size=2,
-                                                                options=OPTIONS).rows}
-    assert styles == float_styles, (styles, float_styles)
+    assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)  # (as float LoRA's, above)
 
 
 def gpt2_lora(bias: str = "none"):
@@ -182,10 +177,6 @@ def test_lora_on_the_embedding_costs_no_collective():
     ids = torch.randint(0, 96, (2, 7))
     adapted = rewritten(Logits(embedding_lora(llama())), ids)
     assert (_count(adapted, "all_reduce"), _count(adapted, "all_gather")) == (5, 0)
-    plan = dynashard.explain(Logits(embedding_lora(llama(layers=1))), ids, world_size=2, options=OPTIONS)
-    styles = {r.fqn.split("base_model.model.")[-1]: r.style for r in plan.rows}
-    assert styles["model.embed_tokens.lora_embedding_B.default"] == "replicate", str(plan)
-    assert styles["model.layers.0.self_attn.q_proj.base_layer"] == "colwise", str(plan)
 
 
 @pytest.mark.unit
