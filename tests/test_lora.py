@@ -300,7 +300,7 @@ def test_lora_training_matches_the_twin(rank, world):
 def test_lora_on_an_int8_base_trains_as_the_twin(rank, world):
     """QLoRA's layout (PEFT's LoRA on torchao per-row int8 base layers): 3 SGD steps on the adapters, the
     twin's logits and raw adapter gradients, the adapters cut by their bases (held: half of q's B rows, half
-    of o's A columns)."""
+    of o's A columns). Merging them after parallelize is refused, naming the quantized base."""
     import warnings
 
     from dynashard.weights.store import STORE
@@ -317,6 +317,14 @@ def test_lora_on_an_int8_base_trains_as_the_twin(rank, world):
     out_err, grad_err, missing = _train(model, twin, _batches())
     assert not missing, missing
     assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+    # A merge after parallelize would quantize again from each rank's part of a weight: refused, nothing changed
+    # (before: refused for "B cut, base whole", the base's cut inner tensors unseen).
+    ids = _batches(1)[0][0]
+    with torch.no_grad():
+        before = model(ids)
+        with pytest.raises(ValueError, match="base's weight is quantized \\(Int8Tensor\\)"):
+            model.lm.merge_adapter()
+        assert torch.equal(model(ids), before)
 
 
 @on_ranks

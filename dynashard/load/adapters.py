@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dynashard import state
+from dynashard._torch.subclass import is_traceable_subclass
 from dynashard.comm.protocol import peer_guard
 from dynashard.errors import UsageError
 from dynashard.layout import placement
@@ -138,6 +139,12 @@ def _unmergeable(layer: nn.Module) -> str | None:
     if base != (None,) and len(getattr(layer, "lora_embedding_A", {})):
         return ("an embedding's adapter, whose A and B are held whole (match_adapters.py): its merge is the whole "
                 "[vocabulary, hidden] product, which a cut embedding holds only part of")
+    weight = getattr(layer.get_base_layer(), "weight", None)
+    if is_traceable_subclass(weight) and any((_cut(layer.lora_A[n]), _cut(layer.lora_B[n])) != ((None,), (None,))
+                                             for n in layer.lora_A):
+        return (f"its base's weight is quantized ({type(weight).__name__}): PEFT's merge dequantizes it, adds B @ A "
+                "and quantizes again, and scales computed from this rank's part of the weight are not the "
+                "unsharded merge's")
     for name in layer.lora_A:
         a, b = _cut(layer.lora_A[name]), _cut(layer.lora_B[name])
         if not (base == a == b == (None,) or (base[0] == 0 and (a, b) == ((None,), base))
