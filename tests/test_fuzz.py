@@ -434,6 +434,69 @@ def test_random_loss_heads(world, hidden, vocab, plan_draw, form, ignore, reduct
     assert set(report.layers) == {"up", "down", "head"}, str(report)
 
 
+class LowRankLinear(nn.Module):
+    """PEFT's LoRA form written out (``base(x) [* scale] + B(A(x)) * s``): a base linear, with or without a bias,
+    its output optionally scaled per feature after the matmul (torchao's per-row int8 form), and a low-rank
+    update of rank ``r``."""
+
+    def __init__(self, n_in: int, n_out: int, r: int, bias: bool, scaled: bool) -> None:
+        super().__init__()
+        self.base = nn.Linear(n_in, n_out, bias=bias)
+        self.scale = nn.Parameter(torch.rand(n_out) + 0.5) if scaled else None
+        self.lora_a, self.lora_b = nn.Linear(n_in, r, bias=False), nn.Linear(r, n_out, bias=False)
+
+    def forward(self, x):
+        y = self.base(x)
+        if self.scale is not None:
+            y = y * self.scale
+        return y + self.lora_b(self.lora_a(x)) * 0.5
+
+
+class LowRankStack(nn.Module):
+    """An embedding (with PEFT's embedding LoRA, ``embed(ids) + (embedding(ids, A.T) @ B.T) * s``, or not), then
+    an MLP of two :class:`LowRankLinear` with a residual."""
+
+    def __init__(self, vocab: int, hidden: int, ffn: int, r: int, embed_lora: bool, biases: tuple[bool, bool],
+                 scaled: tuple[bool, bool]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.embed_a = nn.Parameter(torch.randn(r, vocab)) if embed_lora else None
+        self.embed_b = nn.Parameter(torch.randn(hidden, r) / r ** 0.5) if embed_lora else None
+        self.up = LowRankLinear(hidden, ffn, r, biases[0], scaled[0])
+        self.down = LowRankLinear(ffn, hidden, r, biases[1], scaled[1])
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.embed_a is not None:
+            h = h + (F.embedding(ids, self.embed_a.T) @ self.embed_b.T) * 0.5
+        return h + self.down(F.gelu(self.up(h)))
+
+
+@fuzz(6, 20, world=st.integers(2, 4), vocab=st.integers(4, 40), hidden=st.integers(3, 24), ffn=st.integers(3, 40),
+      r=st.integers(1, 2), embed_lora=st.booleans(), biases=st.tuples(st.booleans(), st.booleans()),
+      scaled=st.tuples(st.booleans(), st.booleans()), plan_draw=st.booleans(), train=st.booleans(), data=st.data())
+def test_random_low_rank_updates(world, vocab, hidden, ffn, r, embed_lora, biases, scaled, plan_draw, train, data):
+    """LoRA's forms (match_adapters.py): an update's A and B follow their base, a rowwise base's partial sums join
+    the update's (its bias added by rank 0 alone), a base scaled per feature after its matmul, an embedding's
+    update held whole; under the auto plan or random styles of the bases, every rank's forward verified (``train``:
+    the training graph's, its conversions' forwards)."""
+    torch.manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    model = LowRankStack(vocab, hidden, ffn, r, embed_lora, biases, scaled)
+    for name, p in model.named_parameters():  # keep activations O(1) whatever the widths
+        if p.dim() == 2 and name != "embed_a":
+            nn.init.normal_(p, std=1.0 / max(p.shape[-1], 1) ** 0.5)
+    if not train:
+        model.requires_grad_(False)
+    plan = "auto"
+    if plan_draw:
+        plan = {n: data.draw(st.sampled_from(["colwise", "rowwise", "replicate"]), label=n)
+                for n in ("embed", "up.base", "down.base")}
+    ids = torch.randint(0, vocab, (2, 5))
+    report = dynashard.explain(model, ids, world_size=world, options={"min_shard_numel": 0, "plan": plan},
+                               verify=True, train=train)
+    assert {"up.base", "down.base", "up.lora_a", "down.lora_b"} <= set(report.layers), str(report)
+
+
 def test_verify_catches_a_wrong_shard(monkeypatch):
     """The check itself can fail: cut every rank's weights from the wrong place."""
     import dynashard.report.simulate as simulate
