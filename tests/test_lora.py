@@ -362,6 +362,47 @@ def test_lora_on_the_embedding_trains_as_the_twin(rank, world):
 
 
 @on_ranks
+def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank, world, tmp_path):
+    """QLoRA's recipe for a model larger than one rank: the base built on meta, PEFT's LoRA attached, then
+    parallelize(checkpoint=the base model's save_pretrained directory). The base's parameters are read under their
+    base names (``base_model.model.`` and ``.base_layer`` off), each rank its slices; the adapters, which the
+    checkpoint does not hold, are initialised by PEFT's own init from rank 0's seed, alike on every rank though the
+    ranks' generators differ here. An SGD step's loss and raw adapter gradients equal the unsharded twin's (the base
+    read whole, the same adapters). Before: refused, every parameter "not in the checkpoint"."""
+    import peft
+    import transformers as T
+
+    from tests.scenarios import from_rank0
+
+    path = str(tmp_path / "base")
+    if rank == 0:
+        llama().save_pretrained(path)
+    torch.distributed.barrier()
+    ids = _batches(1)[0][0]
+    torch.manual_seed(100 + rank)  # (each rank's own generator: the adapters must still be alike)
+    with dynashard.empty_weights():
+        base = T.LlamaForCausalLM(T.AutoConfig.from_pretrained(path))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    dynashard.parallelize(model, input_ids=ids, labels=ids, use_cache=False, checkpoint=path, options=OPTIONS)
+    adapters = {n: dynashard.full_tensor(p).detach() for n, p in model.named_parameters() if "lora_" in n}
+    a = adapters["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    assert float(a.abs().sum()) > 0 and torch.equal(from_rank0(a), a)  # (PEFT's kaiming init, rank 0's draw)
+    twin = peft.get_peft_model(T.LlamaForCausalLM.from_pretrained(path), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                                         target_modules=TARGETS))
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            if "lora_" in n:
+                p.copy_(adapters[n])
+    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    loss, want = fast(input_ids=ids, labels=ids, use_cache=False).loss, twin(input_ids=ids, labels=ids,
+                                                                              use_cache=False).loss
+    loss.backward()
+    want.backward()
+    err, missing = _grads(model, twin)
+    assert not missing and abs(float(loss) - float(want)) < 1e-5 and err < RTOL, (float(loss), float(want), err)
+
+
+@on_ranks
 def test_lora_under_the_models_own_tp_plan_trains_as_the_twin(rank, world):
     """The HF model's own base_model_tp_plan on the PEFT model: the base layers and the adapters are held
     cut as the plan and their bases say (each rank half of q's and B's rows, half of o's and A's columns),

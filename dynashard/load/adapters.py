@@ -56,6 +56,71 @@ def is_peft_model(module: nn.Module) -> bool:
         and callable(getattr(type(module), "save_pretrained", None))
 
 
+_PEFT_PREFIX = "base_model.model."  # (a PeftModel's parameter names: its tuner model's ``model`` is the base)
+
+
+def base_name(name: str) -> str | None:
+    """The name a PEFT model's parameter ``name`` has in its base model's checkpoint (``base_model.model.`` off the
+    front, ``.base_layer`` out: ``base_model.model.model.layers.0.q_proj.base_layer.weight`` ->
+    ``model.layers.0.q_proj.weight``); None for a name of no PeftModel."""
+    if not name.startswith(_PEFT_PREFIX):
+        return None
+    return name[len(_PEFT_PREFIX):].replace(".base_layer.", ".")
+
+
+def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT model built on meta (``get_peft_model`` under ``empty_weights``): each LoRA parameter on meta made
+    on the CPU and initialised by PEFT's own ``reset_lora_parameters``, under a generator seeded with ``seed``
+    (the same on every rank: the same values), by its name in ``model``. The meta parameters stay in place: the
+    loader reads these values as a checkpoint's. Only initialisations that do not read the base weights
+    (``init_lora_weights=True`` or ``"gaussian"``); any other is refused, naming the fix."""
+    if not is_peft_model(model):
+        return {}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    made: dict[str, torch.Tensor] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in model.modules():
+            if not (hasattr(layer, "lora_A") and callable(getattr(layer, "reset_lora_parameters", None))):
+                continue
+            for adapter in sorted({*layer.lora_A, *getattr(layer, "lora_embedding_A", {})}):
+                slots = _adapter_slots(layer, adapter)
+                if not any(getattr(holder, attr).is_meta for holder, attr in slots):
+                    continue
+                init = model.peft_config[adapter].init_lora_weights
+                if init is not True and init != "gaussian":
+                    raise UsageError(
+                        f"dynashard.parallelize: adapter {adapter!r} of this PEFT model is on the meta device with "
+                        f"init_lora_weights={init!r}, which reads the base weights (or is left to nn.Linear); only "
+                        "True and 'gaussian' are initialised here. Expected init_lora_weights=True or 'gaussian', or "
+                        "the adapter's values loaded after parallelize (model.load_adapter(path, ...)).")
+                metas = [(holder, attr, getattr(holder, attr)) for holder, attr in slots]
+                try:
+                    for holder, attr, meta in metas:  # (PEFT's init writes into real tensors, then put back)
+                        setattr(holder, attr, nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
+                                                           requires_grad=meta.requires_grad))
+                    layer.reset_lora_parameters(adapter, init)
+                    for holder, attr, meta in metas:
+                        made[names[id(meta)]] = getattr(holder, attr).detach()
+                finally:
+                    for holder, attr, meta in metas:
+                        setattr(holder, attr, meta)
+    return made
+
+
+def _adapter_slots(layer: nn.Module, adapter: str) -> list[tuple[Any, str]]:
+    """(holder, attribute) of each parameter of ``adapter`` on a LoRA ``layer``."""
+    slots: list[tuple[Any, str]] = []
+    for table in ("lora_A", "lora_B"):
+        module = getattr(layer, table)[adapter] if adapter in getattr(layer, table) else None
+        slots += [(module, attr) for attr in ("weight", "bias")
+                  if module is not None and getattr(module, attr, None) is not None]
+    for table in ("lora_embedding_A", "lora_embedding_B"):
+        if adapter in getattr(layer, table, {}):
+            slots.append((getattr(layer, table), adapter))
+    return slots
+
+
 @contextlib.contextmanager
 def every_adapter_active(model: nn.Module) -> Iterator[None]:
     """Every adapter of each PEFT model in ``model`` active inside the block (PEFT's tuner

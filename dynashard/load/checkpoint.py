@@ -252,6 +252,33 @@ class TensorsCheckpoint(Checkpoint):
         return [t.narrow(dim, start, length).to(device=device, dtype=dtype, copy=True) for start, length in pieces]
 
 
+class Beside(Checkpoint):
+    """A checkpoint with tensors held in memory beside it (PEFT's initial adapters of a model built on meta, which a
+    base model's checkpoint does not hold): the checkpoint's own tensor where both have a name."""
+
+    def __init__(self, first: Checkpoint, beside: TensorsCheckpoint) -> None:
+        self.first, self.beside, self.path, self.metadata = first, beside, first.path, first.metadata
+        self._keys = first.keys() | beside.keys()
+
+    def keys(self) -> set[str]:
+        return self._keys
+
+    def fingerprint(self) -> str:
+        return self.first.fingerprint()
+
+    def _of(self, fqn: str) -> Checkpoint:
+        return self.first if fqn in self.first.keys() else self.beside
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        return self._of(fqn).shape(fqn)
+
+    def dtype(self, fqn: str) -> torch.dtype:
+        return self._of(fqn).dtype(fqn)
+
+    def _read(self, fqn: str, dim: int, pieces: Pieces, dtype: torch.dtype, device: Any) -> list[torch.Tensor]:
+        return self._of(fqn)._read(fqn, dim, pieces, dtype, device)
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at ``path``: a ``.safetensors`` file, a directory holding safetensors files
     (with or without ``model.safetensors.index.json``), or a DCP directory (``.metadata``)."""

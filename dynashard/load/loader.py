@@ -21,7 +21,8 @@ from dynashard import _torch as private
 from dynashard.comm.protocol import agreed
 from dynashard.comm.transport import deal_from_first
 from dynashard.errors import UsageError
-from dynashard.load.checkpoint import TensorsCheckpoint, open_checkpoint, owning
+from dynashard.load import adapters
+from dynashard.load.checkpoint import Beside, TensorsCheckpoint, open_checkpoint, owning
 from dynashard.load.integrity import digest, disagreement
 from dynashard.load.loader_quantized import is_quantized, mismatch, saved_keys, with_facades
 from dynashard.weights.freed import mark_storage_less
@@ -57,15 +58,22 @@ class Loader:
                     table = {k: (tuple(self.ck.shape(k)), self.ck.dtype(k)) for k in self.ck.keys()}
             except OSError as e:
                 raise UsageError(f"dynashard.parallelize: reading {path}: {e}") from e
-            point.payload = (table, identity)
+            point.payload = (table, identity, torch.initial_seed())
         everyone = point.everyone
+        if path is not None and not from_first:  # a PEFT model built on meta: its adapters as PEFT initialises them
+            with agreed(group, "initialising the LoRA adapters the checkpoint does not hold"):
+                made = adapters.initial_adapters(model, everyone[0][2] % 2**63)  # (rank 0's seed: alike everywhere)
+            made = {k: v for k, v in made.items() if k not in table}
+            if made:
+                self.ck = Beside(self.ck, TensorsCheckpoint(made, "PEFT's initial adapters"))
+                table = {**table, **{k: (tuple(v.shape), v.dtype) for k, v in made.items()}}
         table = everyone[0][0] if from_first else table
         self.where = self.ck.path if self.ck is not None else "rank 0's checkpoint"
-        differ = None if from_first else disagreement([i for _, i in everyone], "read a checkpoint")
+        differ = None if from_first else disagreement([e[1] for e in everyone], "read a checkpoint")
         if differ:  # (the same on every rank: every rank raises)
             raise UsageError(
                 f"dynashard.parallelize: {differ} (their files' sizes, headers or data differ; digests per rank: "
-                f"{[i for _, i in everyone]}), from {self.where} on this rank. Expected the same checkpoint on "
+                f"{[e[1] for e in everyone]}), from {self.where} on this rank. Expected the same checkpoint on "
                 "every rank (a stale copy on one node?). Nothing was changed.")
         self.names: dict[int, str] = {}  # parameter or buffer id -> its name in the checkpoint
         with agreed(group, "checking the checkpoint against the model"):
@@ -91,6 +99,8 @@ class Loader:
                 continue
             owners = [n for n, u in tensors if u is t]
             found = next((n for n in owners if n in table), None)
+            if found is None:  # a PEFT model's base parameter, as its base model's checkpoint names it
+                found = next((b for n in owners if (b := adapters.base_name(n)) in table), None)
             if found is None:
                 if not any(n in persistent for n in owners):
                     problems.append(f"{name!r} is a non-persistent buffer left on the meta device (build the model "
@@ -116,6 +126,8 @@ class Loader:
             return [f"{name!r} is a quantized {type(t).__name__}, which weights='rank0' does not deal (rank 0 would "
                     "send plain tensors); save the quantized model with save_pretrained and pass checkpoint=DIR on "
                     "every rank with the default weights='replicated'"]
+        if not any(key in table for _, key in saved_keys(name, t)) and adapters.base_name(name) is not None:
+            name = adapters.base_name(name)  # (a PEFT model's quantized base, as its base model's checkpoint names it)
         found = [(inner, key) for inner, key in saved_keys(name, t) if key in table]
         if not found:
             return [f"{name!r} is a quantized {type(t).__name__} in the model, and the checkpoint holds none of "
