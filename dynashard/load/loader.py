@@ -60,7 +60,7 @@ class Loader:
                 raise UsageError(f"dynashard.parallelize: reading {path}: {e}") from e
             point.payload = (table, identity, torch.initial_seed())
         everyone = point.everyone
-        if path is not None and not from_first:  # a PEFT model built on meta: its adapters as PEFT initialises them
+        if path is not None and not from_first and adapters.is_peft_model(model):  # (built on meta: adapters to make)
             with agreed(group, "initialising the LoRA adapters the checkpoint does not hold"):
                 made = adapters.initial_adapters(model, everyone[0][2] % 2**63)  # (rank 0's seed: alike everywhere)
             made = {k: v for k, v in made.items() if k not in table}
