@@ -11,6 +11,7 @@ world 2 against the unsharded twin on raw gradients (SGD: Adam would hide a wron
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -301,8 +302,6 @@ def test_lora_on_an_int8_base_trains_as_the_twin(rank, world):
     """QLoRA's layout (PEFT's LoRA on torchao per-row int8 base layers): 3 SGD steps on the adapters, the
     twin's logits and raw adapter gradients, the adapters cut by their bases (held: half of q's B rows, half
     of o's A columns). Merging them after parallelize is refused, naming the quantized base."""
-    import warnings
-
     from dynashard.weights.store import STORE
 
     with warnings.catch_warnings():
@@ -361,34 +360,47 @@ def test_lora_on_the_embedding_trains_as_the_twin(rank, world):
         assert torch.equal(model(ids), before)
 
 
-@on_ranks
-def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank, world, tmp_path):
+@on_ranks(cases=["float", "int8"])
+def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank, world, tmp_path, case):
     """QLoRA's recipe for a model larger than one rank: the base built on meta, PEFT's LoRA attached, then
     parallelize(checkpoint=the base model's save_pretrained directory). The base's parameters are read under their
     base names (``base_model.model.`` and ``.base_layer`` off), each rank its slices; the adapters, which the
     checkpoint does not hold, are initialised by PEFT's own init from rank 0's seed, alike on every rank though the
     ranks' generators differ here. An SGD step's loss and raw adapter gradients equal the unsharded twin's (the base
-    read whole, the same adapters). Before: refused, every parameter "not in the checkpoint"."""
+    read whole, the same adapters). ``int8``: the base checkpoint HF's TorchAoConfig wrote (per-row int8, lm_head
+    float), the meta model quantized alike: QLoRA's layout. Before: refused, every parameter "not in the
+    checkpoint"."""
     import peft
     import transformers as T
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     from tests.scenarios import from_rank0
 
     path = str(tmp_path / "base")
     if rank == 0:
         llama().save_pretrained(path)
+        if case == "int8":
+            T.LlamaForCausalLM.from_pretrained(path, quantization_config=T.TorchAoConfig(Int8WeightOnlyConfig())
+                                               ).save_pretrained(path + "_int8")
     torch.distributed.barrier()
+    path = path + "_int8" if case == "int8" else path
     ids = _batches(1)[0][0]
     torch.manual_seed(100 + rank)  # (each rank's own generator: the adapters must still be alike)
     with dynashard.empty_weights():
         base = T.LlamaForCausalLM(T.AutoConfig.from_pretrained(path))
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    if case == "int8":  # (as HF's TorchAoConfig quantized it: every linear but lm_head)
+        quantize_(base, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated")  # (no merge here)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     dynashard.parallelize(model, input_ids=ids, labels=ids, use_cache=False, checkpoint=path, options=OPTIONS)
     adapters = {n: dynashard.full_tensor(p).detach() for n, p in model.named_parameters() if "lora_" in n}
     a = adapters["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
     assert float(a.abs().sum()) > 0 and torch.equal(from_rank0(a), a)  # (PEFT's kaiming init, rank 0's draw)
-    twin = peft.get_peft_model(T.LlamaForCausalLM.from_pretrained(path), peft.LoraConfig(r=4, lora_alpha=8,
-                                                                                         target_modules=TARGETS))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated")
+        twin = peft.get_peft_model(T.LlamaForCausalLM.from_pretrained(path), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                                             target_modules=TARGETS))
     with torch.no_grad():
         for n, p in twin.named_parameters():
             if "lora_" in n:
