@@ -360,7 +360,7 @@ def test_lora_on_the_embedding_trains_as_the_twin(rank, world):
         assert torch.equal(model(ids), before)
 
 
-@on_ranks(cases=["float", "int8"])
+@on_ranks(cases=["float", "int8", "rank0"])
 def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank, world, tmp_path, case):
     """QLoRA's recipe for a model larger than one rank: the base built on meta, PEFT's LoRA attached, then
     parallelize(checkpoint=the base model's save_pretrained directory). The base's parameters are read under their
@@ -368,8 +368,9 @@ def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank
     checkpoint does not hold, are initialised by PEFT's own init from rank 0's seed, alike on every rank though the
     ranks' generators differ here. An SGD step's loss and raw adapter gradients equal the unsharded twin's (the base
     read whole, the same adapters). ``int8``: the base checkpoint HF's TorchAoConfig wrote (per-row int8, lm_head
-    float), the meta model quantized alike: QLoRA's layout. Before: refused, every parameter "not in the
-    checkpoint"."""
+    float), the meta model quantized alike: QLoRA's layout. ``rank0``: ``weights="rank0"``, rank 0 alone reading
+    the checkpoint and making the adapters, every rank dealt its pieces. Before: refused, every parameter "not in
+    the checkpoint"."""
     import peft
     import transformers as T
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -393,7 +394,9 @@ def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated")  # (no merge here)
         model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
-    dynashard.parallelize(model, input_ids=ids, labels=ids, use_cache=False, checkpoint=path, options=OPTIONS)
+    options = {**OPTIONS, "weights": "rank0"} if case == "rank0" else OPTIONS
+    dynashard.parallelize(model, input_ids=ids, labels=ids, use_cache=False, options=options,
+                          checkpoint=path if case != "rank0" or rank == 0 else None)
     adapters = {n: dynashard.full_tensor(p).detach() for n, p in model.named_parameters() if "lora_" in n}
     a = adapters["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
     assert float(a.abs().sum()) > 0 and torch.equal(from_rank0(a), a)  # (PEFT's kaiming init, rank 0's draw)
@@ -405,7 +408,7 @@ def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank
         for n, p in twin.named_parameters():
             if "lora_" in n:
                 p.copy_(adapters[n])
-    fast = torch.compile(model, backend=dynashard.backend(**OPTIONS))
+    fast = torch.compile(model, backend=dynashard.backend(**options))
     loss, want = fast(input_ids=ids, labels=ids, use_cache=False).loss, twin(input_ids=ids, labels=ids,
                                                                               use_cache=False).loss
     loss.backward()

@@ -56,6 +56,8 @@ class Loader:
                     self.ck = TensorsCheckpoint(dict(named), "rank 0's model")
                 if self.ck is not None:
                     table = {k: (tuple(self.ck.shape(k)), self.ck.dtype(k)) for k in self.ck.keys()}
+                if reads and from_first and path is not None and adapters.is_peft_model(model):  # (dealt too)
+                    table = self._beside(adapters.initial_adapters(model, torch.initial_seed() % 2**63), table)
             except OSError as e:
                 raise UsageError(f"dynashard.parallelize: reading {path}: {e}") from e
             point.payload = (table, identity, torch.initial_seed())
@@ -63,10 +65,7 @@ class Loader:
         if path is not None and not from_first and adapters.is_peft_model(model):  # (built on meta: adapters to make)
             with agreed(group, "initialising the LoRA adapters the checkpoint does not hold"):
                 made = adapters.initial_adapters(model, everyone[0][2] % 2**63)  # (rank 0's seed: alike everywhere)
-            made = {k: v for k, v in made.items() if k not in table}
-            if made:
-                self.ck = Beside(self.ck, TensorsCheckpoint(made, "PEFT's initial adapters"))
-                table = {**table, **{k: (tuple(v.shape), v.dtype) for k, v in made.items()}}
+            table = self._beside(made, table)
         table = everyone[0][0] if from_first else table
         self.where = self.ck.path if self.ck is not None else "rank 0's checkpoint"
         differ = None if from_first else disagreement([e[1] for e in everyone], "read a checkpoint")
@@ -82,6 +81,15 @@ class Loader:
         if unused and self.rank == 0 and path is not None:
             warnings.warn(f"dynashard.parallelize: {len(unused)} tensor(s) in {self.where} are not in the model "
                           f"and were not read: {unused[:5]}", UserWarning, stacklevel=3)
+
+    def _beside(self, made: dict[str, torch.Tensor], table: dict) -> dict:
+        """The checkpoint read with ``made`` beside it (PEFT's initial adapters), those it does not hold itself;
+        ``table`` with them."""
+        made = {k: v for k, v in made.items() if k not in table}
+        if not made:
+            return table
+        self.ck = Beside(self.ck, TensorsCheckpoint(made, "PEFT's initial adapters"))
+        return {**table, **{k: (tuple(v.shape), v.dtype) for k, v in made.items()}}
 
     def _match(self, table: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Which checkpoint tensor each parameter (and buffer to fill) reads; every mismatch at once."""
