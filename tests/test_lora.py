@@ -415,6 +415,12 @@ def test_a_peft_model_built_on_meta_loads_its_base_from_the_base_checkpoint(rank
     want.backward()
     err, missing = _grads(model, twin)
     assert not missing and abs(float(loss) - float(want)) < 1e-5 and err < RTOL, (float(loss), float(want), err)
+    if case == "float":  # DoRA's magnitude starts as the base rows' norms, which a meta model does not have yet
+        with dynashard.empty_weights():
+            base = T.LlamaForCausalLM(T.AutoConfig.from_pretrained(path))
+        dora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True))
+        with pytest.raises(ValueError, match="a DoRA adapter on the meta device"):
+            dynashard.parallelize(dora, input_ids=ids, use_cache=False, checkpoint=path, options=OPTIONS)
 
 
 @on_ranks

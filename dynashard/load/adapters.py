@@ -88,6 +88,12 @@ def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
                 if not any(getattr(holder, attr).is_meta for holder, attr in slots):
                     continue
                 init = model.peft_config[adapter].init_lora_weights
+                if getattr(layer, "use_dora", {}).get(adapter, False):
+                    raise UsageError(
+                        f"dynashard.parallelize: adapter {adapter!r} of this PEFT model is a DoRA adapter on the meta "
+                        "device: its magnitude starts as the norm of the base weight's rows, which the base "
+                        "checkpoint holds but the model does not yet. Expected a LoRA adapter (use_dora=False), or "
+                        "the adapter's values loaded after parallelize (model.load_adapter(path, ...)).")
                 if init is not True and init != "gaussian":
                     raise UsageError(
                         f"dynashard.parallelize: adapter {adapter!r} of this PEFT model is on the meta device with "
