@@ -114,6 +114,9 @@ def parallelize(model: nn.Module, *args: Any, options: Any = None, checkpoint: A
                 # trace or plan (compiled at its first call after this run: CompiledOnFirstCall).
                 install_all(model)
                 _run_calls_through_dynashard(model, options)
+                for peft_model in [m for m in model.modules() if adapters.is_peft_model(m)]:
+                    # (PEFT's generate calls its base model, not any forward above it)
+                    _run_calls_through_dynashard(peft_model.get_base_model(), options)
                 with parallelizing(source):
                     model(*args, **kwargs)
             else:

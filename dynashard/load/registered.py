@@ -58,13 +58,14 @@ def uninstall_all(model: nn.Module) -> None:
                 handle.remove()
         if getattr(type(module), "_dynashard_swapped", False) and type(module) in _SWAPPED.values():
             module.__class__ = type(module).__bases__[0]
-    restore = getattr(model.__dict__.get("forward"), "_dynashard_parallelized", None)
-    if restore is not None:
-        had, before = restore
-        if had:
-            model.forward = before
-        else:
-            del model.__dict__["forward"]
+    for module in model.modules():  # (the model's forward, and a PEFT model's base model's)
+        restore = getattr(module.__dict__.get("forward"), "_dynashard_parallelized", None)
+        if restore is not None:
+            had, before = restore
+            if had:
+                module.forward = before
+            else:
+                del module.__dict__["forward"]
 
 
 def facades(module: nn.Module) -> dict[str, torch.Tensor]:
