@@ -459,3 +459,53 @@ def test_fsdp2_is_refused_naming_the_ddp_recipe(rank, world):
         assert "FSDP2" in msg and "DDP" in msg and "mesh['dp']" in msg and "dtensor=True" in msg, msg
     assert "up.weight" in before_compile, before_compile
     assert untouched, "the refused compile freed FSDP's weights"
+
+
+@pytest.mark.slow
+@on_ranks.alone(DP * TP)
+def test_lora_adapters_under_fsdp2_over_dp_train_as_the_twin(rank, world):
+    """PEFT's LoRA on HF Llama, ``parallelize(dtensor=True)`` over mesh["tp"] then FSDP2 over mesh["dp"] (each block,
+    then the root, ``fsdp_shard_placement``): 2 SGD steps, each replica on its own batch, against the unsharded twin
+    on both batches. Every adapter after the steps (gathered whole) is the twin's, having moved O(10%)."""
+    import copy
+
+    import peft
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    import dynashard
+    from tests.test_lora import TARGETS, llama, randomise_b
+
+    mesh = _mesh()
+    replica = mesh.get_local_rank("dp")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    randomise_b(model, 1)
+    twin = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in twin.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(7)
+    batches = [[torch.randint(0, 96, (2, 7), generator=g) for _ in range(DP)] for _ in range(2)]
+    options = {**OPTIONS, "group": mesh["tp"]}
+    dynashard.parallelize(model, input_ids=batches[0][replica], use_cache=False, options=options, dtensor=True)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], shard_placement_fn=dynashard.fsdp_shard_placement)
+    fully_shard(model, mesh=mesh["dp"], shard_placement_fn=dynashard.fsdp_shard_placement)
+    fast = torch.compile(model, backend=dynashard.backend(**options))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    opt_twin = torch.optim.SGD([p for p in twin.parameters() if p.requires_grad], lr=0.5)
+    for step in range(2):
+        ids, both = batches[step][replica], torch.cat(batches[step])
+        F.cross_entropy(fast(input_ids=ids, use_cache=False).logits.flatten(0, 1), ids.flatten()).backward()
+        F.cross_entropy(twin(input_ids=both, use_cache=False).logits.flatten(0, 1), both.flatten()).backward()
+        for o in (opt, opt_twin):
+            o.step()
+            o.zero_grad()
+    want = dict(twin.named_parameters())
+    got = {n: p.full_tensor().detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert got.keys() == before.keys(), sorted(set(got) ^ set(before))
+    # float32, SGD from equal values: the sharded sums in another order (measured 3.9e-7 of each tensor's largest)
+    worst = max(float((got[n] - want[n].detach()).abs().max() / want[n].detach().abs().max()) for n in got)
+    moved = max(float((want[n].detach() - before[n]).abs().max() / before[n].abs().max()) for n in got)
+    assert worst < 1e-5 and moved > 0.05, (worst, moved)
