@@ -279,6 +279,24 @@ def _train(model, twin, batches, seeds=None, options=OPTIONS) -> tuple[float, fl
     return out_err, grad_err, missing
 
 
+def _trains_as_twin(model, twin, options=OPTIONS) -> None:
+    """3 SGD steps of ``model`` (parallelized) and ``twin``: logits within 1e-5, raw gradients within RTOL, every
+    trainable parameter given one."""
+    out_err, grad_err, missing = _train(model, twin, _batches(), options=options)
+    assert not missing, missing
+    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+
+
+def _merge_refused(model, reason: str) -> None:
+    """PEFT's merge_adapter of the parallelized ``model.lm`` raises naming ``reason`` (a regex), logits unchanged."""
+    ids = _batches(1)[0][0]
+    with torch.no_grad():
+        before = model(ids)
+        with pytest.raises(ValueError, match=reason):
+            model.lm.merge_adapter()
+        assert torch.equal(model(ids), before)
+
+
 def _batches(n: int = 3):
     g = torch.Generator().manual_seed(7)
     return [(torch.randint(0, 96, (2, 7), generator=g), torch.randint(0, 96, (2, 7), generator=g)) for _ in range(n)]
@@ -292,9 +310,7 @@ def test_lora_training_matches_the_twin(rank, world):
     model = Logits(lora(llama()))
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
-    out_err, grad_err, missing = _train(model, twin, _batches())
-    assert not missing, missing
-    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+    _trains_as_twin(model, twin)
     # PEFT's generate calls its base HF model, not the parallelized forward above it: that call runs sharded too
     # (before: the facade's "a submodule cannot run on its own"). Greedy tokens: the trained twin's.
     ids = _batches(1)[0][0]
@@ -319,17 +335,10 @@ def test_lora_on_an_int8_base_trains_as_the_twin(rank, world):
     adapters = (attn.q_proj.lora_B.default.weight, attn.o_proj.lora_A.default.weight)
     held = tuple(STORE.shard_of(w).shape for w in adapters)
     assert held == ((32, 4), (4, 32)), held
-    out_err, grad_err, missing = _train(model, twin, _batches())
-    assert not missing, missing
-    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+    _trains_as_twin(model, twin)
     # A merge after parallelize would quantize again from each rank's part of a weight: refused, nothing changed
     # (before: refused for "B cut, base whole", the base's cut inner tensors unseen).
-    ids = _batches(1)[0][0]
-    with torch.no_grad():
-        before = model(ids)
-        with pytest.raises(ValueError, match="base's weight is quantized \\(Int8Tensor\\)"):
-            model.lm.merge_adapter()
-        assert torch.equal(model(ids), before)
+    _merge_refused(model, "base's weight is quantized \\(Int8Tensor\\)")
 
 
 @on_ranks
@@ -340,9 +349,7 @@ def test_lora_on_biased_rowwise_bases_trains_as_the_twin(rank, world):
     model = Logits(gpt2_lora(bias="all"))
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
-    out_err, grad_err, missing = _train(model, twin, _batches())
-    assert not missing, missing
-    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+    _trains_as_twin(model, twin)
 
 
 @on_ranks
@@ -354,16 +361,9 @@ def test_lora_on_the_embedding_trains_as_the_twin(rank, world):
     model = Logits(embedding_lora(llama()))
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _batches(1)[0][0], options=OPTIONS)
-    out_err, grad_err, missing = _train(model, twin, _batches())
-    assert not missing, missing
-    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
-    ids = _batches(1)[0][0]
-    with torch.no_grad():
-        before = model(ids)
-        with pytest.raises(ValueError, match="an embedding's adapter.*merge_adapter\\(\\) or merge_and_unload\\(\\) "
-                                             "before dynashard.parallelize"):
-            model.lm.merge_adapter()
-        assert torch.equal(model(ids), before)
+    _trains_as_twin(model, twin)
+    _merge_refused(model, "an embedding's adapter.*merge_adapter\\(\\) or merge_and_unload\\(\\) before "
+                          "dynashard.parallelize")
 
 
 @on_ranks(cases=["float", "int8", "rank0"])
@@ -446,9 +446,7 @@ def test_lora_under_the_models_own_tp_plan_trains_as_the_twin(rank, world):
     held = tuple(STORE.shard_of(w).shape for w in (attn.q_proj.base_layer.weight, attn.q_proj.lora_B.default.weight,
                                                     attn.o_proj.base_layer.weight, attn.o_proj.lora_A.default.weight))
     assert held == ((32, 64), (32, 4), (64, 32), (4, 32)), held
-    out_err, grad_err, missing = _train(model, twin, _batches(), options=options)
-    assert not missing, missing
-    assert out_err < 1e-5 and grad_err < RTOL, (out_err, grad_err)
+    _trains_as_twin(model, twin, options=options)
 
 
 @on_ranks
