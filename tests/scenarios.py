@@ -29,7 +29,8 @@ for one the group does not survive: the ranks in ``dies`` must die (``os._exit``
 A spawn runs only the scenarios pytest selected (``-k``, ``-m``: ``tests/conftest.py`` hands the selection
 to :func:`select`), so ``pytest -k`` of one scenario does not run its whole file on the ranks.
 ``SCENARIO_TIMES=FILE pytest ...`` appends each scenario's seconds on rank 0 to ``FILE``, wall and CPU
-(pytest's ``--durations`` charges a whole spawn to its first test).
+(pytest's ``--durations`` charges a whole spawn to its first test); ``SCENARIO_PROFILE=DIR`` writes rank 0's
+cProfile of each scenario there (``python -m pstats DIR/FILE``).
 """
 
 from __future__ import annotations
@@ -274,7 +275,14 @@ def _run_on_rank(rank: int, world: int, module: str, root: str,
         if world in run.worlds and (selected is None or key in selected):
             Path(root, f"rank{rank}.running").write_text(key)
             began, began_cpu = time.perf_counter(), time.process_time()
-            outcomes[key] = _run_one(key, run, rank, world, root)
+            if rank == 0 and os.environ.get("SCENARIO_PROFILE"):  # (a directory for rank 0's cProfile of each)
+                import cProfile
+
+                with cProfile.Profile() as profile:
+                    outcomes[key] = _run_one(key, run, rank, world, root)
+                profile.dump_stats(Path(os.environ["SCENARIO_PROFILE"], re.sub(r"[^\w.-]", "_", f"{module}.{key}.prof")))
+            else:
+                outcomes[key] = _run_one(key, run, rank, world, root)
             if rank == 0 and os.environ.get("SCENARIO_TIMES"):  # (a file to append each scenario's seconds to)
                 # (and rank 0's CPU seconds: on a shared machine the wall time follows the other jobs' load)
                 cpu = time.process_time() - began_cpu
