@@ -280,7 +280,8 @@ def _run_on_rank(rank: int, world: int, module: str, root: str,
 
                 with cProfile.Profile() as profile:
                     outcomes[key] = _run_one(key, run, rank, world, root)
-                profile.dump_stats(Path(os.environ["SCENARIO_PROFILE"], re.sub(r"[^\w.-]", "_", f"{module}.{key}.prof")))
+                name = re.sub(r"[^\w.-]", "_", f"{module}.{key}.prof")
+                profile.dump_stats(Path(os.environ["SCENARIO_PROFILE"], name))
             else:
                 outcomes[key] = _run_one(key, run, rank, world, root)
             if rank == 0 and os.environ.get("SCENARIO_TIMES"):  # (a file to append each scenario's seconds to)
