@@ -89,3 +89,17 @@ def test_bench_start_smoke(tmp_path):
     assert any("Inductor cache: 1 miss" in line for line in cold["dynashard_log"]), cold["dynashard_log"]
     assert any("Inductor cache: 1 hit" in line for line in warm["dynashard_log"]), warm["dynashard_log"]
     assert results["ds_warm_profiled"]["profile_rank0_cumulative_s"]["dynashard backend"] > 0, results
+
+
+@pytest.mark.slow  # ~10 s: one process (imports, one compile on the fake group)
+def test_bench_compile_phases_smoke(tmp_path):
+    """bench_compile_phases.py times dynashard's phases by wrapping its functions: each must have been reached
+    (a renamed function would otherwise read as a phase that costs nothing), and inside the first call."""
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_compile_phases", "--smoke", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    phases = ("backend", "aten trace", "plan", "rewrite")
+    assert all(row[p] > 0 for p in phases) and "graph compile" in row, row
+    assert row["aten trace"] + row["plan"] + row["rewrite"] <= row["backend"] < row["first call"], row
