@@ -31,15 +31,15 @@ def pytest_collection_modifyitems(config, items):
     _longest_files_first(items)
 
 
-# The default run's longest files, longest first (their summed --durations on the 2-core machine, 2026-12-05:
-# 90-210 s for the first four, 45-80 s for the rest). Under `--dist loadfile` each worker takes the next
-# file when it finishes one; xdist's own order (most tests first) handed out test_gpu_check.py (2 tests, 50 s)
-# among the last files and test_training_2d.py (8 tests, 88 s) late: one worker could run on alone at the end.
-# Longest first, the many short files fill the gaps at the end (setup.cfg: --no-loadscope-reorder keeps this
-# order). A file missing here only runs later: nothing is left out.
-LONGEST_FIRST = ("test_serving.py", "test_numerics.py", "test_training.py", "test_training_2d.py",
-                 "test_parallelize.py", "test_experts.py", "test_hf_models.py", "test_forms_linears.py",
-                 "test_lora.py", "test_gpu_check.py", "test_quantized.py")
+# The default run's longest files, longest first (their summed --durations on the 2-core machine, 2026-12-07,
+# quiet: 154 s for test_lora.py, 108-116 s for the next three, 50-83 s for the rest). Under `--dist loadfile`
+# each worker takes the next file when it finishes one; xdist's own order (most tests first) handed out
+# test_gpu_check.py (2 tests, 50 s) among the last files and test_training_2d.py (8 tests, 88 s) late: one
+# worker could run on alone at the end. Longest first, the many short files fill the gaps at the end
+# (setup.cfg: --no-loadscope-reorder keeps this order). A file missing here only runs later: nothing is left out.
+LONGEST_FIRST = ("test_lora.py", "test_serving.py", "test_training.py", "test_numerics.py", "test_quantized.py",
+                 "test_parallelize.py", "test_training_2d.py", "test_gpu_check.py", "test_compile_cache.py",
+                 "test_regional.py", "test_experts.py", "test_forms_linears.py", "test_hf_models.py")
 
 
 def _longest_files_first(items) -> None:
