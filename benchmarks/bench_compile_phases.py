@@ -20,6 +20,11 @@ Phases (seconds, rank 0), timed by wrapping dynashard's own functions for the ru
   ``eager`` nothing is compiled);
 - ``dynamo``: ``first call`` less ``backend`` less a second call's time (Dynamo's trace, guards, bytecode).
 The median of ``--repeats`` rounds (each after ``torch._dynamo.reset()`` on a freshly built model).
+
+What a rewrite that does not retrace could save (issue 45's item 2), for the eager rows: the aten graph the
+first trace made (``aten ops`` its ops) run node by node on its own fake inputs by ``torch.fx.Interpreter``,
+under the fake mode alone (``fake run``: each output's fake, no graph built) and retraced by make_fx as the
+rewrite is (``make_fx run``: the same, a graph built); their difference is make_fx's proxy bookkeeping.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -40,13 +46,21 @@ from benchmarks._common import OUT_HELP, out_path, record, write_json
 PHASES = ("first call", "backend", "aten trace", "plan", "rewrite", "graph compile", "dynamo")
 
 
+@dataclasses.dataclass
+class Phases:
+    """Seconds spent in each phase, and the aten graph the first trace made (for :func:`retrace_cost`)."""
+
+    seconds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    aten: torch.fx.GraphModule | None = None
+
+
 @contextlib.contextmanager
-def timed_phases() -> Iterator[collections.Counter]:
+def timed_phases() -> Iterator[Phases]:
     """Seconds spent in each of dynashard's phases while inside (module attributes wrapped, then restored)."""
     from dynashard import _torch as private
     from dynashard import analysis, dynamo_backend
 
-    spent: collections.Counter = collections.Counter()
+    spent = Phases()
     inside_rewrite = [False]
 
     def wrap(module, name, key, flag=False):
@@ -59,9 +73,12 @@ def timed_phases() -> Iterator[collections.Counter]:
                 inside_rewrite[0] = True
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                if key == "aten trace" and spent.aten is None:  # (the first: Dynamo's graph to aten ops)
+                    spent.aten = out
+                return out
             finally:
-                spent[key] += time.perf_counter() - start
+                spent.seconds[key] += time.perf_counter() - start
                 if flag:
                     inside_rewrite[0] = False
 
@@ -77,6 +94,25 @@ def timed_phases() -> Iterator[collections.Counter]:
     finally:
         for module, name, fn, _ in wrapped:
             setattr(module, name, fn)
+
+
+def retrace_cost(aten: torch.fx.GraphModule, repeats: int) -> dict[str, float]:
+    """``aten`` run node by node on its fake inputs under the fake mode alone, and retraced by make_fx."""
+    from dynashard import _torch as private
+
+    fakes = [n.meta["val"] for n in aten.graph.nodes if n.op == "placeholder"]
+    mode = private.fake_mode_of(fakes)
+    fake, traced = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with mode:
+            torch.fx.Interpreter(aten).run(*fakes)
+        fake.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        private.trace_aten(torch.fx.Interpreter(aten).run, fakes)
+        traced.append(time.perf_counter() - start)
+    return {"aten ops": sum(n.op == "call_function" for n in aten.graph.nodes),
+            "fake run": statistics.median(fake), "make_fx run": statistics.median(traced)}
 
 
 def build(layers: int):
@@ -101,9 +137,11 @@ def one_round(layers: int, compiler: str, ids: torch.Tensor) -> dict[str, float]
         start = time.perf_counter()
         fast(ids, use_cache=False)
         second = time.perf_counter() - start
-    out = {phase: spent[phase] for phase in PHASES if phase in spent}
+    out = {phase: spent.seconds[phase] for phase in PHASES if phase in spent.seconds}
     out["first call"] = first
-    out["dynamo"] = first - spent["backend"] - second
+    out["dynamo"] = first - spent.seconds["backend"] - second
+    if compiler == "eager" and spent.aten is not None:
+        out.update(retrace_cost(spent.aten, 3))
     return out
 
 
@@ -133,6 +171,8 @@ def main() -> None:
             row.update({phase: round(statistics.median(r[phase] for r in rounds), 3) for phase in rounds[0]})
             row["backend/first call"] = round(row["backend"] / row["first call"], 2)
             row["traces/first call"] = round((row["aten trace"] + row["rewrite"]) / row["first call"], 2)
+            if "fake run" in row:
+                row["fake run/make_fx run"] = round(row["fake run"] / row["make_fx run"], 2)
             results.append(row)
             print(f"{compiler:9s} {layers:2d} layers: " + ", ".join(f"{k} {v}" for k, v in row.items()
                                                                     if k not in ("compiler", "layers")), flush=True)

@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The default run's longest files, longest first (their summed --durations on the 2-core machine, 2026-12-07,
-# quiet: 154 s for test_lora.py, 108-116 s for the next three, 50-83 s for the rest). Under `--dist loadfile`
+# quiet: 154 s for test_lora.py, 108-116 s for the next three, 41-83 s for the rest). Under `--dist loadfile`
 # each worker takes the next file when it finishes one; xdist's own order (most tests first) handed out
 # test_gpu_check.py (2 tests, 50 s) among the last files and test_training_2d.py (8 tests, 88 s) late: one
 # worker could run on alone at the end. Longest first, the many short files fill the gaps at the end

@@ -35,6 +35,7 @@ cProfile of each scenario there (``python -m pstats DIR/FILE``).
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import importlib
 import inspect
@@ -276,8 +277,6 @@ def _run_on_rank(rank: int, world: int, module: str, root: str,
             Path(root, f"rank{rank}.running").write_text(key)
             began, began_cpu = time.perf_counter(), time.process_time()
             if rank == 0 and os.environ.get("SCENARIO_PROFILE"):  # (a directory for rank 0's cProfile of each)
-                import cProfile
-
                 with cProfile.Profile() as profile:
                     outcomes[key] = _run_one(key, run, rank, world, root)
                 name = re.sub(r"[^\w.-]", "_", f"{module}.{key}.prof")

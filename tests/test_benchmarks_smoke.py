@@ -103,3 +103,4 @@ def test_bench_compile_phases_smoke(tmp_path):
     phases = ("backend", "aten trace", "plan", "rewrite")
     assert all(row[p] > 0 for p in phases) and "graph compile" in row, row
     assert row["aten trace"] + row["plan"] + row["rewrite"] <= row["backend"] < row["first call"], row
+    assert row["aten ops"] > 0 and 0 < row["fake run"] and 0 < row["make_fx run"], row
