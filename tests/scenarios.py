@@ -280,6 +280,7 @@ def _run_on_rank(rank: int, world: int, module: str, root: str,
                 with cProfile.Profile() as profile:
                     outcomes[key] = _run_one(key, run, rank, world, root)
                 name = re.sub(r"[^\w.-]", "_", f"{module}.{key}.prof")
+                Path(os.environ["SCENARIO_PROFILE"]).mkdir(parents=True, exist_ok=True)
                 profile.dump_stats(Path(os.environ["SCENARIO_PROFILE"], name))
             else:
                 outcomes[key] = _run_one(key, run, rank, world, root)
