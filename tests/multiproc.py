@@ -28,7 +28,8 @@ _CTX = mp.get_context("forkserver")
 # imported by most ranks on their first HF model or Inductor compile; importing them creates no thread or process.
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "dynashard.dynamo_backend",
                              "dynashard.load.parallelize", "tests.battery", "tests.scenarios", "transformers",
-                             "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx"])
+                             "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx",
+                             "tests.forkserver_ready"])  # (last: the collector's settings, tests/gc_policy.py)
 
 # A torchrun or python subprocess of a test (a tiny model on 2-4 ranks) takes 3-16 s on the project's
 # quiet 2-core machine; CI has run that kind of machine 3x slower, and a second 2-process job on the

@@ -4,6 +4,7 @@ per case; a scenario run alone passes when the ranks meant to die die and the ot
 
 from __future__ import annotations
 
+import gc
 import os
 import types
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import gc_policy
 from tests.multiproc import SharedRunFailed, shared_run
 from tests.scenarios import ScenarioFailed, Scenarios
 
@@ -112,6 +114,13 @@ def scenario_compiles_again_after_a_reset(rank, world):
     assert len(COMPILES) == 2, COMPILES
 
 
+@on_ranks
+def scenario_starts_with_the_tests_collector_settings(rank, world):
+    # (forked from the server after tests/forkserver_ready.py: its imports frozen, tests/gc_policy.py's thresholds)
+    assert gc.get_threshold() == gc_policy.THRESHOLDS and gc.get_freeze_count() > 100_000, \
+        (gc.get_threshold(), gc.get_freeze_count())
+
+
 @on_ranks(cases=["a", ("b", 2)])
 def scenario_of_each_case(rank, world, case):
     assert case in ("a", ("b", 2)), case
@@ -146,6 +155,7 @@ def test_each_scenario_reports_its_own_outcome_on_every_rank():
     assert text.endswith("\nrank 1, at the same line: RuntimeError: the model's own error on rank 1"), text
     scenario_starts_afresh_and_shares_a_directory()
     scenario_compiles_again_after_a_reset()
+    scenario_starts_with_the_tests_collector_settings()
     scenario_of_each_case(world=2, case="a")
     with pytest.raises(ScenarioFailed) as failed:
         scenario_of_each_case(world=2, case="b-2")
