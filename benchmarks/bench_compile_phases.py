@@ -1,7 +1,7 @@
 """Where a first compile's time goes: Dynamo's trace, dynashard's aten trace, plan and rewrite, the compiler.
 
 Launch: python -m benchmarks.bench_compile_phases [--layers 2,8] [--compilers eager,inductor] [--repeats 3]
-        [--world 2] [--smoke] [--out PATH]
+        [--gc default,frozen] [--world 2] [--smoke] [--out PATH]
 
 One process, rank 0 of a fake process group of ``--world`` ranks (dynashard plans and rewrites rank 0's
 graph exactly as on real ranks; the fake group moves no data, so outputs are not checked here: the suite
@@ -18,8 +18,13 @@ Phases (seconds, rank 0), timed by wrapping dynashard's own functions for the ru
 - ``plan``: ``plan.make_plan``; ``rewrite``: the rewrite's trace (``rewrite.rewrite``);
 - ``graph compile``: the compiler dynashard hands the rewritten graph to (``dynamo_backend._compile``: for
   ``eager`` nothing is compiled);
-- ``dynamo``: ``first call`` less ``backend`` less a second call's time (Dynamo's trace, guards, bytecode).
+- ``dynamo``: ``first call`` less ``backend`` less a second call's time (Dynamo's trace, guards, bytecode);
+- ``gc``: CPython's garbage collector during the first call (``gc.callbacks``), whatever phase it interrupts.
 The median of ``--repeats`` rounds (each after ``torch._dynamo.reset()`` on a freshly built model).
+
+``--gc``: each round starts from ``gc.collect()``; ``default`` then runs with CPython's collector as the process
+has it, ``frozen`` calls ``gc.freeze()`` first (what imports and earlier rounds made is no longer walked by a full
+collection) and ``gc.unfreeze()`` after the round. The two alternate round by round, in the same process.
 
 What a rewrite that does not retrace could save (issue 45's item 2), for the eager rows: the aten graph the
 first trace made (``aten ops`` its ops) run node by node on its own fake inputs by ``torch.fx.Interpreter``,
@@ -33,6 +38,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import gc
 import os
 import statistics
 import tempfile
@@ -43,7 +49,7 @@ import torch
 
 from benchmarks._common import OUT_HELP, out_path, record, write_json
 
-PHASES = ("first call", "backend", "aten trace", "plan", "rewrite", "graph compile", "dynamo")
+PHASES = ("first call", "backend", "aten trace", "plan", "rewrite", "graph compile", "dynamo", "gc")
 
 
 @dataclasses.dataclass
@@ -84,14 +90,24 @@ def timed_phases() -> Iterator[Phases]:
 
         return module, name, fn, timed
 
+    began = [0.0]
+
+    def collector(phase, info):  # (gc.callbacks: seconds in the collector, whatever it interrupted)
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            spent.seconds["gc"] += time.perf_counter() - began[0]
+
     wrapped = [wrap(dynamo_backend, "_compile_sharded", "backend"), wrap(private, "trace_aten", "aten trace"),
                wrap(analysis, "make_plan", "plan"), wrap(dynamo_backend, "rewrite", "rewrite", flag=True),
                wrap(dynamo_backend, "_compile", "graph compile")]
     for module, name, _, timed in wrapped:
         setattr(module, name, timed)
+    gc.callbacks.append(collector)
     try:
         yield spent
     finally:
+        gc.callbacks.remove(collector)
         for module, name, fn, _ in wrapped:
             setattr(module, name, fn)
 
@@ -124,9 +140,20 @@ def build(layers: int):
     return T.LlamaForCausalLM(config).eval()
 
 
-def one_round(layers: int, compiler: str, ids: torch.Tensor) -> dict[str, float]:
+def one_round(layers: int, compiler: str, ids: torch.Tensor, frozen: bool = False) -> dict[str, float]:
     torch._dynamo.reset()
     model = build(layers)
+    gc.collect()  # (both modes start from a full collection: only the freeze differs)
+    if frozen:
+        gc.freeze()
+    try:
+        return _timed_round(model, compiler, ids)
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
+def _timed_round(model: torch.nn.Module, compiler: str, ids: torch.Tensor) -> dict[str, float]:
     if compiler == "inductor":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-phases-")
     fast = torch.compile(model, backend="dynashard", options={"compiler": compiler, "min_shard_numel": 0})
@@ -140,6 +167,7 @@ def one_round(layers: int, compiler: str, ids: torch.Tensor) -> dict[str, float]
     out = {phase: spent.seconds[phase] for phase in PHASES if phase in spent.seconds}
     out["first call"] = first
     out["dynamo"] = first - spent.seconds["backend"] - second
+    out["gc"] = spent.seconds["gc"]
     if compiler == "eager" and spent.aten is not None:
         out.update(retrace_cost(spent.aten, 3))
     return out
@@ -150,37 +178,51 @@ def main() -> None:
     parser.add_argument("--layers", default="2,8")
     parser.add_argument("--compilers", default="eager,inductor")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gc", default="default,frozen", help="default, frozen or both (alternated)")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="1 layer, eager, one round: seconds")
     parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args()
     if args.smoke:
-        args.layers, args.compilers, args.repeats = "1", "eager", 1
+        args.layers, args.compilers, args.repeats, args.gc = "1", "eager", 1, "default"
     os.environ["DYNASHARD_CACHE"] = "0"
     torch.set_num_threads(args.threads)
     from dynashard import _torch as private
 
     private.init_fake_process_group(args.world, 0)
     ids = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
+    modes = [m for m in args.gc.split(",") if m]
+    if not modes or set(modes) - {"default", "frozen"}:
+        parser.error(f"--gc: expected default, frozen or both, found {args.gc!r}")
     results = []
     for compiler in [c for c in args.compilers.split(",") if c]:
         for layers in [int(n) for n in args.layers.split(",")]:
-            rounds = [one_round(layers, compiler, ids) for _ in range(args.repeats)]
-            row = {"compiler": compiler, "layers": layers}
-            row.update({phase: round(statistics.median(r[phase] for r in rounds), 3) for phase in rounds[0]})
-            row["backend/first call"] = round(row["backend"] / row["first call"], 2)
-            row["traces/first call"] = round((row["aten trace"] + row["rewrite"]) / row["first call"], 2)
-            if "fake run" in row:
-                row["fake run/make_fx run"] = round(row["fake run"] / row["make_fx run"], 2)
-            results.append(row)
-            print(f"{compiler:9s} {layers:2d} layers: " + ", ".join(f"{k} {v}" for k, v in row.items()
-                                                                    if k not in ("compiler", "layers")), flush=True)
-    rec = record({"layers": args.layers, "compilers": args.compilers, "repeats": args.repeats,
+            rounds = {mode: [] for mode in modes}
+            for _ in range(args.repeats):  # (the modes alternate: the process's state drifts alike for both)
+                for mode in modes:
+                    rounds[mode].append(one_round(layers, compiler, ids, frozen=mode == "frozen"))
+            for mode in modes:
+                results.append(_row(compiler, layers, mode, rounds[mode]))
+    rec = record({"layers": args.layers, "compilers": args.compilers, "repeats": args.repeats, "gc": args.gc,
                   "model": "HF LlamaForCausalLM hidden 256, 8 heads, 4 K/V heads, ffn 688, vocab 1024",
                   "ids": [1, 32], "process group": f"fake, world {args.world}, rank 0"}, results, args.world,
                  args.threads)
     write_json(out_path(args.out, "compile_phases", args.smoke), rec)
+
+
+def _row(compiler: str, layers: int, mode: str, rounds: list[dict[str, float]]) -> dict:
+    """The medians of one (compiler, layers, gc mode)'s rounds, printed and returned."""
+    row = {"compiler": compiler, "layers": layers, "gc mode": mode}
+    row.update({phase: round(statistics.median(r[phase] for r in rounds), 3) for phase in rounds[0]})
+    row["backend/first call"] = round(row["backend"] / row["first call"], 2)
+    row["traces/first call"] = round((row["aten trace"] + row["rewrite"]) / row["first call"], 2)
+    row["gc/first call"] = round(row["gc"] / row["first call"], 2)
+    if "fake run" in row:
+        row["fake run/make_fx run"] = round(row["fake run"] / row["make_fx run"], 2)
+    print(f"{compiler:9s} {layers:2d} layers, gc {mode}: " + ", ".join(
+        f"{k} {v}" for k, v in row.items() if k not in ("compiler", "layers", "gc mode")), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -104,3 +104,4 @@ def test_bench_compile_phases_smoke(tmp_path):
     assert all(row[p] > 0 for p in phases) and "graph compile" in row, row
     assert row["aten trace"] + row["plan"] + row["rewrite"] <= row["backend"] < row["first call"], row
     assert row["aten ops"] > 0 and 0 < row["fake run"] and 0 < row["make_fx run"], row
+    assert row["gc mode"] == "default" and 0 <= row["gc"] < row["first call"], row  # (a round may not collect)
