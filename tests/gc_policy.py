@@ -3,9 +3,9 @@ test modules are imported) and the gloo ranks (inherited from the fork server: `
 
 A compile creates hundreds of thousands of long-lived objects (FX nodes, fake tensors, SymNodes, guards), and
 CPython's default thresholds (700, 10, 10) then run a full collection every few compiles, each walking the whole
-heap: torch's, transformers' and pytest's modules too (330,000 objects before the first test). Measured on the
-project's 2-core machine, ``tests/test_hf_models.py`` alone (``-n 0``, 53 compiles): 7.9 s of its 52.6 s in the
-collector, 6.5 s of it in 22 full collections; with this policy 2.1 s (7 full collections) and 44.7 s in all.
+heap: torch's, transformers' and pytest's modules too (330,000 objects before the first test). In
+``tests/test_hf_models.py`` that was 7.9 s of collector time in 53 compiles, 2.1 s with these settings
+(``benchmarks/results/ci-times.md`` has the runs).
 (PyTorch's own Dynamo defers full collections while compiling for the same reason: pytorch#193289.)
 
 - ``gc.freeze()`` once the imports are done moves what they made to the permanent generation: no collection
