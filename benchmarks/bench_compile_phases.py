@@ -19,7 +19,8 @@ Phases (seconds, rank 0), timed by wrapping dynashard's own functions for the ru
 - ``graph compile``: the compiler dynashard hands the rewritten graph to (``dynamo_backend._compile``: for
   ``eager`` nothing is compiled);
 - ``dynamo``: ``first call`` less ``backend`` less a second call's time (Dynamo's trace, guards, bytecode);
-- ``gc``: CPython's garbage collector during the first call (``gc.callbacks``), whatever phase it interrupts.
+- ``gc``: CPython's garbage collector during the first call and the second (``gc.callbacks``), whatever it
+  interrupts.
 The median of ``--repeats`` rounds (each after ``torch._dynamo.reset()`` on a freshly built model).
 
 ``--gc``: each round starts from ``gc.collect()``; ``default`` then runs with CPython's collector as the process
