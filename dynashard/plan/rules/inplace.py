@@ -89,6 +89,8 @@ def _sees(lm: LayoutMap, root: dict, consumer: torch.fx.Node, member: torch.fx.N
     if _read_copy(lm, root, consumer, member) in updated:
         return True
     how = lm.read_of(consumer, member)
+    if how in (Read.NARROW, Read.GLOBAL_NARROW, Read.NARROW_GROUPS):  # a copy made for this consumer, when it runs
+        return _copy(lm, root, member) in updated
     return (how in (Read.GATHER, Read.GLOBAL) and lm.layouts.get(member) is not None
             and _copy(lm, root, member) in updated and first_read[(how, member)] > at)
 
