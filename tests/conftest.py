@@ -52,11 +52,13 @@ def _longest_files_first(items) -> None:
 
 def pytest_collection_finish(session):
     """A spawn of ``@on_ranks`` scenarios runs the selected ones only (``-k``: tests/scenarios.py). The test
-    modules are imported now: the collector's settings for the tests (tests/gc_policy.py)."""
-    from tests import gc_policy
+    modules are imported now: the collector's settings for the tests (tests/gc_policy.py), and Dynamo's trace-rule
+    maps kept across the fake groups they make (tests/dynamo_rules.py)."""
+    from tests import dynamo_rules, gc_policy
     from tests.scenarios import select
 
     select(session.items)
+    dynamo_rules.apply()
     gc_policy.apply()
 
 
