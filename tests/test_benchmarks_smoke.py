@@ -105,3 +105,18 @@ def test_bench_compile_phases_smoke(tmp_path):
     assert row["aten trace"] + row["plan"] + row["rewrite"] <= row["backend"] < row["first call"], row
     assert row["aten ops"] > 0 and 0 < row["fake run"] and 0 < row["make_fx run"], row
     assert row["gc mode"] == "default" and 0 <= row["gc"] < row["first call"], row  # (a round may not collect)
+
+
+@pytest.mark.slow  # ~30 s: five processes, each importing torch and compiling or loading one graph
+def test_bench_inductor_load_smoke(tmp_path):
+    """bench_inductor_load.py's processes each report what the table reads: the first call in every variant, and
+    the probe and the hash on their own where they are split off."""
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_inductor_load", "--layers", "1", "--repeats", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBPROCESS_DEADLINE_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]["1"]
+    assert set(runs) == {"plain", "split", "isa_ok"} and all(len(r) == 1 for r in runs.values()), runs
+    assert all(r[0]["first call"] > 0 for r in runs.values()), runs
+    assert runs["split"][0]["pick_vec_isa"] > 0 and runs["split"][0]["torch_key"] > 0, runs
+    assert "| 1 | " in done.stdout, done.stdout
