@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch.distributed  # noqa: F401 - loaded before the one clear, as init_process_group has it
 from torch._dynamo import trace_rules
 
-_CLEAR = trace_rules.clear_lru_cache
+# (torch 2.11 to 2.15 have it, and init_process_group calls it; a release without it clears nothing, and
+# apply() then leaves it so)
+_CLEAR = getattr(trace_rules, "clear_lru_cache", None)
 
 
 def _keep() -> None:
@@ -30,10 +32,12 @@ def _keep() -> None:
 
 def rebuild() -> None:
     """Clear the maps (the next compile rebuilds them from the objects torch's names are bound to now)."""
-    _CLEAR()
+    if _CLEAR is not None:
+        _CLEAR()
 
 
 def apply() -> None:
     """Clear the maps now (torch.distributed is loaded) and keep them through every later group's creation."""
-    _CLEAR()
-    trace_rules.clear_lru_cache = _keep
+    if _CLEAR is not None:
+        _CLEAR()
+        trace_rules.clear_lru_cache = _keep
