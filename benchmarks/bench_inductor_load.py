@@ -15,7 +15,7 @@ run of this script). Columns, seconds:
   it then leaves out: on x86 it builds a test library per vector instruction set and loads each in a child Python
   (Inductor needs the answer to name the cached kernels' build), once per process;
 - ``torch_key``: ``torch._inductor.codecache.torch_key()`` the same way (the hash of torch's sources in every
-  cache key).
+  cache key); "n/a" where this torch release has no such function.
 
 Three variants per layer count, alternated per repeat: ``plain`` (the first call alone), ``split`` (the two
 functions first, then the first call) and ``isa_ok`` (``TORCHINDUCTOR_VEC_ISA_OK=1``: Inductor's setting that trusts
@@ -35,15 +35,19 @@ import tempfile
 _CHILD = """
 import json, sys, time
 import torch
-from torch._inductor import codecache, cpu_vec_isa
 layers, split = int(sys.argv[1]), sys.argv[2] == "split"
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())])
 x = torch.randn(4, 64)
 out = {}
-if split:
-    start = time.perf_counter(); cpu_vec_isa.pick_vec_isa(); out["pick_vec_isa"] = time.perf_counter() - start
-    start = time.perf_counter(); codecache.torch_key(); out["torch_key"] = time.perf_counter() - start
+if split:  # (Inductor's internals, as torch 2.13 names them: a release without one reports None for it)
+    for name, module, fn in (("pick_vec_isa", "cpu_vec_isa", "pick_vec_isa"), ("torch_key", "codecache", "torch_key")):
+        try:
+            call = getattr(__import__(f"torch._inductor.{module}", fromlist=[fn]), fn)
+        except (ImportError, AttributeError):
+            out[name] = None
+            continue
+        start = time.perf_counter(); call(); out[name] = time.perf_counter() - start
 start = time.perf_counter()
 torch.compile(model)(x)
 out["first call"] = time.perf_counter() - start
@@ -80,13 +84,14 @@ def main() -> None:
                 for variant in variants:
                     runs[variant].append(_child(layers, variant, cache))
             raw[layers] = runs
-            med = {v: {k: statistics.median(r[k] for r in runs[v]) for k in runs[v][0]} for v in variants}
+            med = {v: {k: None if any(r[k] is None for r in runs[v]) else statistics.median(r[k] for r in runs[v])
+                       for k in runs[v][0]} for v in variants}
             rows.append((layers, med["plain"]["first call"], med["split"]["pick_vec_isa"], med["split"]["torch_key"],
                          med["split"]["first call"], med["isa_ok"]["first call"]))
     print("| layers | first call | pick_vec_isa | torch_key | first call after both | first call, VEC_ISA_OK=1 |")
     print("|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |".format(*row))
+        print("| " + " | ".join([str(row[0])] + ["n/a" if v is None else f"{v:.2f}" for v in row[1:]]) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"torch": __import__("torch").__version__, "repeats": args.repeats, "runs": raw}, f, indent=1)
