@@ -74,7 +74,7 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     world, rank = (1, -1) if outside else (dist.get_world_size(group), dist.get_rank(group))
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
-        return _compile(opts.compiler, gm, example_inputs, opts.mode, None)
+        return _compile(opts.compiler, gm, _inputs_to_compile(gm, example_inputs), opts.mode, None)
     if (flat := subclass_inputs.flatten(gm, example_inputs)) is not None:  # torchao's quantized weights
         return flat.wrap(dynashard_backend(flat.gm, flat.inputs, options, mode, source))
     with progress.compiling():
@@ -144,7 +144,7 @@ def _compile_sharded(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: 
     if not sharded:  # left whole: compiled as it is (gradients included)
         progress.stage(_compiling("unsharded", opts.compiler))
         counts = private.inductor_cache_counts()
-        compiled = _compile(opts.compiler, gm, example_inputs, opts.mode, group)
+        compiled = _compile(opts.compiler, gm, _inputs_to_compile(gm, example_inputs, fake_args), opts.mode, group)
         if planned is not None:
             STORE.note_read_whole([example_inputs[i] for i in planned.params])
             if cached is None and material is not None and compile_cache.shape_facts(fake_args) == facts:
@@ -232,6 +232,19 @@ def _compile(compiler: str, graph: torch.fx.GraphModule, inputs: list[Any], mode
     if compiler == "eager" or not _in_parallelize_run():
         return compile()
     return CompiledOnFirstCall(graph.forward, compile, group, compiler, active=_in_parallelize_run)
+
+
+def _inputs_to_compile(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any] | None = None
+                       ) -> list[Any]:
+    """What a graph compiled as Dynamo captured it (left whole) is compiled with: Dynamo's example inputs, or,
+    when it is compiled at its first call after ``parallelize``'s run (:func:`_compile`), Dynamo's fakes
+    (``fake_args``: the backend's own, else made here), as the sharded graphs are. Outside Dynamo's compile, real
+    inputs would reach AOTAutograd with no ShapeEnv: the graph compiled for their sizes alone (a later call of
+    another length, which Dynamo's guards of a dynamic graph let through, failed Inductor's size assert) and
+    bypassed by Inductor's FX graph cache ("No shape env": every restart compiled it again)."""
+    if not _in_parallelize_run():
+        return example_inputs
+    return fake_args if fake_args is not None else private.backend_fakes(gm)
 
 
 def _cacheable_functions(graph: torch.fx.GraphModule) -> dict[str, str]:

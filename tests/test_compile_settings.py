@@ -303,3 +303,66 @@ def test_a_dynamic_recompile_under_inductor_hands_over_a_graph_its_cache_can_key
         logger.removeHandler(records)
     assert not [m for m in records.messages if "Failed to pickle" in m], records.messages
     assert handed == [False, False], handed
+
+
+def test_a_graph_parallelize_leaves_whole_is_cached_by_inductor(monkeypatch, tmp_path):
+    """A graph with nothing to cut (an MLP under ``min_shard_numel``) that ``parallelize`` leaves to compile at its
+    first call after its run: that compile, outside Dynamo's, is keyed by Inductor's FX graph cache and AOTAutograd's,
+    so a restart loads it (here: a second parallelize after ``torch._dynamo.reset()``, on the same cache directory).
+    It was bypassed, "No shape env" (real inputs outside Dynamo's compile reach AOTAutograd with no ShapeEnv), and
+    every restart compiled it again; the sharded graphs were cached (their inputs are Dynamo's fakes)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    names = [("aot_autograd", "autograd_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+             ("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_bypass")]
+    counts, outputs = [], []
+    x = torch.randn(4, 16)
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        for _ in range(2):
+            torch._dynamo.reset()
+            private.init_fake_process_group(2, 0)
+            try:
+                torch.manual_seed(0)
+                model = models.MLP(16, 32)
+                dynashard.parallelize(model, x)  # (compiler: Inductor, the default)
+                assert model.up.weight.untyped_storage().nbytes() > 0  # left whole: nothing to cut at this size
+                before = [torch._dynamo.utils.counters[g][w] for g, w in names]
+                with torch.no_grad():
+                    outputs.append(model(x))  # the first call after parallelize: the deferred compile
+                counts.append([torch._dynamo.utils.counters[g][w] - b for (g, w), b in zip(names, before)])
+            finally:
+                dist.destroy_process_group()
+                torch._dynamo.reset()
+    # (AOTAutograd hit, FX graph miss, hit, bypass) per parallelize: compiled, then loaded
+    assert counts == [[0, 1, 0, 0], [1, 0, 1, 0]], counts
+    with torch.no_grad():
+        torch.manual_seed(0)
+        expected = models.MLP(16, 32)(x)
+    # (Inductor's kernels against eager's, float32: a few ulps of a 16-wide reduction)
+    assert all(torch.allclose(out, expected, atol=1e-5, rtol=1e-5) for out in outputs)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_dynamic_graph_parallelize_leaves_whole_serves_every_length(world):
+    """An input marked dynamic before ``parallelize`` (Dynamo traces its length as a symbol), a graph with nothing
+    to cut (world 2: under ``min_shard_numel``; world 1: nothing is cut), compiled by Inductor at its first call
+    after the run: it serves every length Dynamo's guards let through. Compiled on the real inputs of that call,
+    outside Dynamo's compile, it was compiled for their sizes alone, and a call of another length failed Inductor's
+    size assert ("expected size 7==5")."""
+    torch._dynamo.reset()
+    private.init_fake_process_group(world, 0)
+    try:
+        torch.manual_seed(0)
+        model, twin = models.MLP(16, 32), models.MLP(16, 32)
+        twin.load_state_dict(model.state_dict())
+        x = torch.randn(2, 5, 16)
+        torch._dynamo.mark_dynamic(x, 1)
+        dynashard.parallelize(model, x)
+        with torch.no_grad():
+            for length in (5, 7, 3):
+                y = torch.randn(2, length, 16)
+                # (Inductor's kernels against eager's, float32: a few ulps of a 16-wide reduction)
+                torch.testing.assert_close(model(y), twin(y), atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
