@@ -78,6 +78,11 @@ PROFILED = (
     ("AOTAutograd cache: try_load", "torch/_functorch/_aot_autograd/autograd_cache.py", "try_load"),
     ("dynashard: reading the shards (cut_and_free)", "dynashard/runtime/program.py", "cut_and_free"),
     ("dynashard: reading the weights left whole (materialize)", "dynashard/weights/freed.py", "materialize"),
+    ("Inductor: compile_fx_inner (a compile, not a cache load)", "torch/_inductor/compile_fx.py", "compile_fx_inner"),
+    ("Inductor: its vector-ISA probe (pick_vec_isa: g++ and a child Python per instruction set)",
+     "torch/_inductor/cpu_vec_isa.py", "valid_vec_isa_list"),
+    ("waiting on file locks (the other ranks' compiles of the same kernels, the probe's builds)",
+     "torch/utils/_filelock.py", "__enter__"),
 )
 EVENTS = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler", "build_guards",
           "compile_fx_inner", "compile_fx.<locals>.fw_compiler_base", "create_aot_dispatcher_function",
@@ -226,7 +231,8 @@ def launch(args: argparse.Namespace, system: str, cache: str, profile_to: str | 
     timers = per_rank[0].pop("timers")
     for r in per_rank[1:]:
         r.pop("timers")
-    lines = [m.group(1) for m in re.finditer(r"(dynashard: compiled graph .*)", done.stderr)]
+    lines = [m.group(1) for m in re.finditer(r"(dynashard: compiled (?:graph|a graph parallelize planned) .*)",
+                                             done.stderr)]
     return {"t_first_s": max(r["t_first_s"] for r in per_rank), "split": split(per_rank[0], timers),
             "t_loaded_s": max(r["t_loaded_s"] for r in per_rank),
             "t_imports_s": max(r["t_imports_s"] for r in per_rank), "t_torch_s": max(r["t_torch_s"] for r in per_rank),
@@ -248,8 +254,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat")
     parser.add_argument("--train", action="store_true",
                         help="time to the first SGD step (loss, backward, step) instead of the first logits")
-    parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="skip the profiled ds_warm run after the last repeat")
+    parser.add_argument("--profile", default=None,
+                        help="comma-separated systems run once more after the last repeat with rank 0 under cProfile "
+                             "(a cold one on a new cache, a warm one on its cold run's); default: ds_warm when it runs")
+    parser.add_argument("--no-profile", dest="profile", action="store_const", const="",
+                        help="no profiled run")
     parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -261,6 +270,10 @@ def main() -> int:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown systems {unknown}; expected a subset of {SYSTEMS}")
+    profiled = ([s for s in args.profile.split(",") if s] if args.profile is not None
+                else ["ds_warm"] if "ds_warm" in systems else [])
+    if sorted(set(profiled) - set(systems)):
+        parser.error(f"--profile {sorted(set(profiled) - set(systems))}: not among --systems {systems}")
     if any(s.startswith("hf") for s in systems) and not _has("accelerate"):
         parser.error("HF's TP loading needs accelerate: pip install -e '.[bench]'")
     if args.smoke:
@@ -268,7 +281,7 @@ def main() -> int:
     print(f"writing the checkpoint to {args.dir} (reused when present)", file=sys.stderr)
     write_checkpoint(config(args.smoke), args.dir, args.prompt)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
-    loads, results_profile = [os.getloadavg()], None
+    loads, results_profile = [os.getloadavg()], {}
     for rep in range(args.repeats):
         groups = GROUPS[rep % len(GROUPS):] + GROUPS[:rep % len(GROUPS)]
         caches = {g[0]: tempfile.mkdtemp(prefix=f"bench-start-{g[0]}-") for g in groups}
@@ -286,14 +299,19 @@ def main() -> int:
                 print(f"repeat {rep} {system:17s} first output {shown}", file=sys.stderr)
                 for line in r.get("dynashard_log", []):
                     print(f"    {line}", file=sys.stderr)
-        if args.profile and rep == args.repeats - 1 and "ds_warm" in systems:
-            results_profile = profile_warm(args, caches["ds_cold"])
+        if rep == args.repeats - 1:
+            for system in profiled:
+                group = next(g for g in groups if system in g)
+                fresh = system == group[0]
+                cache = tempfile.mkdtemp(prefix=f"bench-start-{system}-") if fresh else caches[group[0]]
+                results_profile[f"{system}_profiled"] = profile_run(args, system, cache)
+                if fresh:
+                    shutil.rmtree(cache, ignore_errors=True)
         for cache in caches.values():
             shutil.rmtree(cache, ignore_errors=True)
         loads.append(os.getloadavg())
     results = {s: summarize(rs) for s, rs in runs.items()}
-    if args.profile and "ds_warm" in systems:
-        results["ds_warm_profiled"] = results_profile
+    results.update(results_profile)
     targets = check_targets(results, args.train)
     for line in targets["lines"]:
         print(line)
@@ -319,14 +337,17 @@ def split(rank0: dict, timers: dict) -> dict:
             "inductor_cache_load_s": total("AOTAutogradCache.inductor_load")}
 
 
-def profile_warm(args: argparse.Namespace, cache: str) -> dict:
-    """One more ``ds_warm`` run on the last repeat's cache, rank 0 under cProfile (its times are inflated
-    by the profiler and are not among the timed runs): where a warm start's seconds go."""
+def profile_run(args: argparse.Namespace, system: str, cache: str) -> dict:
+    """One more run of ``system`` on ``cache`` (a warm system: its cold run's of the last repeat; a cold one: a new
+    directory), rank 0 under cProfile (its times are inflated by the profiler and are not among the timed runs):
+    where that start's seconds go. Each row is its function's cumulative seconds over the run (pstats: summed over
+    its calls, a call nested in another of the same function counted once): the file-lock row is every wait
+    for a lock, summed."""
     import pstats
 
     with tempfile.NamedTemporaryFile(suffix=".prof", delete=False) as f:
         prof = f.name
-    r = launch(args, "ds_warm", cache, profile_to=prof)
+    r = launch(args, system, cache, profile_to=prof)
     if "failed" in r:
         return r
     stats = pstats.Stats(prof).stats  # {(file, line, function): (calls, primitive calls, tottime, cumtime, callers)}
@@ -336,7 +357,7 @@ def profile_warm(args: argparse.Namespace, cache: str) -> dict:
         found = [v[3] for (file, _, fn), v in stats.items() if fn == function and file.endswith(file_end)]
         split[label] = round(max(found), 3) if found else None
     r["profile_rank0_cumulative_s"] = split
-    print(f"profiled ds_warm: first output {r['t_first_s']:.1f} s under cProfile; rank 0 cumulative seconds:",
+    print(f"profiled {system}: first output {r['t_first_s']:.1f} s under cProfile; rank 0 cumulative seconds:",
           file=sys.stderr)
     for label, sec in split.items():
         print(f"    {sec if sec is not None else '-':>8} {label}", file=sys.stderr)

@@ -188,6 +188,6 @@ def test_the_summary_says_what_inductors_cache_did(monkeypatch):
     (measured with compiler='inductor': '1 miss' in a fresh process, '1 hit' in the next, 50 s then 20 s
     here, too slow for this file); nothing when no lookup happened (compiler='eager')."""
     monkeypatch.setattr(progress.private, "inductor_cache_counts", lambda: (3, 1, 0))
-    assert progress._cache_words((2, 1, 0)) == "; Inductor cache: 1 hit"
-    assert progress._cache_words((3, 0, 0)) == "; Inductor cache: 1 miss"
-    assert progress._cache_words((3, 1, 0)) == ""
+    assert progress.cache_words((2, 1, 0)) == "; Inductor cache: 1 hit"
+    assert progress.cache_words((3, 0, 0)) == "; Inductor cache: 1 miss"
+    assert progress.cache_words((3, 1, 0)) == ""

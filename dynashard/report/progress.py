@@ -203,12 +203,13 @@ def log_compile(gm: torch.fx.GraphModule, fake_args: list[Any], plan: str | None
         why += f" (and {len(more)} more lines)" if more else ""
     log.log(level(), "dynashard: compiled graph %s of %s for inputs %s (%s shapes); %s; plan: %s; dynashard "
             "cache: %s%s; %.2f s (planning %.2f s)", compile_id or "?", name, shapes, "dynamic" if dynamic else
-            "static", why, plan or "no plan", dynashard_cache, _cache_words(cache_before),
+            "static", why, plan or "no plan", dynashard_cache, cache_words(cache_before),
             time.perf_counter() - started, planned - started)
 
 
-def _cache_words(before: tuple[int, int, int]) -> str:
-    """What Inductor's FX graph cache did for this compile ("" when it was not asked: another compiler)."""
+def cache_words(before: tuple[int, int, int]) -> str:
+    """What Inductor's FX graph cache did since ``before`` (``private.inductor_cache_counts()`` then), as the
+    end of a compile's summary line ("" when it was not asked: another compiler)."""
     hits, misses, bypasses = (now - then for now, then in zip(private.inductor_cache_counts(), before, strict=True))
     if not hits + misses + bypasses:
         return ""

@@ -257,13 +257,14 @@ class CompiledOnFirstCall:
         return self.compiled(*args)
 
     def _compile_now(self) -> Callable[..., Any]:
-        started = time.perf_counter()
+        started, cache_before = time.perf_counter(), private.inductor_cache_counts()
         within = agreed(self._group(), "compiling", doing="compiling") if self._group is not None \
             else contextlib.nullcontext()
         with within, torch.set_grad_enabled(self._grad):
             compiled = self._compile()
-        log.log(progress.level(), "dynashard: compiled a graph parallelize planned (%s), at its first call: %.2f s",
-                progress.compiler_name(self.compiler), time.perf_counter() - started)
+        log.log(progress.level(), "dynashard: compiled a graph parallelize planned (%s), at its first call%s: %.2f s",
+                progress.compiler_name(self.compiler), progress.cache_words(cache_before),
+                time.perf_counter() - started)
         return compiled
 
 
