@@ -43,11 +43,14 @@ class _Spec:
     """How one subclass tensor is rebuilt from its leaves (its inner tensors, depth first)."""
 
     cls: type
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # the inner attributes that are tensors, one spec each below
     ctx: Any
     inner: tuple[_Spec | None, ...]  # None: a plain inner tensor (one leaf)
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    # inner attributes that are not tensors, as they were: (name, value) pairs, passed back as they are (torch 2.13's
+    # DTensor names its ``device_mesh`` among its inner attributes)
+    fixed: tuple[tuple[str, Any], ...] = ()
 
     def leaves(self) -> int:
         return sum(1 if s is None else s.leaves() for s in self.inner)
@@ -58,22 +61,27 @@ def _flatten(t: Any, path: str = "") -> tuple[list[tuple[str, Any]], _Spec | Non
     if not is_traceable_subclass(t):
         return [(path, t)], None
     names, ctx = t.__tensor_flatten__()
-    leaves, inner = [], []
+    leaves, inner, tensors, fixed = [], [], [], []
     for name in names:
-        sub, spec = _flatten(getattr(t, name), f"{path}.{name}" if path else name)
+        value = getattr(t, name)
+        if not isinstance(value, torch.Tensor):  # (an opaque inner object: never a leaf, which is a tensor)
+            fixed.append((name, value))
+            continue
+        sub, spec = _flatten(value, f"{path}.{name}" if path else name)
         leaves += sub
         inner.append(spec)
-    return leaves, _Spec(type(t), tuple(names), ctx, tuple(inner), tuple(t.size()), tuple(t.stride()))
+        tensors.append(name)
+    return leaves, _Spec(type(t), tuple(tensors), ctx, tuple(inner), tuple(t.size()), tuple(t.stride()), tuple(fixed))
 
 
 def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors a subclass tensor is made of (``[t]`` for a plain one)."""
+    """The plain tensors a subclass tensor is made of (``[t]`` for a plain one; a DTensor: its local tensor)."""
     return [leaf for _, leaf in _flatten(t)[0]]
 
 
 def rebuild(spec: _Spec, *leaves: torch.Tensor) -> torch.Tensor:
     """The subclass tensor ``spec`` describes, from its leaves (called inside the flattened graph)."""
-    inner, k = {}, 0
+    inner, k = dict(spec.fixed), 0
     for name, sub in zip(spec.names, spec.inner):
         n = 1 if sub is None else sub.leaves()
         inner[name] = leaves[k] if sub is None else rebuild(sub, *leaves[k : k + n])
