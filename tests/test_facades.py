@@ -179,6 +179,23 @@ def test_requires_grad_and_hooks_reach_the_shard(compiled):
 
 
 @pytest.mark.unit
+def test_full_tensor_of_a_dtensor_parameter_is_a_plain_tensor_of_the_whole_shape(fake_group):
+    """``parallelize(..., dtensor=True)``: ``dynashard.full_tensor`` of a DTensor parameter gathers it by its own
+    placements into a plain tensor of the whole shape (its values: tests/test_training_2d.py, on real ranks). It
+    rebuilt a DTensor around the gathered local tensor: whole-sized rows under ``Shard(0)``, a tensor that claims
+    twice the rows on 2 ranks. Here on the fake group: shapes and types only."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    model = models.MLP(32, 96, bias=False)
+    dynashard.parallelize(model, torch.randn(4, 32), dtensor=True,
+                          options={"compiler": "eager", "min_shard_numel": 0, "group": DeviceMesh("cpu", [0, 1])})
+    assert isinstance(model.up.weight, DTensor) and model.up.weight.to_local().shape == (48, 32)
+    whole = dynashard.full_tensor(model.up.weight)
+    assert type(whole) is torch.Tensor and whole.shape == (96, 32), (type(whole), whole.shape)
+
+
+@pytest.mark.unit
 def test_a_cache_the_graph_returned_answers_index_select_along_an_uncut_dim():
     """HF's reorder_cache (beam search) runs ``cache.index_select(0, beam_idx)`` eagerly on the cache
     facade: each rank selects from its own heads. Along the cut (head) dim it needs values it lacks.

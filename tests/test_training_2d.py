@@ -376,6 +376,9 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
                     for k, t in [("", p), *((k, v) for k, v in optimizer.state[p].items() if k != "step")]}
 
         trained = saved(model, opt)
+        # dynashard.full_tensor of a 2-D DTensor parameter: its whole value, a plain tensor (every rank, in order)
+        wholes = [(n, dynashard.full_tensor(p)) for n, p in model.named_parameters()]
+        full_tensor_same = all(type(w) is torch.Tensor and torch.equal(w, trained[n + "."]) for n, w in wholes)
         loaded = saved(other, opt_other)
         loaded_same = loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
         parameters_same = all(torch.equal(t, trained[n + "."]) for n, t in from_parameters.items())
@@ -407,6 +410,7 @@ def test_fsdp2_over_dp_with_dtensor_shards_trains_as_the_unsharded_model(rank, w
     assert loaded_same, "the 1x4 model's parameters or AdamW moments loaded from the 2x2 checkpoint differ"
     assert parameters_same, "the 1x4 model's parameters loaded from the 2x2 one's (not their state_dict) differ"
     assert export_same, "export_safetensors of the 2x2 model wrote other values than its parameters"
+    assert full_tensor_same, "dynashard.full_tensor of a DTensor parameter is not its whole value as a plain tensor"
     # the 1x4 model runs the checkpoint in float32, as the twin does (bfloat16 training left it atol apart);
     # its second AdamW step's loss (the first one's update in it) within the AdamW tolerance above
     assert resumed_err < max(1e-4, rtol), f"the resumed 1x4 model's loss vs the twin's: {resumed_err}"

@@ -381,7 +381,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     parameter's ``.grad``), gathered
     from every rank of its group: every rank must call it, in the same order. Any other tensor is returned
     as it is. A tensor subclass (torchao's quantized weights) is rebuilt from its inner tensors, each
-    gathered so."""
+    gathered so. A DTensor (``parallelize(..., dtensor=True)``, FSDP2) is gathered by its own placements
+    (``DTensor.full_tensor``): rebuilt around its gathered local tensor, it would claim its shard's placements
+    for the whole value."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.full_tensor()
     if is_traceable_subclass(t) and not is_facade(t):
         names, ctx = t.__tensor_flatten__()
         inner = {name: full_tensor(getattr(t, name)) for name in names}  # (the same order on every rank)
