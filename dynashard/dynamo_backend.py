@@ -231,7 +231,8 @@ def _compile(compiler: str, graph: torch.fx.GraphModule, inputs: list[Any], mode
 
     if compiler == "eager" or not _in_parallelize_run():
         return compile()
-    return CompiledOnFirstCall(graph.forward, compile, group, compiler, active=_in_parallelize_run)
+    return CompiledOnFirstCall(graph.forward, compile, group, compiler, active=_in_parallelize_run,
+                               facts=lambda: private.shape_env_facts(private.fake_mode_of(inputs)))
 
 
 def _inputs_to_compile(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args: list[Any] | None = None

@@ -366,3 +366,32 @@ def test_a_dynamic_graph_parallelize_leaves_whole_serves_every_length(world):
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_a_first_call_compile_that_adds_shape_guards_is_not_used(monkeypatch, fake_group):
+    """``parallelize``'s graphs compile at their first call after its run, when Dynamo's guards for them are built
+    already: a compile that added a guard (here a stand-in that specialises the traced length after compiling, and
+    returns a program that must not run) would serve other lengths unchecked. That compile is not used: the graph
+    runs as traced, with a warning, and every length gets the model's output."""
+    compile_graph = private.compile_graph
+
+    def specialising(compiler, gm, inputs, *args, **kwargs):
+        compile_graph(compiler, gm, inputs, *args, **kwargs)
+        length = next(d for t in inputs if isinstance(t, torch.Tensor) for d in t.shape if isinstance(d, torch.SymInt))
+        int(length)  # (a guard on the ShapeEnv, length == 5, that Dynamo's entry never checks)
+
+        def specialised(*call_args):
+            raise AssertionError("the program compiled with a guard Dynamo does not check ran")
+        return specialised
+
+    monkeypatch.setattr(private, "compile_graph", specialising)
+    torch.manual_seed(0)
+    model, twin = models.MLP(16, 32), models.MLP(16, 32)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, 16)
+    torch._dynamo.mark_dynamic(x, 1)
+    dynashard.parallelize(model, x)  # (nothing cut at this size: the whole graph, compiled at its first call)
+    with torch.no_grad(), pytest.warns(UserWarning, match="added shape guards .* the compiled graph is not used"):
+        outputs = [(model(y), twin(y)) for y in (torch.randn(2, n, 16) for n in (5, 7))]
+    for out, expected in outputs:
+        torch.testing.assert_close(out, expected)  # (the graph as traced: eager's ops, float32)

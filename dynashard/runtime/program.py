@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -240,11 +241,17 @@ class CompiledOnFirstCall:
     guards refuse (another grad mode, other arguments) compiles afresh, and this one is never compiled.
 
     The first call's compile is an agreement point on ``group`` (None: a world of one): a compile that fails on
-    one rank raises on every rank instead of leaving the others in the graph's first collective."""
+    one rank raises on every rank instead of leaving the others in the graph's first collective.
+
+    ``facts()``: what the ShapeEnv of the graph's fake inputs knows (``_torch.shape_env_facts``). Dynamo built the
+    entry's guards when the run traced it, so a guard the compiler adds now (a size specialised) would never be
+    checked: a compile that changes the facts is not used, and the graph runs as traced, with a warning."""
 
     def __init__(self, graph: Callable[..., Any], compile: Callable[[], Callable[..., Any]],
-                 group: dist.ProcessGroup | None, compiler: str, active: Callable[[], bool]) -> None:
+                 group: dist.ProcessGroup | None, compiler: str, active: Callable[[], bool],
+                 facts: Callable[[], Any] | None = None) -> None:
         self.graph, self._compile, self.compiler, self._active = graph, compile, compiler, active
+        self._facts = facts
         self._group = _WeakGroup(group) if group is not None else None
         self._grad = torch.is_grad_enabled()  # (the grad mode the graph was traced under: its compile's too)
         self.compiled: Callable[..., Any] | None = None
@@ -260,8 +267,18 @@ class CompiledOnFirstCall:
         started, cache_before = time.perf_counter(), private.inductor_cache_counts()
         within = agreed(self._group(), "compiling", doing="compiling") if self._group is not None \
             else contextlib.nullcontext()
+        before = self._facts() if self._facts is not None else None
         with within, torch.set_grad_enabled(self._grad):
             compiled = self._compile()
+        if self._facts is not None and self._facts() != before:
+            warnings.warn(
+                f"dynashard: compiling a graph parallelize planned ({progress.compiler_name(self.compiler)}), at its "
+                "first call, added shape guards (a size specialised) that Dynamo's entry for it, built when "
+                "parallelize traced it, does not check: the compiled graph is not used, and the graph runs as "
+                "traced, uncompiled (right for every size Dynamo lets through, slower). Expected a compile that adds "
+                "no guard: please report this model; example inputs of static sizes (no mark_dynamic) avoid it.",
+                stacklevel=2)
+            compiled = self.graph
         log.log(progress.level(), "dynashard: compiled a graph parallelize planned (%s), at its first call%s: %.2f s",
                 progress.compiler_name(self.compiler), progress.cache_words(cache_before),
                 time.perf_counter() - started)
