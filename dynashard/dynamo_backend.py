@@ -74,6 +74,9 @@ def dynashard_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], optio
     world, rank = (1, -1) if outside else (dist.get_world_size(group), dist.get_rank(group))
     if world == 1 or outside:
         log.info("dynashard: world size %d (rank %d in group): compiling unsharded", world, rank)
+        if source is not None:  # (parallelize(checkpoint=...): nothing is cut here, every weight is read whole)
+            materialize([leaf for t in example_inputs if isinstance(t, torch.Tensor)
+                         for leaf in subclass_inputs.inner_tensors(t)], source)
         return _compile(opts.compiler, gm, _inputs_to_compile(gm, example_inputs), opts.mode, None)
     if (flat := subclass_inputs.flatten(gm, example_inputs)) is not None:  # torchao's quantized weights
         return flat.wrap(dynashard_backend(flat.gm, flat.inputs, options, mode, source))

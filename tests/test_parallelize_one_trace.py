@@ -137,3 +137,30 @@ def test_a_call_past_the_recompile_limit_is_said_as_that(fake_group):
         model(ids)  # (the same variant: the entry parallelize left)
         with pytest.raises(UsageError, match=r"compiled 1 times, torch._dynamo.config.recompile_limit \(1\)"):
             model(ids[:, :5])  # another length: a compile of its own (dynamic from then on), past the limit of 1
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_parallelize_from_a_checkpoint_on_a_world_of_one_reads_every_weight_whole(tmp_path, compiler):
+    """``torchrun --nproc-per-node 1`` (a debugging run, one GPU): nothing is cut, and every weight of the model built
+    on meta is read whole from the checkpoint before the example runs. The example ran on the storage-less
+    parameters instead ("setStorage: ... out of bounds for storage of size 0": the weights were read only after
+    it)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    reference = models.MLP(16, 32)
+    save_file(reference.state_dict(), tmp_path / "mlp.safetensors")
+    with dynashard.empty_weights():
+        model = models.MLP(16, 32)
+    torch._dynamo.reset()
+    private.init_fake_process_group(1, 0)
+    try:
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            dynashard.parallelize(model, x, checkpoint=tmp_path / "mlp.safetensors", options={"compiler": compiler})
+            assert all(torch.equal(p, reference.get_parameter(n)) for n, p in model.named_parameters())
+            torch.testing.assert_close(model(x), reference(x))  # (the same weights, the same ops: float32)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
