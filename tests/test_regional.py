@@ -92,6 +92,56 @@ def test_blocks_compiled_one_at_a_time_share_one_plan(fake_group, plans):
 
 @pytest.mark.unit
 @torch.no_grad()
+def test_a_program_compiled_for_a_destroyed_group_is_not_reused(monkeypatch, plans):
+    """Blocks compiled one at a time under a group that is then destroyed and collected, its program still alive
+    (a reference cycle the collector has not reached yet), then the same blocks under a new group. The region's
+    key holds the group's ``id``, and CPython hands a new group the address of a freed one: here every group has
+    one id, as then. The lookup asked the old program for its group, which raised "the process group '0' this
+    model was compiled for has been destroyed" from the new group's compile (seen in ``pytest -n 0 -m unit``);
+    it is now a program of another group, not reused: the blocks are planned afresh for the new group."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from dynashard import _torch as private
+    from dynashard.runtime import regions
+
+    monkeypatch.setattr(regions, "id", lambda obj: 0, raising=False)  # (builtins.id for regions' lookups alone)
+
+    def blocks_compiled_and_run() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = _decoder()
+        for block in model.layers:
+            block.compile(backend="dynashard", options=OPTIONS)
+        x = model.embed_tokens(_ids())
+        for block in model.layers:
+            x = block(x, model.cos, model.sin)
+        return x
+
+    torch._dynamo.reset()
+    private.init_fake_process_group(2, 0)
+    gone = weakref.ref(dist.group.WORLD)
+    try:
+        blocks_compiled_and_run()
+        kept = [r.program() for r in regions._REGIONS.values()]  # (what the cycle holds)
+        assert any(p is not None for p in kept) and plans.count == 1, (kept, plans.count)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    gc.collect()
+    assert gone() is None, "the destroyed group is still alive: the lookup would not see it gone"
+    private.init_fake_process_group(2, 0)
+    try:
+        blocks_compiled_and_run()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    assert plans.count == 2, plans.count  # (block 0 planned for the new group, every later block reusing it)
+
+
+@pytest.mark.unit
+@torch.no_grad()
 def test_nested_compile_region_layers_are_planned(fake_group):
     torch.manual_seed(0)
     model = _decoder(regions=True)

@@ -147,6 +147,11 @@ class ShardedProgram:
     def group(self) -> dist.ProcessGroup:
         return self._group()
 
+    def compiled_for(self, group: dist.ProcessGroup) -> bool:
+        """Whether this program was compiled for ``group`` (False once the group it was compiled for is gone,
+        where :attr:`group` raises)."""
+        return self._group.get() is group
+
     def __call__(self, *args: Any) -> Any:
         group = self.group  # a clear error if it was destroyed, not a failed lookup inside the graph
         handshake = self.check.start(CALL, args, group) if self.check is not None else None

@@ -105,11 +105,14 @@ def _autocast_state() -> tuple:
 
 def find(key: str | None, group: dist.ProcessGroup, agree: bool) -> Region | None:
     """The region compiled earlier for ``key`` by an earlier compile of the frame Dynamo compiles now (so
-    never one from before ``torch._dynamo.reset()``), if every rank has one (one collective when ``agree``)."""
+    never one from before ``torch._dynamo.reset()``), if every rank has one (one collective when ``agree``). A
+    program compiled for another group is not one, even under the same key: the key holds the group's ``id``, and
+    a group made after another was destroyed and collected may have its address."""
     region = _REGIONS.get(key) if key is not None else None
     program = region.program() if region is not None else None
     now = private_regions.dynamo_compile_id()
-    if program is not None and (program.group is not group or now is None or now[0] != region.frame or now[1] == 0):
+    if program is not None and (not program.compiled_for(group) or now is None or now[0] != region.frame
+                                or now[1] == 0):
         program = None
     if agree:  # (a key of None on every rank: no graph to reuse, nothing to agree)
         everyone = all_gather_objects(program is not None if key is not None else None, group)
