@@ -141,6 +141,28 @@ def test_a_program_compiled_for_a_destroyed_group_is_not_reused(monkeypatch, pla
 
 
 @pytest.mark.unit
+def test_a_program_from_before_a_dynamo_reset_is_not_reused(fake_group, plans):
+    """parallelize, then a training compile (the frame's second compile, another graph), twice with
+    ``torch._dynamo.reset()`` between, the first run's programs still alive (a cycle the collector has not
+    reached: how it happened under cProfile, in tests/test_compile_cache.py). A reset starts Dynamo's frame ids
+    again, so the second run's training compile had the first's frame id, compile number and key, and reused the
+    program from before the reset instead of tracing: whether a reset started afresh depended on the collector.
+    Now every graph of the second run is planned again."""
+    from dynashard.runtime import regions
+
+    kept = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = models.MLP(32, 96), torch.randn(4, 32)
+        dynashard.parallelize(model, x, options=OPTIONS)
+        torch.compile(model, backend="dynashard", options=OPTIONS)(x).sum().backward()
+        kept += [r.program() for r in regions._REGIONS.values()]
+    assert any(p is not None for p in kept), kept
+    assert plans.count == 4, plans.count  # (parallelize's graph and the training graph, in each run)
+
+
+@pytest.mark.unit
 @torch.no_grad()
 def test_nested_compile_region_layers_are_planned(fake_group):
     torch.manual_seed(0)

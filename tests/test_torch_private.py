@@ -194,3 +194,18 @@ def test_compiling_is_true_in_dynamo_and_in_a_backend_and_false_when_compiled_co
     torch.compile(traced, backend=backend)(torch.ones(2))
     assert seen == {"dynamo": True, "backend": True, "running": False}, seen
     assert private.compiling() is False
+
+
+def test_dynamo_generation_changes_with_a_reset_only():
+    """``_torch/regions.dynamo_generation`` reads ``torch._dynamo.reset()`` from a message it keeps among those
+    ``warn_once`` has shown, which a reset clears on this torch; a ``warn_once`` between resets keeps it."""
+    from torch._dynamo.utils import warn_once
+
+    from dynashard._torch import regions as private_regions
+
+    first = private_regions.dynamo_generation()
+    warn_once("dynashard test: a warning shown once")
+    assert private_regions.dynamo_generation() == first
+    torch._dynamo.reset()
+    after = private_regions.dynamo_generation()
+    assert after != first and private_regions.dynamo_generation() == after

@@ -244,6 +244,23 @@ def dynamo_compile_id() -> tuple[int, int] | None:
     return compile_id.frame_id, compile_id.frame_compile_id
 
 
+_GENERATION = [0]  # (dynamo_generation's count)
+
+
+def dynamo_generation() -> int:
+    """A number that changes with every ``torch._dynamo.reset()`` (the same between two resets).
+
+    NOTE: torch 2.11-2.15's ``reset()`` clears ``torch._dynamo.utils.warn_once_cache`` (the set of messages
+    ``warn_once`` has shown): a message of ours kept there is gone after a reset, and its absence is one."""
+    import torch._dynamo.utils
+
+    shown = torch._dynamo.utils.warn_once_cache
+    if f"dynashard: dynamo generation {_GENERATION[0]}" not in shown:
+        _GENERATION[0] += 1
+        shown.add(f"dynashard: dynamo generation {_GENERATION[0]}")
+    return _GENERATION[0]
+
+
 def frame_compiles(code: Any) -> int:
     """How many compiled entries Dynamo holds for the code object ``code`` (a frame past ``recompile_limit`` of
     them runs uncompiled). NOTE: torch 2.13's ``torch._dynamo.eval_frame._debug_get_cache_entry_list``."""

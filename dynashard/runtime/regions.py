@@ -20,9 +20,10 @@ and one plan for any number of blocks. Every rank agrees on reusing first (one s
 a rank whose program was collected compiles with the others. Symbolic sizes are never reused:
 Inductor may add guards on them while it compiles, and those belong to the first compile's entry only.
 
-Invariants: a reused program is one an earlier compile of the same Dynamo frame returned, and Dynamo
-still holds (weak references; never one from before ``torch._dynamo.reset()``); nothing is reused across
-process groups, options or earlier cuts; the ranks reuse together or not at all.
+Invariants: a reused program is one an earlier compile of the same Dynamo frame returned since the last
+``torch._dynamo.reset()`` (which starts the frame ids again: a program from before it, still alive in a cycle the
+collector has not reached, is never reused), held by weak references; nothing is reused across process groups,
+options or earlier cuts; the ranks reuse together or not at all.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Region:
     whole: tuple[int, ...]  # parameter slots the plan reads whole
     fingerprint: str
     frame: int  # Dynamo's frame id of the first compile: reused only by later compiles of that frame
+    generation: int  # Dynamo's (torch._dynamo.reset() starts another, and the frame ids again from 0)
     reuses: int = 0
 
 
@@ -104,15 +106,15 @@ def _autocast_state() -> tuple:
 
 
 def find(key: str | None, group: dist.ProcessGroup, agree: bool) -> Region | None:
-    """The region compiled earlier for ``key`` by an earlier compile of the frame Dynamo compiles now (so
-    never one from before ``torch._dynamo.reset()``), if every rank has one (one collective when ``agree``). A
+    """The region compiled earlier for ``key`` by an earlier compile of the frame Dynamo compiles now, since the
+    last ``torch._dynamo.reset()``, if every rank has one (one collective when ``agree``). A
     program compiled for another group is not one, even under the same key: the key holds the group's ``id``, and
     a group made after another was destroyed and collected may have its address."""
     region = _REGIONS.get(key) if key is not None else None
     program = region.program() if region is not None else None
     now = private_regions.dynamo_compile_id()
     if program is not None and (not program.compiled_for(group) or now is None or now[0] != region.frame
-                                or now[1] == 0):
+                                or now[1] == 0 or region.generation != private_regions.dynamo_generation()):
         program = None
     if agree:  # (a key of None on every rank: no graph to reuse, nothing to agree)
         everyone = all_gather_objects(program is not None if key is not None else None, group)
@@ -131,7 +133,8 @@ def remember(key: str | None, program: ShardedProgram, planned: Any) -> None:
     for stale in [k for k, r in _REGIONS.items() if r.program() is None]:
         del _REGIONS[stale]
     _REGIONS[key] = Region(weakref.ref(program), dict(planned.params),
-                           tuple(i for i in planned.params if i not in planned.sharded), program.fingerprint, now[0])
+                           tuple(i for i in planned.params if i not in planned.sharded), program.fingerprint, now[0],
+                           private_regions.dynamo_generation())
 
 
 def reuse(region: Region, example_inputs: list[Any], group: dist.ProcessGroup, opts: Options, agree: bool,
