@@ -166,9 +166,13 @@ def worker(args: argparse.Namespace) -> None:
             with dynashard.empty_weights():
                 model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(hf_dir)).eval()
             if system == "ds_nested":  # every decoder layer's forward one nested compile region (the same function)
-                region = torch.compiler.nested_compile_region(type(model.model.layers[0]).forward)
+                # (the layer class's forward decorated, in a subclass: torch 2.14.1's Dynamo gives every call
+                # of a region bound per instance, region.__get__(layer), the first layer's weights under no_grad)
+                layer_class = type(model.model.layers[0])
+                region_class = type(layer_class.__name__, (layer_class,),
+                                    {"forward": torch.compiler.nested_compile_region(layer_class.forward)})
                 for layer in model.model.layers:
-                    layer.forward = region.__get__(layer)
+                    layer.__class__ = region_class
             dynashard.parallelize(model, ids, checkpoint=hf_dir, use_cache=False)
             t_loaded = time.time() - t0
             run = torch.compile(model, backend="dynashard")

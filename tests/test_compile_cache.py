@@ -136,9 +136,13 @@ def test_hf_llama_of_nested_regions_restarts_from_the_compile_cache(fake_group, 
     config = CONFIGS["llama"]()
     config.num_hidden_layers = 2
     hf = T.LlamaForCausalLM(config).eval()
-    region = torch.compiler.nested_compile_region(type(hf.model.layers[0]).forward)
+    # (the layer class's forward decorated, in a subclass: torch 2.14.1's Dynamo gives every call of a region
+    # bound per instance, region.__get__(layer), the first layer's weights under no_grad)
+    layer_class = type(hf.model.layers[0])
+    region_class = type(layer_class.__name__, (layer_class,),
+                        {"forward": torch.compiler.nested_compile_region(layer_class.forward)})
     for layer in hf.model.layers:
-        layer.forward = region.__get__(layer)
+        layer.__class__ = region_class
     model = _Logits(hf)
     _, first = _compile_fresh(model, compiler="aot_eager")
     assert plans.count == 1 and len(_entries(cache_on)) == 1, (plans.count, _entries(cache_on))

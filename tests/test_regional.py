@@ -327,9 +327,13 @@ def test_hf_llama_of_nested_regions_compiles_with_the_compile_cache_on(fake_grou
     torch.manual_seed(0)
     hf = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=96))
-    region = torch.compiler.nested_compile_region(type(hf.model.layers[0]).forward)
+    # (the layer class's forward decorated, in a subclass: torch 2.14.1's Dynamo gives every call of a region
+    # bound per instance, region.__get__(layer), the first layer's weights under no_grad)
+    layer_class = type(hf.model.layers[0])
+    region_class = type(layer_class.__name__, (layer_class,),
+                        {"forward": torch.compiler.nested_compile_region(layer_class.forward)})
     for layer in hf.model.layers:
-        layer.forward = region.__get__(layer)
+        layer.__class__ = region_class
 
     class Logits(torch.nn.Module):
         def __init__(self) -> None:
