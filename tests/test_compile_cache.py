@@ -179,7 +179,10 @@ def test_a_hit_logs_the_plan_table_as_a_miss_does(fake_group, cache_on, plans, c
 
 @pytest.mark.unit
 def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, plans, monkeypatch):
-    """Each thing the plan depends on, changed alone, misses: options, dtype, shapes, gradients, dynashard's code."""
+    """Each thing the plan depends on, changed alone, misses: options, dtype, shapes, the attention kernels allowed,
+    gradients, dynashard's code."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch.manual_seed(0)
     model = models.LlamaDecoder()
     _compile_fresh(model)
@@ -200,12 +203,16 @@ def test_an_entry_serves_only_what_it_was_made_for(fake_group, cache_on, plans, 
     _compile_fresh(model)
     assert plans.count == 5, "an entry of other dynashard code was read"
     monkeypatch.setattr(compile_cache, "_DIGEST", digest)
+    # The aten trace picks SDPA's kernel from the kernels allowed (the first entry's graph calls the fused one)
+    with sdpa_kernel(SDPBackend.MATH):
+        _compile_fresh(model)
+    assert plans.count == 6, "an entry traced with another attention kernel was read"
     # Gradients: a training graph is another graph (its conversions carry Megatron's backward)
     before = len(_entries(cache_on))
     torch._dynamo.reset()
     fresh = copy.deepcopy(model)
     torch.compile(fresh, backend="dynashard", options=OPTIONS)(_ids()).sum().backward()
-    assert plans.count == 6, "a training compile read an inference entry"
+    assert plans.count == 7, "a training compile read an inference entry"
     assert len(_entries(cache_on)) == before + 1
 
 

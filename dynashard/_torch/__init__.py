@@ -593,6 +593,18 @@ from dynashard._torch.dtensor import is_strided_shard as is_strided_shard  # noq
 from dynashard._torch.dtensor import strided_shard as strided_shard  # noqa: E402
 
 
+def attention_state(inputs: Sequence[Any]) -> tuple:
+    """What the aten trace of ``F.scaled_dot_product_attention`` reads besides its inputs to pick a kernel: the
+    kernels allowed (``torch.backends.cuda``'s flags, which ``torch.nn.attention.sdpa_kernel`` sets; CPU's choice
+    reads them too: flash off traces the math decomposition) and the compute capability of each GPU an input is on.
+    NOTE: torch 2.11-2.15 ``torch.backends.cuda.{flash,mem_efficient,math,cudnn}_sdp_enabled``."""
+    flags = torch.backends.cuda
+    allowed = tuple(bool(getattr(flags, f"{kind}_sdp_enabled", lambda: None)())
+                    for kind in ("flash", "mem_efficient", "math", "cudnn"))
+    gpus = sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return allowed, tuple((i, torch.cuda.get_device_capability(i)) for i in gpus)
+
+
 def inductor_cache_dir() -> str:
     """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_<user>``).
 

@@ -1,13 +1,13 @@
 """The compile cache: a later process compiling the same graph reads this rank's plan and rewritten graph
 from disk instead of tracing and planning again.
 
-What the backend makes of a captured graph before the compiler sees it -- the aten trace, the plan, the
-rewrite (two ``make_fx`` traces, most of the backend's time) -- is a function of the Dynamo graph, its
-inputs, the options, the group, the grad and autocast state, the earlier cuts, dynashard's code and
-torch's release. An entry is stored under a digest of all of them and holds, beside the rewritten graph,
-the whole text the digest was made from: a lookup compares that text, so an entry from another graph,
-option, rank, world, dynashard or torch is never used, even on a digest collision. Inductor's FX graph
-cache then serves the compile of the rewritten graph (its own key, its own guards).
+What the backend makes of a captured graph before the compiler sees it -- the aten trace, the plan, the rewrite
+(two ``make_fx`` traces, most of the backend's time) -- is a function of the Dynamo graph, its inputs, the
+options, the group, the grad and autocast state, the attention kernels allowed (SDPA's kernel is picked by the
+aten trace), the earlier cuts, dynashard's code and torch's release. An entry is stored under a digest of all of
+them and holds, beside the rewritten graph, the whole text the digest was made from: a lookup compares that text,
+so an entry from another graph, option, rank, world, dynashard or torch is never used, even on a digest collision.
+Inductor's FX graph cache then serves the compile of the rewritten graph (its own key, its own guards).
 
 Every rank looks up its own entry (a rank's rewrite is its own: uneven cuts differ); the plan fingerprint
 each entry carries goes through the same agreement as a traced plan's (``WeightStore.agree``), so ranks
@@ -111,7 +111,8 @@ def key_material(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args:
                  ) -> tuple[str | None, str]:
     """(The text the entry's key is made from, or None; why not, when None). Not cached: per_rank inputs or
     weights, FSDP2 or DTensor inputs, tensor constants (their values are not in the key). ``train`` is in the
-    key through the grad state and the inputs' ``requires_grad``."""
+    key through the grad state and the inputs' ``requires_grad``; the attention kernels allowed and the GPUs, through
+    ``_torch.attention_state`` (the aten trace picks SDPA's kernel from them)."""
     if opts.weights == "per_rank" or opts.inputs == "per_rank":
         return None, "per_rank inputs or weights"
     if fsdp.live_slots(example_inputs):
@@ -119,7 +120,7 @@ def key_material(gm: torch.fx.GraphModule, example_inputs: list[Any], fake_args:
     parts: list[Any] = [FORMAT, code_digest(), torch.__version__, torch.version.git_version, sys.version_info[:2],
                         repr(dataclasses.replace(opts, group=None)), group_name(group), dist.get_backend(group),
                         world, rank, torch.is_grad_enabled(), _autocast_state(),
-                        (sorted(earlier.split.items()), sorted(earlier.whole))]
+                        private.attention_state(example_inputs), (sorted(earlier.split.items()), sorted(earlier.whole))]
     for m in gm.modules():
         if not isinstance(m, torch.fx.GraphModule):
             continue

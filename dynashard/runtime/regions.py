@@ -9,16 +9,16 @@ rewrite and compile the same graph again (N blocks: N times the backend's work),
 Dynamo's ``recompile_limit`` compiles (8) the later blocks would run uncompiled and unsharded, each rank
 holding their full weights, with only torch's "hit config.recompile_limit" to say so.
 
-So a compile whose graph is the same as an earlier one's (same Dynamo code and subgraphs, the same
-inputs' names, shapes, strides, dtypes and devices, the same options, group, grad and autocast state,
-the same earlier cuts) reuses that program: the new block's weights are checked across ranks and the
-program (which looks each shard up by the parameter passed, and adopts a parameter it has not seen:
-cut and freed at its first call, program.py) runs them. That reuse does not cut at compile time, so
-the guards of this second compile see plain parameters: every later block's first call matches them
-(and is adopted), every later call of a cut block matches the first compile's. Two Dynamo compiles
-and one plan for any number of blocks. Every rank agrees on reusing first (one small collective), so
-a rank whose program was collected compiles with the others. Symbolic sizes are never reused:
-Inductor may add guards on them while it compiles, and those belong to the first compile's entry only.
+So a compile whose graph is the same as an earlier one's (same Dynamo code and subgraphs, the same inputs' names,
+shapes, strides, dtypes and devices, the same options, group, grad and autocast state, attention kernels allowed
+and earlier cuts) reuses that program: the new block's weights are checked across ranks and the program (which
+looks each shard up by the parameter passed, and adopts a parameter it has not seen: cut and freed at its first
+call, program.py) runs them. That reuse does not cut at compile time, so the guards of this second compile see
+plain parameters: every later block's first call matches them (and is adopted), every later call of a cut block
+matches the first compile's. Two Dynamo compiles and one plan for any number of blocks. Every rank agrees on
+reusing first (one small collective), so a rank whose program was collected compiles with the others. Symbolic
+sizes are never reused: Inductor may add guards on them while it compiles, and those belong to the first compile's
+entry only.
 
 Invariants: a reused program is one an earlier compile of the same Dynamo frame returned since the last
 ``torch._dynamo.reset()`` (which starts the frame ids again: a program from before it, still alive in a cycle the
@@ -77,7 +77,8 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options
         return None
     slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
     parts: list[Any] = [opts.__class__.__name__, repr(dataclasses.replace(opts, group=None)), group_name(group),
-                        id(group), world, rank, torch.is_grad_enabled(), _autocast_state()]
+                        id(group), world, rank, torch.is_grad_enabled(), _autocast_state(),
+                        private.attention_state(example_inputs)]
     for m in gm.modules():
         if not isinstance(m, torch.fx.GraphModule):
             continue
