@@ -162,6 +162,44 @@ def test_a_program_from_before_a_dynamo_reset_is_not_reused(fake_group, plans):
     assert plans.count == 4, plans.count  # (parallelize's graph and the training graph, in each run)
 
 
+class _TwoCalls(torch.nn.Module):
+    """Two calls of one nested region: of two blocks, or of one block twice."""
+
+    def __init__(self, same: bool) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([RegionBlock()] if same else [RegionBlock() for _ in "ab"])
+        self.same = same
+
+    def forward(self, x, cos, sin):
+        for block in (self.blocks[0], self.blocks[0]) if self.same else self.blocks:
+            x = block(x, cos, sin)
+        return x
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("same", [False, True])
+def test_two_calls_of_a_region_on_the_same_parameters_are_warned_of_without_gradients(fake_group, same):
+    """What torch 2.14.1's Dynamo makes of a region bound per instance under no_grad (every call given the first
+    block's parameters: benchmarks/results/compat.md) cannot be told from one block called twice: a warning names
+    the parameters and the fix, only where the calls read the same parameters and gradients are off."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x = _TwoCalls(same), torch.randn(2, 7, 64)
+    rope = models.LlamaDecoder(n_layer=1)
+    cos, sin = rope.cos, rope.sin
+    for grad in (False, True):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(grad):
+            warnings.simplefilter("always")
+            torch.compile(copy.deepcopy(model), backend="dynashard", options=OPTIONS)(x, cos, sin)
+        said = [str(w.message) for w in caught if "read the same parameters" in str(w.message)]
+        if same and not grad:
+            assert len(said) == 1 and "(blocks.0." in said[0] and "nested_compile_region(cls.forward)" in said[0], said
+        else:
+            assert said == [], said
+
+
 @pytest.mark.unit
 @torch.no_grad()
 def test_nested_compile_region_layers_are_planned(fake_group):

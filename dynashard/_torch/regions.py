@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,9 +69,45 @@ def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
     calls = [n for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
              for n in m.graph.find_nodes(op="call_function", target=invoke)]
     if calls:
+        _warn_of_calls_on_the_same_parameters(list(gm.graph.find_nodes(op="call_function", target=invoke)))
         _inline_invoke_subgraph(gm, tag=True)
         gm.recompile()
     return len(calls), len({str(n.args[1]) for n in calls})
+
+
+def _warn_of_calls_on_the_same_parameters(calls: list[torch.fx.Node]) -> None:
+    """Two calls of one region on the same parameters, without gradients: what torch 2.14.1's Dynamo makes of a
+    region bound per instance (``layer.forward = region.__get__(layer)``, called under ``no_grad``): every call is
+    given the first layer's parameters, and stock ``torch.compile`` computes the first layer in place of each of
+    the others (benchmarks/results/compat.md). A block meant to run twice reads the same parameters too: a warning,
+    not a refusal."""
+    if torch.is_grad_enabled():
+        return
+    first: dict[tuple[str, tuple[torch.fx.Node, ...]], torch.fx.Node] = {}
+    for node in calls:
+        params = tuple(a for a in node.args[2:] if isinstance(a, torch.fx.Node) and a.op == "placeholder"
+                       and _is_parameter(a))
+        key = (str(node.args[1]), params)
+        if params and key in first:
+            from dynashard._torch import placeholder_source_fqn
+
+            names = ", ".join(".".join(where) if (where := placeholder_source_fqn(a)) else a.name for a in params[:2])
+            warnings.warn(
+                f"dynashard: two calls of the nested_compile_region {key[0]} read the same parameters ({names}, ...). "
+                "If they are calls of different modules, torch gave every call the first module's parameters, and "
+                "the model computes that module in place of the others (torch.compile alone too): torch 2.14.1's "
+                "Dynamo does this to a region bound per instance (layer.forward = region.__get__(layer)) under "
+                "no_grad. Expected the layer class's forward decorated: cls.forward = "
+                "torch.compiler.nested_compile_region(cls.forward).", UserWarning, stacklevel=1)
+            return
+        first[key] = node
+
+
+def _is_parameter(node: torch.fx.Node) -> bool:
+    from dynashard._torch import placeholder_source_name
+
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.nn.Parameter) or "_parameters[" in placeholder_source_name(node)
 
 
 def region_of(node: torch.fx.Node) -> tuple[str, int] | None:
