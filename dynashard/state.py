@@ -45,6 +45,9 @@ STATE: dict[str, str] = {
         "handshakes failed so far (the same count on every rank); for the process",
     "dynashard.runtime.regions._REGIONS":
         "graph key -> the first program compiled for it (a weakref); a dead one's entry dropped at the next compile",
+    "dynashard._torch.regions._GENERATION":
+        "how many torch._dynamo.reset()s dynashard has seen (a message of its own in Dynamo's warn_once set, which "
+        "a reset clears); for the process",
     "dynashard.runtime.program._GLOO_GROUPS":
         "gloo groups compiled for (a WeakSet), read by the exit hook; each gone with its group",
     "dynashard.runtime.program._EXIT_HOOK":
