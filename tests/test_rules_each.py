@@ -47,9 +47,21 @@ MAX = 9223372036854775807  # what ``x[a:]`` traces to as slice's end
 q4 = t(1, 4, 8, 16, cut=1)  # [B, H, T, Dh] cut by heads: 2 of 4 on each of 2 ranks
 
 
-def case(name, op, args, expect, target=None, world=2, **options):
+def case(name, op, args, expect, target=None, world=2, marks=(), **options):
     """One row: ``op(*args)``; ``options``: op keywords, or the layout map's modes (per_rank, ...)."""
-    return pytest.param(op, tuple(args), expect, target, world, options, id=name)
+    return pytest.param(op, tuple(args), expect, target, world, options, id=name, marks=marks)
+
+
+def _traced_as(op, *args):
+    """The op make_fx records for ``op(*args)`` on this torch."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return next(n.target for n in make_fx(op)(*args).graph.nodes if n.op == "call_function")
+
+
+# (torch 2.14 records aten.detach as aten.alias: no graph it traces holds a detach, and the alias row covers it)
+_DETACH_UNTRACED = pytest.mark.skipif(_traced_as(aten.detach.default, torch.ones(2)) is not aten.detach.default,
+                                      reason="this torch traces aten.detach as aten.alias (the alias row covers it)")
 
 
 def _split_then_take(x):
@@ -90,7 +102,7 @@ CASES = [
     case("clone", aten.clone.default, [t(4, 8, cut=-1)], keep(S(-1, 8))),
     case("to-float64", aten._to_copy.default, [t(4, 8, cut=-1)], keep(S(-1, 8)), dtype=torch.float64),
     case("alias", aten.alias.default, [t(4, 8, cut=-1)], keep(S(-1, 8))),
-    case("detach", aten.detach.default, [t(4, 8, cut=-1)], keep(S(-1, 8))),
+    case("detach", aten.detach.default, [t(4, 8, cut=-1)], keep(S(-1, 8)), marks=_DETACH_UNTRACED),
     case("per-rank-add-uniform-row", aten.add.Tensor, [t(4, 8, cut=-1), t(8, uniform=True)],
          keep(S(-1, 8), reads="LN"), per_rank=True),
     case("per-rank-add-rows", aten.add.Tensor, [t(4, 8, cut=-1), t(4, 8)], gather(), per_rank=True),
