@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from dynashard._torch import fake_mode_of
+from dynashard._torch import fake_mode_of, placeholder_source_fqn, placeholder_source_name
 
 # Each node an inlined call copies is tagged with (region identifier, call number) in meta "custom", and each
 # retrace (the aten trace, the rewrite) tags what it traces for a tagged node alike (:func:`tagging`): the
@@ -89,8 +89,6 @@ def _warn_of_calls_on_the_same_parameters(calls: list[torch.fx.Node]) -> None:
                        and _is_parameter(a))
         key = (str(node.args[1]), params)
         if params and key in first:
-            from dynashard._torch import placeholder_source_fqn
-
             names = ", ".join(".".join(where) if (where := placeholder_source_fqn(a)) else a.name for a in params[:2])
             warnings.warn(
                 f"dynashard: two calls of the nested_compile_region {key[0]} read the same parameters ({names}, ...). "
@@ -104,8 +102,6 @@ def _warn_of_calls_on_the_same_parameters(calls: list[torch.fx.Node]) -> None:
 
 
 def _is_parameter(node: torch.fx.Node) -> bool:
-    from dynashard._torch import placeholder_source_name
-
     value = node.meta.get("example_value")
     return isinstance(value, torch.nn.Parameter) or "_parameters[" in placeholder_source_name(node)
 
