@@ -166,7 +166,7 @@ def worker(args: argparse.Namespace) -> None:
             with dynashard.empty_weights():
                 model = T.AutoModelForCausalLM.from_config(T.AutoConfig.from_pretrained(hf_dir)).eval()
             if system == "ds_nested":  # every decoder layer's forward one nested compile region (the same function)
-                # (the layer class's forward decorated, in a subclass: torch 2.14.1's Dynamo gives every call
+                # (the layer class's forward decorated, in a subclass: torch 2.13-2.15's Dynamo gives every call
                 # of a region bound per instance, region.__get__(layer), the first layer's weights under no_grad)
                 layer_class = type(model.model.layers[0])
                 region_class = type(layer_class.__name__, (layer_class,),

@@ -136,7 +136,7 @@ def test_hf_llama_of_nested_regions_restarts_from_the_compile_cache(fake_group, 
     config = CONFIGS["llama"]()
     config.num_hidden_layers = 2
     hf = T.LlamaForCausalLM(config).eval()
-    # (the layer class's forward decorated, in a subclass: torch 2.14.1's Dynamo gives every call of a region
+    # (the layer class's forward decorated, in a subclass: torch 2.13-2.15's Dynamo gives every call of a region
     # bound per instance, region.__get__(layer), the first layer's weights under no_grad)
     layer_class = type(hf.model.layers[0])
     region_class = type(layer_class.__name__, (layer_class,),

@@ -179,7 +179,7 @@ class _TwoCalls(torch.nn.Module):
 @pytest.mark.unit
 @pytest.mark.parametrize("same", [False, True])
 def test_two_calls_of_a_region_on_the_same_parameters_are_warned_of_without_gradients(fake_group, same):
-    """What torch 2.14.1's Dynamo makes of a region bound per instance under no_grad (every call given the first
+    """What torch 2.13-2.15's Dynamo makes of a region bound per instance under no_grad (every call given the first
     block's parameters: benchmarks/results/compat.md) cannot be told from one block called twice: a warning names
     the parameters and the fix, only where the calls read the same parameters and gradients are off."""
     import warnings
@@ -198,6 +198,34 @@ def test_two_calls_of_a_region_on_the_same_parameters_are_warned_of_without_grad
             assert len(said) == 1 and "(blocks.0." in said[0] and "nested_compile_region(cls.forward)" in said[0], said
         else:
             assert said == [], said
+
+
+@pytest.mark.unit
+def test_a_region_bound_per_instance_is_warned_of_where_torch_gives_every_call_the_first_blocks_parameters(
+        fake_group):
+    """Blocks whose forward is one region bound per instance, called under no_grad: torch 2.13-2.15's Dynamo gives
+    every call block 0's parameters (stock torch.compile against eager: a difference of the values' scale). Where
+    this torch computes them wrong, dynashard's compile of the same model warns; where it computes them right, it
+    does not."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, x = models.LlamaDecoder(n_layer=2), _ids()
+    with torch.no_grad():
+        eager = model(x)
+    region = torch.compiler.nested_compile_region(models.LlamaBlock.forward)
+    for block in model.layers:
+        block.forward = region.__get__(block)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        stock = torch.compile(model, backend="eager")(x)
+    wrong = not torch.allclose(stock, eager, atol=1e-5)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.compile(model, backend="dynashard", options=OPTIONS)(x)
+    said = [str(w.message) for w in caught if "read the same parameters" in str(w.message)]
+    assert len(said) == int(wrong), (wrong, float((stock - eager).abs().max()), said)
 
 
 @pytest.mark.unit
@@ -365,7 +393,7 @@ def test_hf_llama_of_nested_regions_compiles_with_the_compile_cache_on(fake_grou
     torch.manual_seed(0)
     hf = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=96))
-    # (the layer class's forward decorated, in a subclass: torch 2.14.1's Dynamo gives every call of a region
+    # (the layer class's forward decorated, in a subclass: torch 2.13-2.15's Dynamo gives every call of a region
     # bound per instance, region.__get__(layer), the first layer's weights under no_grad)
     layer_class = type(hf.model.layers[0])
     region_class = type(layer_class.__name__, (layer_class,),

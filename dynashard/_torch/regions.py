@@ -76,11 +76,11 @@ def inline_regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
 
 
 def _warn_of_calls_on_the_same_parameters(calls: list[torch.fx.Node]) -> None:
-    """Two calls of one region on the same parameters, without gradients: what torch 2.14.1's Dynamo makes of a
-    region bound per instance (``layer.forward = region.__get__(layer)``, called under ``no_grad``): every call is
-    given the first layer's parameters, and stock ``torch.compile`` computes the first layer in place of each of
-    the others (benchmarks/results/compat.md). A block meant to run twice reads the same parameters too: a warning,
-    not a refusal."""
+    """Two calls of one region on the same parameters, without gradients: what torch's Dynamo (2.13.0 to 2.15.0)
+    makes of a region bound per instance (``layer.forward = region.__get__(layer)``, called under ``no_grad``):
+    every call is given the first layer's parameters, and stock ``torch.compile`` computes the first layer in place
+    of each of the others (benchmarks/results/compat.md). A block meant to run twice reads the same parameters too:
+    a warning, not a refusal."""
     if torch.is_grad_enabled():
         return
     first: dict[tuple[str, tuple[torch.fx.Node, ...]], torch.fx.Node] = {}
@@ -93,7 +93,7 @@ def _warn_of_calls_on_the_same_parameters(calls: list[torch.fx.Node]) -> None:
             warnings.warn(
                 f"dynashard: two calls of the nested_compile_region {key[0]} read the same parameters ({names}, ...). "
                 "If they are calls of different modules, torch gave every call the first module's parameters, and "
-                "the model computes that module in place of the others (torch.compile alone too): torch 2.14.1's "
+                "the model computes that module in place of the others (torch.compile alone too): torch 2.13-2.15's "
                 "Dynamo does this to a region bound per instance (layer.forward = region.__get__(layer)) under "
                 "no_grad. Expected the layer class's forward decorated: cls.forward = "
                 "torch.compiler.nested_compile_region(cls.forward).", UserWarning, stacklevel=1)
