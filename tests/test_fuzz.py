@@ -587,12 +587,14 @@ def _write(t: torch.Tensor, form: str, twin: bool) -> torch.Tensor:
         t[0] = 0.5
     elif form == "mul_":
         return t * 2.0 if twin else t.mul_(2.0)
+    elif form == "masked_fill_":  # (what torch 2.15 traces ``t[mask] = v`` to; untagged pointwise by torch)
+        return t.masked_fill(t < 0, 0.5) if twin else t.masked_fill_(t < 0, 0.5)
     else:  # clamp_
         return t.clamp(min=-0.5) if twin else t.clamp_(min=-0.5)
     return t
 
 
-WRITES = ["mask", "topk", "rows", "list", "last_feature", "first_row", "mul_", "clamp_"]
+WRITES = ["mask", "topk", "rows", "list", "last_feature", "first_row", "mul_", "masked_fill_", "clamp_"]
 
 
 class WrittenOutput(nn.Module):

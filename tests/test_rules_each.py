@@ -98,6 +98,14 @@ CASES = [
     case("where-cond-narrowed", aten.where.self, [t(4, 8, dtype=torch.bool), t(4, 8, cut=-1), t(4, 8, cut=-1)],
          keep(S(-1, 8), reads="NLL")),
     case("mul_-into-cut", aten.mul_.Tensor, [t(4, 8, cut=-1), t(8)], keep(S(-1, 8), reads="LN")),
+    # in-place twins torch does not tag pointwise (registry.lookup: their twin's rule): ``t[mask] = v`` on torch 2.15
+    case("masked_fill_-into-cut", aten.masked_fill_.Scalar, [t(4, 8, cut=-1), t(4, 8, dtype=torch.bool), 0.5],
+         keep(S(-1, 8), reads="LN")),
+    case("masked_fill-tensor-value", aten.masked_fill.Tensor, [t(4, 8, cut=-1), t(8, dtype=torch.bool), t()],
+         keep(S(-1, 8), reads="LNL")),
+    case("gelu_-into-cut", aten.gelu_.default, [t(4, 8, cut=-1)], keep(S(-1, 8))),
+    case("masked_fill_-tensor-value", aten.masked_fill_.Tensor, [t(4, 8, cut=-1), t(8, dtype=torch.bool), t()],
+         keep(S(-1, 8), reads="LNL")),
     case("add_-into-replicated-input", aten.add_.Tensor, [t(4, 8), t(4, 8, cut=-1)], gather("state")),
     case("clone", aten.clone.default, [t(4, 8, cut=-1)], keep(S(-1, 8))),
     case("to-float64", aten._to_copy.default, [t(4, 8, cut=-1)], keep(S(-1, 8)), dtype=torch.float64),
@@ -361,3 +369,27 @@ def test_rule(op, args, expect, target, world, options):
     expect.check(got)
     if supports_numerics(got) is None:
         check_numerics(op, *args, world=world, target=target, **options)
+
+
+def test_every_in_place_twin_of_a_pointwise_op_has_the_pointwise_rule():
+    """An in-place op torch leaves untagged while its out-of-place twin is tagged pointwise (``masked_fill_``,
+    ``gelu_``, ``lt_``... on this torch) is looked up to the pointwise rule: without it a cut value it writes was
+    gathered first (what torch 2.15 made of ``t[mask] = v``). A random one (``rrelu_``) is not."""
+    from dynashard.plan.rules import pointwise
+    from dynashard.plan.rules.registry import lookup
+
+    untagged, random = [], []
+    for name in dir(aten):
+        if not name.endswith("_") or name.startswith("_") or not hasattr(aten, name[:-1]):
+            continue
+        inplace, twin = getattr(aten, name), getattr(aten, name[:-1])
+        for overload in set(inplace.overloads()) & set(twin.overloads()):
+            op = getattr(inplace, overload)
+            if torch.Tag.pointwise in getattr(twin, overload).tags and torch.Tag.pointwise not in op.tags:
+                (random if torch.Tag.nondeterministic_seeded in op.tags else untagged).append(op)
+    assert aten.masked_fill_.Scalar in untagged and aten.gelu_.default in untagged, untagged  # (the walk works)
+    graph = torch.fx.Graph()
+    missing = sorted(str(op) for op in untagged
+                     if lookup(graph.call_function(op, ()), False) is not pointwise.pointwise)
+    assert missing == [], missing
+    assert all(lookup(graph.call_function(op, ()), False) is None for op in random), random

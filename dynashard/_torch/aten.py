@@ -9,6 +9,7 @@ says which torch behaviour it depends on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -54,6 +55,23 @@ def schema_of(target: Any) -> Any:
     """An op's schema (``OpOverload._schema``: name, arguments, returns and their alias info), or None
     for a target that has none (a Python function, ``operator.getitem``)."""
     return getattr(target, "_schema", None)
+
+
+@functools.cache
+def out_of_place_twin(op: Any) -> Any:
+    """The out-of-place overload of an in-place aten op (``masked_fill_.Scalar`` -> ``masked_fill.Scalar``), or
+    None (not an in-place aten op, or no twin on this torch).
+
+    NOTE: an OpOverload's ``_schema.name`` (``"aten::masked_fill_"``) and ``_overloadname``."""
+    schema = getattr(op, "_schema", None)
+    name = getattr(schema, "name", "")
+    if not name.startswith("aten::") or not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::")[:-1], None)
+    overload = getattr(op, "_overloadname", None)
+    if packet is None or overload not in packet.overloads():
+        return None
+    return getattr(packet, overload)
 
 
 def tree_leaves(tree: Any) -> list[Any]:

@@ -24,7 +24,12 @@ aten = torch.ops.aten
 COPIES = (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default)
 
 
-@rule(*COPIES, per_rank=True, tags=(torch.Tag.pointwise,))
+# masked_fill with a 0-d tensor value (``x.masked_fill(mask, torch.tensor(v))``), in and out of place: elementwise
+# as the Scalar overload, which torch tags pointwise, though it tags neither of these
+MASKED_FILL_TENSOR = (aten.masked_fill.Tensor, aten.masked_fill_.Tensor)
+
+
+@rule(*COPIES, *MASKED_FILL_TENSOR, per_rank=True, tags=(torch.Tag.pointwise,))
 def pointwise(lm: LayoutMap, node: torch.fx.Node) -> Record | None:
     args = tensor_args(node)
     sharded = [lm.layouts[a] for a in args if lm.layouts.get(a) is not None]

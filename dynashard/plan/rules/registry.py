@@ -15,7 +15,10 @@ Register a rule next to its kin::
 
 ``per_rank=True`` when the rule also holds under ``inputs="per_rank"`` (a Shard there holds
 every rank's rows); other rules are not consulted in that mode. A tag rule (``torch.Tag.pointwise``)
-applies to every op carrying the tag that has no rule of its own.
+applies to every op carrying the tag that has no rule of its own, and to an in-place op whose out-of-place
+twin carries it: torch tags ``masked_fill_.Scalar``, ``gelu_``, ``lt_``... as in-place only, though each writes
+what its pointwise twin computes (and torch 2.15 traces ``t[mask] = v`` to ``masked_fill_.Scalar``: gathered
+first before, for want of a rule). A random op never borrows its twin's rule.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
+from dynashard._torch import aten as private_aten
 from dynashard.layout.shard import LayoutMap, Record
 
 Rule = Callable[[LayoutMap, torch.fx.Node], Record | None]
@@ -61,8 +65,12 @@ def lookup(node: torch.fx.Node, per_rank: bool) -> Rule | None:
     if node.op != "call_function":
         return None
     found = RULES.get(node.target)
+    tags = getattr(node.target, "tags", ())
     if found is None:
-        found = next((TAG_RULES[t] for t in getattr(node.target, "tags", ()) if t in TAG_RULES), None)
+        found = next((TAG_RULES[t] for t in tags if t in TAG_RULES), None)
+    if found is None and torch.Tag.inplace in tags and torch.Tag.nondeterministic_seeded not in tags:
+        twin = private_aten.out_of_place_twin(node.target)
+        found = next((TAG_RULES[t] for t in getattr(twin, "tags", ()) if t in TAG_RULES), None)
     if found is None or (per_rank and not found.per_rank):
         return None
     return found.fn
