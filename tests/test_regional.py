@@ -229,6 +229,55 @@ def test_a_region_bound_per_instance_is_warned_of_where_torch_gives_every_call_t
 
 
 @pytest.mark.unit
+def test_blocks_of_other_selective_checkpoint_policies_do_not_share_a_program(fake_group, plans):
+    """Two blocks of one class compiled one at a time, each checkpointed with its own selective policy
+    (``context_fn``): their Dynamo graphs read alike (the policy sits on the body's meta, not in the code), and the
+    second block reused the first's program, recomputing in its backward what the first policy chose. Each is now
+    planned with its own policy, and the second block's training graph carries its tags."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from dynashard import _torch as private
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        matmul = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return CheckpointPolicy.MUST_SAVE if matmul else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def recompute_all(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Block(torch.nn.Module):
+        def __init__(self, policy) -> None:
+            super().__init__()
+            self.mlp, self.policy = models.MLP(32, 96), policy
+
+        def forward(self, x):
+            context = functools.partial(create_selective_checkpoint_contexts, self.policy)
+            return checkpoint(self.mlp, x, use_reentrant=False, context_fn=context)
+
+    graphs, compile_graph = [], private.compile_graph
+
+    def recording(compiler, gm, *args, **kwargs):
+        graphs.append({n.meta["recompute"] for n in gm.graph.nodes if "recompute" in n.meta})
+        return compile_graph(compiler, gm, *args, **kwargs)
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(private, "compile_graph", recording)
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(4, 32, requires_grad=True)
+        for policy in (save_matmuls, recompute_all):
+            block = Block(policy)
+            block.compile(backend="dynashard", options={**OPTIONS, "compiler": "aot_eager"})
+            block(x).sum().backward()
+    finally:
+        monkeypatch.undo()
+    assert plans.count == 2, plans.count
+    assert graphs[0] >= {CheckpointPolicy.MUST_SAVE} and CheckpointPolicy.MUST_SAVE not in graphs[1], graphs
+
+
+@pytest.mark.unit
 @torch.no_grad()
 def test_nested_compile_region_layers_are_planned(fake_group):
     torch.manual_seed(0)

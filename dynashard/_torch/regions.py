@@ -277,6 +277,16 @@ def dynamo_compile_id() -> tuple[int, int] | None:
     return compile_id.frame_id, compile_id.frame_compile_id
 
 
+def checkpoint_policies(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` checkpoints a region with a selective policy (``checkpoint(..., context_fn=...)``): a
+    function deciding per op what the backward recomputes, which the graph's code does not show.
+
+    NOTE: torch 2.13's Dynamo keeps it on the checkpointed body's GraphModule, ``meta["_checkpoint_context_fn"]``
+    (the ``tag_activation_checkpoint`` node itself carries ``use_reentrant`` only)."""
+    return any(m.meta.get("_checkpoint_context_fn") is not None
+               for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+
+
 _GENERATION = [0]  # (dynamo_generation's count)
 
 

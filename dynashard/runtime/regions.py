@@ -72,8 +72,10 @@ _REGIONS: dict[str, Region] = {}  # graph_key -> the first program compiled for 
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], opts: Options, group: dist.ProcessGroup,
               world: int, rank: int) -> str | None:
     """A digest of everything the backend's program for ``gm`` depends on, or None where a program must
-    not be reused: symbolic sizes, tensor constants in the graph, per_rank weights, FSDP2 or DTensor inputs."""
-    if opts.weights == "per_rank" or fsdp.live_slots(example_inputs):
+    not be reused: symbolic sizes, tensor constants in the graph, per_rank weights, FSDP2 or DTensor inputs, a
+    selective activation-checkpoint policy (a function whose choices the code does not show: a block given another
+    policy reused the first block's program, recomputing what the first policy asked)."""
+    if opts.weights == "per_rank" or fsdp.live_slots(example_inputs) or private_regions.checkpoint_policies(gm):
         return None
     slots = [n for n in gm.graph.nodes if n.op == "placeholder"]
     parts: list[Any] = [opts.__class__.__name__, repr(dataclasses.replace(opts, group=None)), group_name(group),
