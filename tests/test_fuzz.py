@@ -4,7 +4,8 @@ with ``explain(verify=True)``, which runs every rank's sharded program against t
 
 Derandomized so CI sees the same cases every run. Each fuzz test is two (``fuzz`` below): a few
 examples in the default run, and the full count in the ``slow`` tier (``<name>_full``);
-``FUZZ_EXAMPLES=300`` digs deeper locally.
+``FUZZ_EXAMPLES=300`` digs deeper locally, and ``FUZZ_SEED=N`` draws other cases than CI's (the seed
+Hypothesis prints with a failure, ``@seed(N)``, replays it).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 from torchao.quantization import (
     Float8WeightOnlyConfig,
@@ -221,8 +222,8 @@ def _within_bf16(report, model, x) -> bool:
 
 
 SETTINGS = settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 25)), deadline=None, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 25)), deadline=None, derandomize="FUZZ_SEED" not in os.environ,
+    suppress_health_check=[HealthCheck.too_slow], database=None,
 )
 
 
@@ -233,7 +234,8 @@ def fuzz(default: int, full: int, **strategies):
     keeps a few of each generator, the slow tier the count these tests were written and passed with."""
     def tests(body):
         def drawing(n: int):
-            return settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", n)))(given(**strategies)(body))
+            test = settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", n)))(given(**strategies)(body))
+            return seed(int(os.environ["FUZZ_SEED"]))(test) if "FUZZ_SEED" in os.environ else test
 
         setattr(sys.modules[body.__module__], f"{body.__name__}_full", pytest.mark.slow(drawing(full)))
         return drawing(default)
