@@ -42,9 +42,10 @@ def _collectives(gm: torch.fx.GraphModule) -> tuple[collections.Counter, list[tu
     return counts, gathered
 
 
-def step_graphs(monkeypatch, model: nn.Module, *args, world: int = 2) -> dict[str, torch.fx.GraphModule]:
+def step_graphs(monkeypatch, model: nn.Module, *args, world: int = 2, **options) -> dict[str, torch.fx.GraphModule]:
     """The forward and backward graphs of one training step of ``model(*args)`` (a scalar loss, or
-    the output's mean square) on rank 0 of a fake group of ``world`` ranks."""
+    the output's mean square) on rank 0 of a fake group of ``world`` ranks; ``options``: dynashard's, besides
+    ``min_shard_numel=0``."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -64,7 +65,7 @@ def step_graphs(monkeypatch, model: nn.Module, *args, world: int = 2) -> dict[st
     torch._dynamo.reset()
     private.init_fake_process_group(world, 0)
     try:
-        fast = torch.compile(model, backend=lambda gm, ex: dynashard_backend(gm, ex, {"min_shard_numel": 0}))
+        fast = torch.compile(model, backend=lambda gm, ex: dynashard_backend(gm, ex, {"min_shard_numel": 0, **options}))
         out = fast(*args)
         (out if out.dim() == 0 else out.float().pow(2).mean()).backward()
     finally:
@@ -175,3 +176,22 @@ def test_explain_verifies_a_training_compiles_conversions(monkeypatch):
     dynashard.explain(model, ids, target, world_size=2, options=options, verify=True)  # (inference: no g)
     with pytest.raises(RuntimeError, match="differs from the model"):
         dynashard.explain(model, ids, target, world_size=2, options=options, verify=True, train=True)
+
+
+def test_a_sequence_parallel_gather_keeps_its_layout_into_the_bound_graph(monkeypatch):
+    """sequence_parallel, 2 positions on 2 ranks, two pre-norm residual blocks: block 2's colwise input is
+    this rank's position of ``[batch * positions, hidden]``, gathered with the batch merged in front, then
+    flattened back. The gather's output is laid out as its blocks land (not contiguous): a marker traced as
+    contiguous made that flatten a ``view``, which the bound graph could not take ("Cannot view a tensor
+    with shape [10, 2, 2] and strides (2, 1, 20)": an internal error at the first training step). Per block
+    Megatron's sequence-parallel count in the forward: each down's reduce_scatter and the gathers of block
+    2's input and of the output (block 1 reads ``x``, whole on every rank)."""
+    torch.manual_seed(0)
+    stack = nn.Sequential(models.ResidualBlock(10, 26), models.ResidualBlock(10, 26))
+    graphs = step_graphs(monkeypatch, stack, torch.randn(2, 2, 10), sequence_parallel=True)
+    assert _collectives(graphs["forward"])[0] == {"all_gather": 2, "reduce_scatter": 2}
+    # backward: the two reduce_scatters' all_gathers and block 2's input gathered again for its weights'
+    # gradients (Megatron's regather: 3); block 2's gather's reduce_scatter; all_reduces of the gradients
+    # each rank holds for its own positions only: block 1's f (its input, x, is whole on every rank), the
+    # norm's weight and bias of block 2 and the down biases of both (5)
+    assert _collectives(graphs["backward"])[0] == {"all_gather": 3, "reduce_scatter": 1, "all_reduce": 5}

@@ -170,16 +170,22 @@ _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
                aten.transpose.int, aten.clone.default, aten.alias.default}
 
 
+# The marker's output has the shape and the strides of its conversion's output: the ops the rewrite traces
+# after a marker (a ``view``, where a ``reshape`` finds the value laid out for it) run on the Function's own
+# output once the marker is bound. A gather's output is laid out as its blocks land (``[..., world, d]``
+# moved to the last dim: not contiguous); a contiguous marker made a sequence-parallel gather's ``flatten``
+# of a merged batch a ``view``, which the bound graph could not take ("Cannot view a tensor with shape").
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
 def tp_conversion(x: torch.Tensor, key: str) -> torch.Tensor:
     with torch.no_grad():
-        return apply_conversion(x, *state.CONVERSIONS[key]).clone()
+        out = apply_conversion(x, *state.CONVERSIONS[key])
+        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(out)
 
 
 @tp_conversion.register_fake
 def _tp_conversion_fake(x: torch.Tensor, key: str) -> torch.Tensor:
     out = apply_conversion(x.detach(), *state.CONVERSIONS[key])
-    return out.new_empty(out.shape)
+    return out.new_empty_strided(out.shape, out.stride())
 
 
 class TracedConversions:
