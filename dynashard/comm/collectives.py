@@ -178,8 +178,7 @@ _LAYOUT_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.defaul
 @torch.library.custom_op("dynashard::tp_conversion", mutates_args=())
 def tp_conversion(x: torch.Tensor, key: str) -> torch.Tensor:
     with torch.no_grad():
-        out = apply_conversion(x, *state.CONVERSIONS[key])
-        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(out)
+        return apply_conversion(x, *state.CONVERSIONS[key]).clone()  # (preserve_format: a dense output's strides)
 
 
 @tp_conversion.register_fake
