@@ -4,7 +4,8 @@ Each also subclasses the builtin users caught before these classes existed, so
 ``except ValueError`` / ``except RuntimeError`` keep working:
 
 * :class:`UsageError` (``ValueError``): the model, options, plan or inputs cannot be sharded as
-  asked; the message says what was expected, what was found and the fix.
+  asked; the message says what was expected, what was found and the fix. :class:`ShardNotHeldError`, one
+  of them: eager code needed the values of a tensor dynashard sharded, which this rank does not hold.
 * :class:`OptionTypeError` (``TypeError``): an option of the wrong type.
 * :class:`SetupError` (``RuntimeError``): the process group is missing or was destroyed.
 * :class:`PeerError` (``RuntimeError``): another rank failed, died, hangs or differs; raised on
@@ -25,6 +26,10 @@ class DynashardError(Exception):
 
 
 class UsageError(DynashardError, ValueError):
+    pass
+
+
+class ShardNotHeldError(UsageError):
     pass
 
 

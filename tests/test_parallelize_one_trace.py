@@ -139,6 +139,36 @@ def test_a_call_past_the_recompile_limit_is_said_as_that(fake_group):
             model(ids[:, :5])  # another length: a compile of its own (dynamic from then on), past the limit of 1
 
 
+class _NoBackwardHere(nn.Module):
+    """Raises under gradients after its first linear, as flex_attention does on CPU ("FlexAttention does not
+    support backward on CPU"): Dynamo meets the raise while tracing and runs the frame uncompiled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.requires_grad:
+            raise NotImplementedError("no backward here")
+        return self.down(h)
+
+
+def test_a_call_dynamo_runs_uncompiled_is_said_as_that(fake_group):
+    """A call of the parallelized model whose frame Dynamo skips (an error in the model's code while tracing:
+    flex_attention under gradients on CPU, found by tests/test_training_fuzz.py) runs eagerly and reads a shard:
+    the error says Dynamo ran the call uncompiled and names the shard, not the facade's "a submodule cannot run
+    on its own" (the model itself was called)."""
+    from dynashard.errors import UsageError
+
+    torch.manual_seed(0)
+    model, x = _NoBackwardHere(), torch.randn(2, 8)
+    dynashard.parallelize(model, x, options=OPTIONS)  # (planned without gradients)
+    with pytest.raises(UsageError, match=r"Dynamo ran this call of _NoBackwardHere \(parallelized\) uncompiled") as e:
+        model(x)
+    assert "'up.weight'" in str(e.value) and "submodule" not in str(e.value), e.value
+
+
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_parallelize_from_a_checkpoint_on_a_world_of_one_reads_every_weight_whole(tmp_path, compiler):
     """``torchrun --nproc-per-node 1`` (a debugging run, one GPU): nothing is cut, and every weight of the model built

@@ -44,7 +44,7 @@ from dynashard._torch import regions as private_regions
 from dynashard.capture.subclass_inputs import inner_tensors
 from dynashard.comm.protocol import agreed, resolve_group
 from dynashard.dynamo_backend import dynashard_backend, parallelizing
-from dynashard.errors import UsageError
+from dynashard.errors import ShardNotHeldError, UsageError
 from dynashard.layout.placement import cut_placed, gather_placed
 from dynashard.load import adapters, quantized_state
 from dynashard.load.loader import Loader
@@ -190,7 +190,10 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
             return original(*args, **kwargs)
         if getattr(inside, "on", False):  # (Dynamo left this frame uncompiled: the call runs eagerly)
             _refuse_past_the_recompile_limit(model, code[0])
-            return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            except ShardNotHeldError as e:
+                raise _uncompiled(model, e) from e
         inside.on = True
         try:
             return compiled(*args, **kwargs)
@@ -209,6 +212,19 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
     code = [forward.__code__]
     compiled = torch.compile(forward, backend="dynashard", options=options)
     model.forward = forward
+
+
+def _uncompiled(model: nn.Module, error: ShardNotHeldError) -> UsageError:
+    """A call of the parallelized model that Dynamo ran uncompiled (below its recompile limit: it skipped the
+    frame) and that then read a shard's values eagerly: said as that, not as the facade's "a submodule cannot run
+    on its own" (the model itself was called)."""
+    return UsageError(
+        f"dynashard: Dynamo ran this call of {type(model).__name__} (parallelized) uncompiled: it skipped the "
+        "model's frame, which it does for an error raised in the model's code while tracing (an op this device "
+        "cannot run as asked, such as flex_attention's backward on CPU) or a graph break it could not handle "
+        "(TORCH_LOGS=graph_breaks names it). A parallelized model holds only this rank's shards, so it cannot run "
+        f"eagerly ({getattr(error, 'needs', 'a shard is read')}). Expected a call Dynamo compiles: the same "
+        "call of the unsharded model raises the model's own error, if it is one.")
 
 
 def _refuse_past_the_recompile_limit(model: nn.Module, code: Any) -> None:

@@ -34,7 +34,7 @@ import torch.nn as nn
 from dynashard import _torch as private
 from dynashard._torch.subclass import is_traceable_subclass
 from dynashard.comm.transport import gather_pieces
-from dynashard.errors import UsageError
+from dynashard.errors import ShardNotHeldError, UsageError
 from dynashard.weights.store import STORE
 
 # Read-only attributes and methods that only look at metadata (no values).
@@ -353,7 +353,7 @@ _EAGER = {
 }
 
 
-def _refusal(name: str, args: tuple, kwargs: dict) -> UsageError:
+def _refusal(name: str, args: tuple, kwargs: dict) -> ShardNotHeldError:
     """What a use that needs values this rank does not hold is told: which tensor, its cut, the fix."""
     facade = next((a for a in (*args, *kwargs.values()) if is_facade(a)), None)
     entry = STORE.entry(facade) if facade is not None else None
@@ -369,10 +369,12 @@ def _refusal(name: str, args: tuple, kwargs: dict) -> UsageError:
                "which Dynamo runs eagerly once a frame hits its recompile limit (TORCH_LOGS=recompiles says; "
                "torch._dynamo.config.recompile_limit); dynashard.export_safetensors(model, path) writes the whole "
                "weights")
-    return UsageError(
+    error = ShardNotHeldError(
         f"dynashard: {name} needs the values of {what}, which this rank does not hold: dynashard sharded it and "
         f"freed its full value. {fix}. Expected dynashard.full_tensor(t) on every rank (a collective) to read the "
         "whole value, or the use before compiling.")
+    error.needs = f"{name} needs the values of {what}"
+    return error
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
