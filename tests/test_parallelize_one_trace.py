@@ -158,7 +158,8 @@ def test_a_call_dynamo_runs_uncompiled_is_said_as_that(fake_group):
     """A call of the parallelized model whose frame Dynamo skips (an error in the model's code while tracing:
     flex_attention under gradients on CPU, found by tests/test_training_fuzz.py) runs eagerly and reads a shard:
     the error says Dynamo ran the call uncompiled and names the shard, not the facade's "a submodule cannot run
-    on its own" (the model itself was called)."""
+    on its own" (the model itself was called). Dynamo marks such a frame to run uncompiled from then on: the
+    model's later calls met the facades too, until ``torch._dynamo.reset()``."""
     from dynashard.errors import UsageError
 
     torch.manual_seed(0)
@@ -167,6 +168,8 @@ def test_a_call_dynamo_runs_uncompiled_is_said_as_that(fake_group):
     with pytest.raises(UsageError, match=r"Dynamo ran this call of _NoBackwardHere \(parallelized\) uncompiled") as e:
         model(x)
     assert "'up.weight'" in str(e.value) and "submodule" not in str(e.value), e.value
+    with torch.no_grad():  # a call Dynamo compiles runs sharded again (the skipped frame is not skipped for good)
+        assert model(x).shape == (2, 8)
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])

@@ -316,6 +316,16 @@ def frame_compiles(code: Any) -> int:
     return len(_debug_get_cache_entry_list(code))
 
 
+def forget_frame(code: Any) -> None:
+    """Dynamo forgets the code object ``code``: its compiled entries, and its mark to run the frame uncompiled
+    from then on (the mark a frame gets when Dynamo meets an error in it while tracing: "Skipping the function
+    and falling back to eager"). Its next call compiles again. NOTE: ``torch._dynamo.eval_frame.remove_from_cache``
+    (its C ``reset_code``: the code's extra state, entries and frame strategy)."""
+    from torch._dynamo.eval_frame import remove_from_cache
+
+    remove_from_cache(code)
+
+
 def recompile_limit() -> int:
     """Dynamo's limit on a frame's compiles: once reached, its later calls run uncompiled, with one warning
     ("hit config.recompile_limit"). NOTE: ``config.recompile_limit`` (8 by default; ``cache_size_limit``

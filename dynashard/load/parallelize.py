@@ -193,6 +193,9 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
             try:
                 return original(*args, **kwargs)
             except ShardNotHeldError as e:
+                # (Dynamo marked the frame to run uncompiled from now on: forgotten, so that the model's next call,
+                # one Dynamo can compile, runs sharded again instead of meeting the facades every time)
+                private_regions.forget_frame(code[0])
                 raise _uncompiled(model, e) from e
         inside.on = True
         try:
