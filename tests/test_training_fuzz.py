@@ -45,10 +45,11 @@ SEED = int(os.environ.get("FUZZ_SEED", 0))
 
 # float32: a sharded matmul sums the same products in another order, forward and backward (measured on these
 # cases: < 2e-5 of a gradient's own largest element). A gradient that is zero in exact arithmetic (a key bias
-# under softmax, a one-element head's RMS norm) is left with float noise of the other gradients' scale (measured
-# 1.3e-6 where the largest gradient was 12): each gradient's error is taken relative to the larger of its own
-# largest element and a hundredth of the model's largest gradient. A wrong gradient (a missing or doubled sum, a
-# rank's part lost) is off by its own size.
+# under softmax; the key projection before a LayerNorm over a one-element head) is left with float noise of the
+# other gradients' scale, on either side: FUZZ_SEED=1's case 8 at world 3, against a float64 run of the model, has
+# the unsharded float32 gradient of k.weight off by 6e-6 where the true one is 1e-14 and the largest gradient 4.
+# So each gradient's error is taken relative to the larger of its own largest element and a tenth of the model's
+# largest gradient. A wrong gradient (a missing or doubled sum, a rank's part lost) is off by its own size.
 GRAD_RTOL = 1e-4
 
 
@@ -143,7 +144,7 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
                 g = cut(g, spec.dim, spec.split, spec.world, spec.rank)
             else:
                 replicated.append(p.grad.detach().clone())
-            err = _amax(p.grad - g) / max(_amax(g), 1e-2 * top, 1e-30)
+            err = _amax(p.grad - g) / max(_amax(g), 0.1 * top, 1e-30)
             if err > GRAD_RTOL:
                 errors.append(f"step {step}: {name}'s gradient off by {err:.2e} of its scale")
         everyone = [None] * world
@@ -164,7 +165,7 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
         if name in facades:
             spec = STORE.spec_of(facades[name])
             want, move = (cut(t, spec.dim, spec.split, spec.world, spec.rank) for t in (want, move))
-        err = _amax(p.detach() - want) / max(_amax(move), 1e-2 * top, 1e-30)
+        err = _amax(p.detach() - want) / max(_amax(move), 0.1 * top, 1e-30)
         if err > 2 * GRAD_RTOL:  # (two steps)
             errors.append(f"{name} after the steps off by {err:.2e} of its update")
     assert not errors, f"{what}:\n" + "\n".join(errors)
