@@ -321,9 +321,11 @@ def forget_frame(code: Any) -> None:
     from then on (the mark a frame gets when Dynamo meets an error in it while tracing: "Skipping the function
     and falling back to eager"). Its next call compiles again. NOTE: ``torch._dynamo.eval_frame.remove_from_cache``
     (its C ``reset_code``: the code's extra state, entries and frame strategy)."""
-    from torch._dynamo.eval_frame import remove_from_cache
+    from torch._dynamo import eval_frame
 
-    remove_from_cache(code)
+    forget = getattr(eval_frame, "remove_from_cache", None)  # (torch 2.0 on; without it the frame stays skipped)
+    if forget is not None:
+        forget(code)
 
 
 def recompile_limit() -> int:
