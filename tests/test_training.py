@@ -457,7 +457,11 @@ PER_RANK = {
     "pr_mlp_3d": ("mlp", 32, 96, [(2, 3, 32), (4, 5, 32)]),
     "pr_residual": ("residual", 32, 70, [(6, 32), (9, 32)]),  # LayerNorm: replicated, summed over ranks
     "pr_tiny_lm": ("tiny_lm", 32, 50, [(2, 7), (3, 5)]),  # vocab-parallel embedding, tied head gathered
+    "pr_unfrozen": ("residual", 32, 70, [(2, 3, 32), (3, 5, 32)]),  # PR_FROZEN's, unfrozen at step 2
 }
+# frozen when parallelized (a replicated and a sharded parameter), unfrozen from step 2 on: the averaging hook
+# is on them all the same (found by tests/test_training_fuzz.py: parallelize raised on a frozen parameter)
+PR_FROZEN = {"pr_unfrozen": ("norm.weight", "up.weight")}
 
 
 @on_ranks(cases={2: list(PER_RANK)})
@@ -467,10 +471,14 @@ def test_per_rank_inputs_train_as_the_unsharded_model_on_the_concatenated_batch(
     share; replicated ones: summed over the ranks by parallelize's hooks) -- raw gradients every step,
     clipped norms, replicated gradients bit-identical on every rank. The twin, on every rank, takes
     every rank's batch and averages their losses: the unsharded model on the batches concatenated, the
-    loss averaged over ranks. 4 SGD steps with clipping, 2 micro-batches at step 2."""
+    loss averaged over ranks. 4 SGD steps with clipping, 2 micro-batches at step 2 (pr_unfrozen: two
+    parameters frozen when parallelized, unfrozen there)."""
     name, hidden, ffn, shapes = PER_RANK[case]
     options = {**OPTIONS, "inputs": "per_rank"}
     model = _build(name, hidden, ffn)
+    frozen = PR_FROZEN.get(case, ())
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)
     twin = copy.deepcopy(model)
     dynashard.parallelize(model, _inputs(shapes[0], ffn, 1000 + rank)[0], options=options)
     facades = _facades(model)
@@ -480,6 +488,10 @@ def test_per_rank_inputs_train_as_the_unsharded_model_on_the_concatenated_batch(
     grad_err, missing, replicated_same, norms, loss_err = 0.0, [], True, [], 0.0
     for step in range(4):
         micro = 2 if step == 2 else 1
+        if step == 2:
+            for m in (model, twin):
+                for n in frozen:
+                    m.get_parameter(n).requires_grad_(True)
         for m in range(micro):
             shape = shapes[(step + m) % len(shapes)]
             batches = [_inputs(shape, ffn, 10 * step + m + 100 * other) for other in range(world)]

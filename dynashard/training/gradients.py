@@ -112,5 +112,15 @@ def average_over_ranks(param: torch.Tensor, group: dist.ProcessGroup, sharded: b
             dist.all_reduce(total, group=group)
         return total / world
 
-    param.register_hook(average)
+    # A parameter frozen now may be unfrozen later: its hook is registered all the same (a hook outlives
+    # requires_grad_ toggles), so the gradient it gets then is averaged too. (torch refuses a hook on a tensor
+    # that does not require grad, hence the toggle.)
+    frozen = not param.requires_grad
+    if frozen:
+        param.requires_grad_(True)
+    try:
+        param.register_hook(average)
+    finally:
+        if frozen:
+            param.requires_grad_(False)
     param._dynashard_averaged = True
