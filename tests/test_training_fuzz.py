@@ -6,8 +6,9 @@ backward -- what AOTAutograd derives from the rewritten graph with Megatron's co
 collectives, the hooks of ``parallelize`` -- runs only on real ranks: here. Each case draws one of the fuzz's
 models (an MLP stack, an attention block, a transformer attention: GQA, RoPE, fused and grouped qkv, DiffLlama's
 halves), widths and head counts the world may not divide, the automatic plan or random styles per linear,
-``sequence_parallel`` or not, some parameters frozen; then ``parallelize``, ``torch.compile`` and two SGD steps,
-the second on another batch and sequence length (Dynamo's dynamic recompile). Per step the loss, every gradient
+``sequence_parallel`` or ``inputs="per_rank"`` (each rank its own batch; the twin averages every rank's loss) or
+neither, bf16 autocast or not, some parameters frozen; then ``parallelize``, ``torch.compile`` and two SGD steps,
+the second on another batch and sequence length (Dynamo's dynamic recompile). Per step the output, every gradient
 (a sharded one against the same cut of the twin's) and, after the steps, every parameter are compared; replicated
 gradients must be bit-identical on every rank.
 
@@ -16,7 +17,9 @@ drive several processes); ``FUZZ_SEED=N`` draws other cases. The slow tier (a sp
 2-core machine); the default run keeps the training rules' own tests (``test_training.py``,
 ``test_training_graphs.py``). Found when written: a sequence-parallel gather flattened with the batch merged in
 front failed every training compile of two blocks at 2 positions on 2 ranks (``collectives.tp_conversion``'s
-strides; ``test_training_graphs.py::test_a_sequence_parallel_gather_keeps_its_layout_into_the_bound_graph``).
+strides; ``test_training_graphs.py::test_a_sequence_parallel_gather_keeps_its_layout_into_the_bound_graph``);
+``parallelize(inputs="per_rank")`` raised on a frozen parameter (torch refuses a hook on it;
+``test_training.py::test_per_rank_inputs_train_as_the_unsharded_model_on_the_concatenated_batch[pr_unfrozen]``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ SEED = int(os.environ.get("FUZZ_SEED", 0))
 # So each gradient's error is taken relative to the larger of its own largest element and a tenth of the model's
 # largest gradient. A wrong gradient (a missing or doubled sum, a rank's part lost) is off by its own size.
 GRAD_RTOL = 1e-4
+# Under bf16 autocast a sharded matmul rounds each rank's partial sum to bf16 before the sum, the unsharded one
+# rounds once (as tests/test_autocast.py): each step's output and gradients are held to NOISE_FACTOR times the bf16
+# noise floor measured in the case itself (how far bf16 moves the twin's own output and gradients from float32 at
+# the same weights). A wrong gradient is still off by its own size.
+NOISE_FACTOR = 3
 
 
 def _draw(r: random.Random) -> tuple[nn.Module, int, int | None, str]:
@@ -102,10 +110,18 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
                "sequence_parallel": shape3d and r.random() < 0.3}
     if options["sequence_parallel"]:  # (a sequence cut needs a static length: the second step changes the batch)
         shapes[1] = (shapes[1][0], shapes[0][1], hidden)
-    what = f"{what}; plan {plan}; sequence_parallel {options['sequence_parallel']}; frozen {frozen}; inputs {shapes}"
+    # drawn after the rest, so that FUZZ_SEED's cases keep the models and plans they had before these were added
+    per_rank = not options["sequence_parallel"] and r.random() < 0.3  # (the two are exclusive: README)
+    amp = r.random() < 0.25
+    if per_rank:
+        options["inputs"] = "per_rank"
+    what = (f"{what}; plan {plan}; sequence_parallel {options['sequence_parallel']}; per_rank {per_rank}; "
+            f"autocast {amp}; frozen {frozen}; inputs {shapes}")
     twin = copy.deepcopy(model)
-    inputs = [torch.randn(s, generator=torch.Generator().manual_seed(1000 * case + i)) for i, s in enumerate(shapes)]
-    dynashard.parallelize(model, inputs[0], options=options)
+    # inputs[step][j]: rank j's batch (the same for every j unless per_rank)
+    inputs = [[torch.randn(s, generator=torch.Generator().manual_seed(1000 * case + i + 100_000 * j * per_rank))
+               for j in range(world)] for i, s in enumerate(shapes)]
+    dynashard.parallelize(model, inputs[0][rank], options=options)
     facades = {}
     for prefix, module in model.named_modules():
         facades.update({f"{prefix}.{a}" if prefix else a: f for a, f in facades_of(module).items()})
@@ -114,21 +130,31 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
     opt, opt_twin = (torch.optim.SGD(ps, lr=0.1) for ps in (trained, [p for p in twin.parameters() if p.requires_grad]))
     errors: list[str] = []
     start = {n: p.detach().clone() for n, p in twin.named_parameters()}
-    for step, x in enumerate(inputs):
+    rtol = GRAD_RTOL
+    for step, xs in enumerate(inputs):
+        seeds = [7 + step + 100 * j * per_rank for j in range(world)]  # (the same on every rank unless per_rank)
+        cotangents = [torch.randn(_out_shape(twin, xs[j]), generator=torch.Generator().manual_seed(seeds[j]))
+                      for j in range(world)]
         try:
-            out = fast(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = fast(xs[rank])
         except Exception as e:  # noqa: BLE001 - the one refusal a training compile may make here
             # K/V heads fewer than the ranks, held whole by a fused weight: each rank's gradient of them would be
             # partial, which a training compile refuses, on every rank, naming the fix
             assert step == 0 and kv_heads is not None and kv_heads < world \
                 and "fewer K/V heads than ranks" in str(e), (what, e)
             return
-        out_twin = twin(x)
-        cotangent = torch.randn(out_twin.shape, generator=torch.Generator().manual_seed(7 + step))
-        (out * cotangent).sum().backward()
-        (out_twin * cotangent).sum().backward()
-        if _amax(out - out_twin) > 1e-4 * max(1.0, _amax(out_twin)):
-            errors.append(f"step {step}: output off by {_amax(out - out_twin):.2e}")
+        (out * cotangents[rank]).sum().backward()
+        # the twin's loss: under per_rank the mean of every rank's (README: each rank's gradient is the mean's)
+        batches = range(world) if per_rank else [rank]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            outs_twin = {j: twin(xs[j]) for j in batches}
+        (sum((outs_twin[j] * cotangents[j]).sum() for j in batches) / len(batches)).backward()
+        out_twin = outs_twin[rank]
+        if amp:  # the bf16 noise floor: how far bf16 moves the twin's own output and gradients from float32
+            rtol = max(GRAD_RTOL, NOISE_FACTOR * _bf16_noise(twin, xs, cotangents, batches))
+        if _amax(out.float() - out_twin.float()) > max(1e-4, rtol) * max(1.0, _amax(out_twin)):
+            errors.append(f"step {step}: output off by {_amax(out.float() - out_twin.float()):.2e}")
         reference = dict(twin.named_parameters())
         top = max(_amax(p.grad) for p in twin.parameters() if p.grad is not None)
         replicated = []
@@ -145,8 +171,8 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
             else:
                 replicated.append(p.grad.detach().clone())
             err = _amax(p.grad - g) / max(_amax(g), 0.1 * top, 1e-30)
-            if err > GRAD_RTOL:
-                errors.append(f"step {step}: {name}'s gradient off by {err:.2e} of its scale")
+            if err > rtol:
+                errors.append(f"step {step}: {name}'s gradient off by {err:.2e} of its scale (tolerance {rtol:.1e})")
         everyone = [None] * world
         dist.all_gather_object(everyone, [t.tolist() for t in replicated])
         if any(e != everyone[0] for e in everyone):
@@ -166,6 +192,31 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
             spec = STORE.spec_of(facades[name])
             want, move = (cut(t, spec.dim, spec.split, spec.world, spec.rank) for t in (want, move))
         err = _amax(p.detach() - want) / max(_amax(move), 0.1 * top, 1e-30)
-        if err > 2 * GRAD_RTOL:  # (two steps)
+        if err > 2 * rtol:  # (two steps)
             errors.append(f"{name} after the steps off by {err:.2e} of its update")
     assert not errors, f"{what}:\n" + "\n".join(errors)
+
+
+def _out_shape(model: nn.Module, x: torch.Tensor) -> torch.Size:
+    with torch.no_grad():
+        return model(x).shape
+
+
+def _bf16_noise(twin: nn.Module, xs, cotangents, batches) -> float:
+    """The largest relative distance, over the output and every gradient, between the twin under bf16 autocast
+    (its ``.grad`` as just computed) and a float32 copy of it at the same weights, on the same batches."""
+    fp32 = copy.deepcopy(twin)
+    for p in fp32.parameters():
+        p.grad = None
+    outs = {j: fp32(xs[j]) for j in batches}
+    (sum((outs[j] * cotangents[j]).sum() for j in batches) / len(batches)).backward()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out16 = twin(xs[batches[-1]]).float()
+    noise = [_amax(out16 - outs[batches[-1]]) / max(_amax(outs[batches[-1]]), 1.0)]
+    grads = dict(fp32.named_parameters())
+    top = max(_amax(p.grad) for p in fp32.parameters() if p.grad is not None)
+    for name, p in twin.named_parameters():
+        if p.grad is not None:
+            g = grads[name].grad
+            noise.append(_amax(p.grad - g) / max(_amax(g), 0.1 * top, 1e-30))
+    return max(noise)
