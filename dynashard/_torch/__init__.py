@@ -272,6 +272,26 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
     # with a traceback on every such compile and skip the cache. Nothing compiles from it (AOTAutograd takes
     # the ShapeEnv from the fake inputs), so the graph goes without it.
     gm.__dict__.pop("shape_env", None)
+    with _no_cse():
+        return _compile_graph(compiler, gm, example_inputs, mode, on_backward_error, cacheable)
+
+
+# NOTE: AOTAutograd's min-cut partitioner (aot_eager's and Inductor's, torch 2.11-2.15
+# ``min_cut_rematerialization_partition``) runs ``fx_graph_cse`` on the joint graph first when
+# ``torch._functorch.config.cse`` is on (the default), and that CSE does not spare collectives: two of them with the
+# same input become one. Each rank compiles its own graph, and where two of a rank's pieces coincide (ranks holding
+# no K/V head gather K and V from the rank that holds them: both their inputs are the same empty piece, padded
+# alike) that rank alone loses a collective, and the ranks' collectives no longer pair up (a hang, an abort, or
+# data swapped between collectives). Off for dynashard's sharded graphs; the partitioner is otherwise unchanged.
+def _no_cse() -> contextlib.AbstractContextManager:
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(cse=False)
+
+
+def _compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str,
+                   on_backward_error: Callable[[BaseException], None] | None,
+                   cacheable: Mapping[str, str] | None) -> Callable[..., Any]:
     if compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
