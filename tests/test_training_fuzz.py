@@ -19,7 +19,9 @@ drive several processes); ``FUZZ_SEED=N`` draws other cases. The slow tier (a sp
 front failed every training compile of two blocks at 2 positions on 2 ranks (``collectives.tp_conversion``'s
 strides; ``test_training_graphs.py::test_a_sequence_parallel_gather_keeps_its_layout_into_the_bound_graph``);
 ``parallelize(inputs="per_rank")`` raised on a frozen parameter (torch refuses a hook on it;
-``test_training.py::test_per_rank_inputs_train_as_the_unsharded_model_on_the_concatenated_batch[pr_unfrozen]``).
+``test_training.py::test_per_rank_inputs_train_as_the_unsharded_model_on_the_concatenated_batch[pr_unfrozen]``);
+AOTAutograd's CSE merged two collectives of one rank only, where its pieces of K and V coincided (a hang, or under
+autocast an abort; ``test_training_graphs.py::test_every_rank_issues_the_same_collectives_where_its_pieces_coincide``).
 """
 
 from __future__ import annotations
@@ -47,18 +49,23 @@ on_ranks = Scenarios(__name__, worlds=tuple(CASES), deadline_s=SCENARIOS_DEADLIN
 SEED = int(os.environ.get("FUZZ_SEED", 0))
 
 # float32: a sharded matmul sums the same products in another order, forward and backward (measured on these
-# cases: < 2e-5 of a gradient's own largest element). A gradient that is zero in exact arithmetic (a key bias
+# cases: mostly < 2e-5 of a gradient's own largest element). A gradient that is zero in exact arithmetic (a key bias
 # under softmax; the key projection before a LayerNorm over a one-element head) is left with float noise of the
 # other gradients' scale, on either side: FUZZ_SEED=1's case 8 at world 3, against a float64 run of the model, has
 # the unsharded float32 gradient of k.weight off by 6e-6 where the true one is 1e-14 and the largest gradient 4.
 # So each gradient's error is taken relative to the larger of its own largest element and a tenth of the model's
 # largest gradient. A wrong gradient (a missing or doubled sum, a rank's part lost) is off by its own size.
-GRAD_RTOL = 1e-4
-# Under bf16 autocast a sharded matmul rounds each rank's partial sum to bf16 before the sum, the unsharded one
-# rounds once (as tests/test_autocast.py): each step's output and gradients are held to NOISE_FACTOR times the bf16
-# noise floor measured in the case itself (how far bf16 moves the twin's own output and gradients from float32 at
-# the same weights). A wrong gradient is still off by its own size.
+GRAD_RTOL = 5e-4  # (the largest seen: 1.03e-4, FUZZ_SEED=5's world-2 case 7, a key projection under softmax)
+# Under bf16 autocast (8 bits of mantissa) a sharded matmul rounds each rank's partial sum to bf16 before the sum,
+# the unsharded one rounds once, and these random models amplify rounding unevenly: FUZZ_SEED=3's world-2 case 22
+# (three residual blocks with norms) has the twin's own bf16 gradient of one bias 14% from float32 at step 1 where
+# the largest such distance at step 0 is 0.8%, and the sharded gradients 5-8% from both for other parameters --
+# with float32 the same case agrees to 1e-4. So a bf16 case is held to the larger of NOISE_FACTOR times the noise
+# it measures (how far bf16 moves the twin's own output and gradients from float32 at the same weights) and
+# BF16_FLOOR (measured on FUZZ_SEED 0-3: up to 0.16): it checks that autocast leaves the program whole (its casts,
+# its collectives' dtypes: a collective mismatch shows there as an abort); the float32 cases check the digits.
 NOISE_FACTOR = 3
+BF16_FLOOR = 0.3
 
 
 def _draw(r: random.Random) -> tuple[nn.Module, int, int | None, str]:
@@ -152,7 +159,7 @@ def test_random_models_train_as_the_unsharded_twin(rank, world, case):
         (sum((outs_twin[j] * cotangents[j]).sum() for j in batches) / len(batches)).backward()
         out_twin = outs_twin[rank]
         if amp:  # the bf16 noise floor: how far bf16 moves the twin's own output and gradients from float32
-            rtol = max(GRAD_RTOL, NOISE_FACTOR * _bf16_noise(twin, xs, cotangents, batches))
+            rtol = max(BF16_FLOOR, NOISE_FACTOR * _bf16_noise(twin, xs, cotangents, batches))
         if _amax(out.float() - out_twin.float()) > max(1e-4, rtol) * max(1.0, _amax(out_twin)):
             errors.append(f"step {step}: output off by {_amax(out.float() - out_twin.float()):.2e}")
         reference = dict(twin.named_parameters())
