@@ -63,8 +63,10 @@ GRAD_RTOL = 5e-4  # (the largest seen: 1.03e-4, FUZZ_SEED=5's world-2 case 7, a 
 # the largest such distance at step 0 is 0.8%, and the sharded gradients 5-8% from both for other parameters --
 # with float32 the same case agrees to 1e-4. So a bf16 case is held to the larger of NOISE_FACTOR times the noise
 # it measures (how far bf16 moves the twin's own output and gradients from float32 at the same weights) and
-# BF16_FLOOR (measured on FUZZ_SEED 0-3: up to 0.16): it checks that autocast leaves the program whole (its casts,
-# its collectives' dtypes: a collective mismatch shows there as an abort); the float32 cases check the digits.
+# BF16_FLOOR: it checks that autocast leaves the program whole (its casts, its collectives' dtypes: a collective
+# mismatch shows there as an abort); the float32 cases check the digits. Measured over the bf16 cases of FUZZ_SEED
+# 0-3, 5 and 7 (lr 1e-3, below): the sharded gradients at most 0.084 from the twin's at the first step, 0.39 at the
+# second (a case whose own noise is 0.17: tolerance 0.51).
 NOISE_FACTOR = 3
 BF16_FLOOR = 0.3
 
