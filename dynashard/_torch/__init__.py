@@ -276,7 +276,7 @@ def compile_graph(compiler: str, gm: torch.fx.GraphModule, example_inputs: list[
         return _compile_graph(compiler, gm, example_inputs, mode, on_backward_error, cacheable)
 
 
-# NOTE: AOTAutograd's min-cut partitioner (aot_eager's and Inductor's, torch 2.11-2.15
+# NOTE: AOTAutograd's min-cut partitioner (aot_eager's and Inductor's; read in torch 2.13, 2.14 and 2.15:
 # ``min_cut_rematerialization_partition``) runs ``fx_graph_cse`` on the joint graph first when
 # ``torch._functorch.config.cse`` is on (the default), and that CSE does not spare collectives: two of them with the
 # same input become one. Each rank compiles its own graph, and where two of a rank's pieces coincide (ranks holding
