@@ -406,6 +406,11 @@ def test_nested_regions_under_dynamic_shapes_compute_what_the_flat_model_does(fa
     assert [o.shape[1] for o in outputs["nested"]] == [7, 12]
     for got, expected in zip(outputs["nested"], outputs["flat"]):
         assert torch.equal(got, expected), float((got - expected).abs().max())
+    if f"inlined {layers} calls of {layers} nested_compile_region function(s)" in caplog.text:
+        # torch 2.11's Dynamo, under dynamic=True, traces each call of the region into a function of its own:
+        # there is no region shared by the layers to reuse (2.13-2.15: one function, called per layer)
+        assert not any(counts), counts
+        return
     if floats == "specialized":
         assert counts[0] == layers, counts  # (the nested model's compile: one region called per layer)
     else:

@@ -58,6 +58,19 @@ def schema_of(target: Any) -> Any:
 
 
 @functools.cache
+def is_in_place(op: Any) -> bool:
+    """Whether ``op`` is an in-place aten op (one that writes its first argument: ``masked_fill_.Scalar``).
+
+    NOTE: torch 2.13 tags them ``torch.Tag.inplace``; torch 2.11 has no such tag (its ``torch.Tag`` lists
+    ``inplace_view`` only), and there the schema's name says it (``aten::masked_fill_``; a dunder such as
+    ``aten::__iand__`` is not one of them)."""
+    inplace = getattr(torch.Tag, "inplace", None)
+    if inplace is not None:
+        return inplace in getattr(op, "tags", ())
+    name = getattr(getattr(op, "_schema", None), "name", "")
+    return name.startswith("aten::") and name.endswith("_") and not name.endswith("__")
+
+
 def out_of_place_twin(op: Any) -> Any:
     """The out-of-place overload of an in-place aten op (``masked_fill_.Scalar`` -> ``masked_fill.Scalar``), or
     None (not an in-place aten op, or no twin on this torch).

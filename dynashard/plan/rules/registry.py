@@ -68,7 +68,7 @@ def lookup(node: torch.fx.Node, per_rank: bool) -> Rule | None:
     tags = getattr(node.target, "tags", ())
     if found is None:
         found = next((TAG_RULES[t] for t in tags if t in TAG_RULES), None)
-    if found is None and torch.Tag.inplace in tags and torch.Tag.nondeterministic_seeded not in tags:
+    if found is None and private_aten.is_in_place(node.target) and torch.Tag.nondeterministic_seeded not in tags:
         twin = private_aten.out_of_place_twin(node.target)
         found = next((TAG_RULES[t] for t in getattr(twin, "tags", ()) if t in TAG_RULES), None)
     if found is None or (per_rank and not found.per_rank):
