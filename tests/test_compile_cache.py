@@ -269,16 +269,28 @@ def test_a_restart_of_training_reads_the_plan_and_graph(fake_group, cache_on, pl
         again, grads_again = _train_fresh(model, _ids(), dynamic, **options)
     assert plans.count == 2, "the second training compile traced and planned again"
     assert "dynashard cache: hit" in caplog.text, caplog.text
-    assert torch.equal(first, again)
     assert grads.keys() == grads_again.keys() and len(grads) == len(dict(model.named_parameters()))
-    assert all(torch.equal(grads[n], grads_again[n]) for n in grads), [n for n in grads
-                                                                       if not torch.equal(grads[n], grads_again[n])]
+    if not sequence_parallel or _fake_reduce_scatter_writes():
+        assert torch.equal(first, again)
+        assert all(torch.equal(grads[n], grads_again[n]) for n in grads), [
+            n for n in grads if not torch.equal(grads[n], grads_again[n])]
     monkeypatch.setenv("DYNASHARD_CACHE", "0")
     _train_fresh(model, _ids(), dynamic, **options)
     assert len(compiled.graphs) == 3, compiled.graphs
     (miss, hit, off) = compiled.graphs
     assert miss == hit == off, compiled.graphs
     assert len(off[0]) >= 2 * 4 and bool(off[1]) == sequence_parallel, off
+
+
+def _fake_reduce_scatter_writes() -> bool:
+    """Whether the fake group's reduce_scatter writes its output (torch 2.13-2.15: the input's first chunk). Torch
+    2.11's leaves it as allocated, so the numbers after one are uninitialized memory, on a hit as on a miss: not
+    compared there (the restart's other checks, the conversions included, are)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.arange(1.0, 5.0)
+    return torch.equal(funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD)), x[:2])
 
 
 @pytest.mark.unit
@@ -319,10 +331,13 @@ def test_a_graph_with_the_models_checkpoint_tags_is_not_stored(fake_group, cache
     model = Stack(32, 2, checkpointed=True)
     with caplog.at_level(logging.DEBUG, logger="dynashard"):
         _train_fresh(model, torch.randn(2, 5, 32))
-    assert len(_entries(cache_on)) == 1, "stored with the model's checkpoint tags"  # (parallelize's graph only)
-    assert "activation-checkpoint tags" in caplog.text, caplog.text
+    # (torch 2.11's Dynamo tags the checkpointed blocks of parallelize's graph, traced without gradients, too: that
+    # graph is not stored either there; 2.13-2.15 tag the training graph only)
+    tagged = caplog.text.count("not stored: the model's activation-checkpoint tags")
+    assert tagged in (1, 2), caplog.text
+    assert len(_entries(cache_on)) == 2 - tagged, "stored with the model's checkpoint tags"
     _train_fresh(model, torch.randn(2, 5, 32))
-    assert plans.count == 3  # parallelize's graph read back, the training graph traced again
+    assert plans.count == 2 + tagged  # parallelize's graph read back (where stored), the training graph traced again
 
 
 @pytest.mark.unit

@@ -127,7 +127,8 @@ def test_rank_1_logs_nothing_at_info_and_its_plan_at_debug(tmp_path):
     # (torch's log lines open with "[rank1]:" and the level's letter: I for INFO, V for DEBUG)
     assert not re.findall(r"^\[rank1\]:[IWE].*dynashard", debug, re.MULTILINE), debug
     assert re.search(r"^\[rank1\]:V.*dynashard plan \(rank 1 of 2\)", debug, re.MULTILINE), debug
-    assert re.search(r"^\[rank1\]:V.*compiled graph 0/0 of forward \(models.py:", debug, re.MULTILINE), debug
+    # (the frame's id: 0 on torch 2.13-2.15, 1 on 2.11 for the same script)
+    assert re.search(r"^\[rank1\]:V.*compiled graph \d/0 of forward \(models.py:", debug, re.MULTILINE), debug
     assert "compiling graph" not in debug, debug  # (no progress line)
 
 
@@ -139,9 +140,9 @@ def test_a_compile_past_the_threshold_shows_its_stages_without_torch_logs(tmp_pa
     err = done.stderr
     for stage in ("tracing the graph to aten ops", "planning", "rewriting the graph for this rank",
                   "compiling the sharded graph (eager, no compiler)", "cutting the weights"):
-        assert re.search(rf"dynashard: compiling graph 0/0 of forward \(models.py:\d+\): {re.escape(stage)} "
+        assert re.search(rf"dynashard: compiling graph \d/0 of forward \(models.py:\d+\): {re.escape(stage)} "
                          r"\(\d+ s so far\)\n", err), (stage, err)
-    assert re.search(r"dynashard: compiled graph 0/0 of forward \(models.py:\d+\) in \d+ s\n$", err), err
+    assert re.search(r"dynashard: compiled graph \d/0 of forward \(models.py:\d+\) in \d+ s\n$", err), err
     assert "\r" not in err and done.stdout.strip() == "done"
 
 
