@@ -178,7 +178,7 @@ def analyse_ranks(
     stacked = options.weights == "per_rank"
     uniform = frozenset() if stacked else frozenset(infos)
     # Weights an earlier graph (e.g. across a graph break) already split: later uses follow that split.
-    presplit = {aten_phs[i]: dim for i, dim in earlier.split.items()}
+    presplit = {aten_phs[i]: cut for i, cut in earlier.split.items()}
     # Weights a graph compiled earlier reads whole: cutting them would free what it reads.
     prewhole = {aten_phs[i] for i in earlier.whole}
     return [Analysis(aten_gm, params, make_plan(linears, other_uses, aten_gm.graph, options, world, rank, uniform,

@@ -12,7 +12,9 @@ side projections, attention blocks, transformer attention with GQA, fused and gr
 at worlds 2-4 the widths and heads may not divide, the automatic plan or random styles per linear, drawn
 independently for the save and the load. The weights the load replaces are drawn from another seed, so a
 tensor left unloaded shows. Written with a DCP save whose fused pieces were all read from the piece's first
-offset (a temporary edit of ``dcp_planners``): 2 of its 9 DCP cases failed at ``FUZZ_SEED=0``.
+offset (a temporary edit of ``dcp_planners``): 2 of its 9 DCP cases failed at ``FUZZ_SEED=0``. The training
+cases, with momentum buffers cut upside down when a whole optimizer state is loaded (a temporary edit of
+``placement.cut_placed``): 8 of 16 failed.
 
 The cases are drawn by ``random.Random`` from the case's number, the same on every rank; ``FUZZ_SEED=N`` draws
 others. The slow tier: a spawn per world saving, then one per world loading (about a minute each on the 2-core
@@ -34,7 +36,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_state_dict,
     set_model_state_dict,
+    set_state_dict,
 )
 
 import dynashard
@@ -172,8 +176,8 @@ def _load(rank: int, world: int, root: str) -> list[str]:
             if rank == 0:
                 back = load_file(exported)
                 differ = [n for n, p in reference.named_parameters() if n not in back or not torch.equal(back[n], p)]
-            verdict = (f"output off by {err:.2e} (tolerance {RTOL:.0e})" if err > RTOL else "") + (
-                f"; exported weights that are not the saved ones: {differ}" if differ else "")
+            verdict = "; ".join(([f"output off by {err:.2e} (tolerance {RTOL:.0e})"] if err > RTOL else []) + (
+                [f"exported weights that are not the saved ones: {differ}"] if differ else []))
         except (Exception, dist.checkpoint.api.CheckpointException) as e:  # noqa: BLE001 - a case that raises is
             # a failure like any other, with its trace (DCP's CheckpointException is a BaseException)
             verdict = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
@@ -204,3 +208,157 @@ def test_random_checkpoints_load_at_any_world_and_plan(tmp_path):
         if any(c["load_world"] == world for c in cases):
             failures += run_ranks(_load, world, str(tmp_path), timeout=600)[0]
     assert not failures, "\n\n".join(failures)
+
+
+# Training state: a step at one world and plan, the model and SGD-with-momentum state saved, the next step at
+# another world and plan from the loaded state, against the unsharded twin's two steps. A momentum buffer loaded
+# into the wrong rows moves the second step's update by its own size.
+TRAIN_CASES = 16
+TRAIN_SAVES = ("dcp", "full_state_dict")
+LR, MOMENTUM = 0.1, 0.9
+# float32: two steps of the same products summed in another order (the training fuzz's largest gradient error is
+# 1e-4 of its scale); after lr 0.1 and momentum the parameters move by O(0.1), so 1e-4 of the scale leaves room
+TRAIN_RTOL = 1e-4
+
+
+def _train_case(case: int) -> dict:
+    c = _case(10_000 + case)
+    c["save"] = random.Random(SEED * 100_000 + 10_000 + case).choice(TRAIN_SAVES)
+    c["load"] = "dcp_load" if c["save"] == "dcp" else "set_state_dict"
+    c["path"] = f"train{case}" + (".pt" if c["save"] != "dcp" else "")
+    return c
+
+
+def _train_cases() -> list[dict]:
+    return [_train_case(i) for i in range(TRAIN_CASES) if ONLY is None or i in ONLY]
+
+
+def _batch(c: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's input and the cotangent its output is multiplied by (the loss's gradient)."""
+    g = torch.Generator().manual_seed(1000 * c["case"] + step)
+    x = torch.randn(c["shape"], generator=g)
+    return x, g
+
+
+def _loss(out: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return (out * torch.randn(out.shape, generator=g)).sum()
+
+
+def _refused(e: BaseException, world: int, kv_heads: int | None) -> bool:
+    """The one refusal a training compile may make here (as in the training fuzz): K/V heads fewer than the ranks,
+    held whole by a fused weight."""
+    return kv_heads is not None and kv_heads < world and "fewer K/V heads than ranks" in str(e)
+
+
+def _kv_heads(c: dict) -> int | None:
+    r = random.Random()
+    r.setstate(c["r_state"])
+    r.randint(0, 1000)
+    return _draw(r)[2]
+
+
+def _train_save(rank: int, world: int, root: str) -> list[str]:
+    """Each case trained one step at this world, its model and optimizer state saved by its route."""
+    for c in _train_cases():
+        if c["save_world"] != world:
+            continue
+        torch._dynamo.reset()
+        model, (x, g) = _model(c, weights_seed=1).train(), _batch(c, 0)
+        options = _options(c["plans"][0])
+        dynashard.parallelize(model, x, options=options)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        try:
+            _loss(torch.compile(model, backend="dynashard", options=options)(x), g).backward()
+        except Exception as e:
+            if _refused(e, world, _kv_heads(c)):
+                continue  # (nothing saved: the load spawn sees no checkpoint and checks nothing for this case)
+            raise AssertionError(f"{_describe(c)}: the first step raised") from e
+        opt.step()
+        path = os.path.join(root, c["path"])
+        if c["save"] == "dcp":
+            dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=path)
+        else:
+            msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+            if rank == 0:
+                torch.save({"model": msd, "optim": osd}, path)
+        dist.barrier()
+    return []
+
+
+def _train_load(rank: int, world: int, root: str) -> tuple[list[str], int]:
+    """Each case resumed at this world from its checkpoint, one more step, against the twin's two steps: the
+    failures' accounts (the same on every rank) and how many cases were checked."""
+    failures, checked = [], 0
+    for c in _train_cases():
+        if c["load_world"] != world or not os.path.exists(os.path.join(root, c["path"])):
+            continue
+        torch._dynamo.reset()
+        twin = _model(c, weights_seed=1).train()
+        opt_twin = torch.optim.SGD(twin.parameters(), lr=LR, momentum=MOMENTUM)
+        for step in (0, 1):
+            if step:
+                with torch.no_grad():
+                    want = twin(_batch(c, 1)[0])
+            x, g = _batch(c, step)
+            _loss(twin(x), g).backward()
+            opt_twin.step()
+            opt_twin.zero_grad()
+        path, options = os.path.join(root, c["path"]), _options(c["plans"][1])
+        verdict = ""
+        try:
+            model = _model(c, weights_seed=2).train()  # other weights: what the load must replace
+            x, g = _batch(c, 1)
+            dynashard.parallelize(model, x, options=options)
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+            if c["save"] == "dcp":
+                state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+                dcp.load(state, checkpoint_id=path, planner=dynashard.LoadPlanner())
+                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            else:
+                state = torch.load(path, weights_only=True)
+                # (strict=False: a parameter the model never reads has no momentum, and torch's set_state_dict
+                # refuses that by default, unsharded too; a weight left unloaded shows in the comparison below)
+                set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                               options=StateDictOptions(full_state_dict=True, strict=False))
+            fast = torch.compile(model, backend="dynashard", options=options)
+            try:
+                out = fast(x)
+            except Exception as e:
+                if not _refused(e, world, _kv_heads(c)):
+                    raise
+                verdict = "refused"
+            if not verdict:
+                err = float((out.detach() - want).abs().max()) / max(1.0, float(want.abs().max()))
+                _loss(out, g).backward()
+                opt.step()
+                got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+                off = {n: float((got[n] - p.detach()).abs().max()) / max(1.0, float(p.abs().max()))
+                       for n, p in twin.named_parameters()}
+                bad = {n: f"{e:.1e}" for n, e in off.items() if e > TRAIN_RTOL}
+                verdict = "; ".join(([f"resumed output off by {err:.2e}"] if err > TRAIN_RTOL else []) + (
+                    [f"parameters after the resumed step off (relative): {bad}"] if bad else []))
+        except (Exception, dist.checkpoint.api.CheckpointException) as e:  # noqa: BLE001 - (as _load)
+            verdict = f"raised {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        everyone = [None] * world
+        dist.all_gather_object(everyone, verdict)
+        if all(v == "refused" for v in everyone):
+            continue
+        checked += 1
+        if any(everyone):
+            failures.append(f"{_describe(c)}: " + "; ".join(f"rank {i}: {v}" for i, v in enumerate(everyone) if v))
+    return failures, checked
+
+
+def test_random_training_state_resumes_at_any_world_and_plan(tmp_path):
+    cases = _train_cases()
+    for world in WORLDS:
+        if any(c["save_world"] == world for c in cases):
+            run_ranks(_train_save, world, str(tmp_path), timeout=600)
+    failures, checked = [], 0
+    for world in WORLDS:
+        if any(c["load_world"] == world for c in cases):
+            f, n = run_ranks(_train_load, world, str(tmp_path), timeout=600)[0]
+            failures, checked = failures + f, checked + n
+    assert not failures, "\n\n".join(failures)
+    # (the cases a training compile refuses, at the save or the load, are not checked: most must be)
+    assert checked >= len(cases) // 2, f"only {checked} of {len(cases)} cases trained and resumed"

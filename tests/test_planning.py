@@ -621,7 +621,7 @@ def test_the_plan_follows_earlier_cuts_it_is_given_and_reads_no_store():
         fakes = private.backend_fakes(gm)
         up = next(i for i, t in enumerate(example_inputs) if t is model.up.weight)
         opts = parse_options({"min_shard_numel": 0})
-        for earlier in (EarlierCuts(), EarlierCuts(split={up: 1}), EarlierCuts(whole=frozenset([up]))):
+        for earlier in (EarlierCuts(), EarlierCuts(split={up: (1, even(32))}), EarlierCuts(whole=frozenset([up]))):
             plans.append(_styles(analyse(gm, fakes, opts, 2, 0, earlier).plan))
         # a shard in the store, not passed in: the plan is the first one
         STORE.shard(model.up.weight, ShardSpec(1, even(32), 2, 0, "G"), "up.weight", None)

@@ -246,3 +246,90 @@ def test_every_rank_issues_the_same_collectives_where_its_pieces_coincide(monkey
     assert programs[0]["forward"].count("_c10d_functional.all_gather_into_tensor.default") == 4, programs[0]
     for rank, program in enumerate(programs[1:], 1):
         assert program == programs[0], f"rank {rank}'s collectives differ from rank 0's:\n{program}\n{programs[0]}"
+
+
+def test_a_training_compile_keeps_the_cuts_parallelize_made():
+    """parallelize plans without gradients and cuts (and frees) the weights; a training compile of the same model
+    then plans a graph of other ops (SDPA's CPU flash kernel, for its backward) and must cut every weight as they
+    were cut. DiffLlama's attention (8 heads in two halves, 4 K/V heads) at world 3: parallelize deals q_proj's
+    half-heads 2/1/1 (units of 8 rows), the training plan asked for whole GQA pairs (units of 16), and the training
+    compile raised on every rank ("'attn.q_proj.weight' was sharded as ... and this graph needs ..."; found by
+    tests/test_checkpoint_fuzz.py). Now a weight an earlier graph cut keeps that cut in the plan, and an op needing
+    another one gathers. Checked on each rank's compile (fake group), then the training plan given parallelize's cuts,
+    every rank simulated against the model (``simulate.verify``, Megatron's conversions included)."""
+    import dynashard
+    from dynashard.analysis import analyse_ranks
+    from dynashard.options import parse_options
+    from dynashard.report import simulate
+    from dynashard.weights.store import STORE, EarlierCuts
+
+    options = {"min_shard_numel": 0, "compiler": "eager"}
+    for rank in range(3):
+        torch._dynamo.reset()
+        private.init_fake_process_group(3, rank)
+        try:
+            torch.manual_seed(0)
+            model, x = _DiffBlock(), torch.randn(1, 2, 64)
+            dynashard.parallelize(model, x, options=options)
+            cut = {n: STORE.spec_of(p) for n, p in _facades(model).items()}
+            torch.compile(model, backend="dynashard", options=options)(x).sum().backward()
+            assert {n: STORE.spec_of(p) for n, p in _facades(model).items()} == cut
+            assert dict(model.named_parameters())["attn.q_proj.weight"].grad is not None  # (the shard's)
+        finally:
+            dist.destroy_process_group()
+            torch._dynamo.reset()
+
+    private.init_fake_process_group(3, 0)
+    opts, found = parse_options(options), {}
+
+    def capture(gm, example_inputs):  # (analysed here: Dynamo drops its placeholders' sources after the compile)
+        fakes = private.backend_fakes(gm)
+        if "cuts" not in found:  # parallelize's graph, without gradients: the cuts it makes
+            (first,) = analyse_ranks(gm, fakes, opts, 3, [0], EarlierCuts())
+            found["cuts"] = {id(example_inputs[i]): (dim, split)
+                             for i, (_, dim, split) in first.sharded_inputs().items()}
+            return gm.forward
+        slot = {id(t): i for i, t in enumerate(example_inputs)}
+        earlier = found["earlier"] = EarlierCuts(split={slot[k]: cut for k, cut in found["cuts"].items()})
+        analyses = found["analyses"] = analyse_ranks(gm, fakes, opts, 3, range(3), earlier)
+        found["verified"] = simulate.verify(analyses, example_inputs, train=True)
+        return gm.forward
+
+    try:
+        torch.manual_seed(0)
+        model, x = _DiffBlock(), torch.randn(1, 2, 64)
+        with torch.no_grad():
+            torch.compile(model, backend=capture)(x)
+        torch._dynamo.reset()
+        torch.compile(model, backend=capture)(x)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    earlier = found["earlier"]
+    assert any(s.parts == (4, 4) and s.unit == 8 for _, s in earlier.split.values()), earlier  # (q's half-heads)
+    for a in found["analyses"]:  # every rank's training plan cuts every weight as parallelize cut it
+        assert {i: (dim, split) for i, (_, dim, split) in a.sharded_inputs().items()} == earlier.split
+    errors, out_error, scale = found["verified"]
+    # (float32: the sharded sums in another order; a weight read with another cut is off by its own scale)
+    assert out_error < 1e-5 * max(1.0, scale[None]) and all(e < 1e-4 for e in errors.values()), (errors, out_error)
+
+
+class _DiffBlock(nn.Module):
+    """DiffLlama's attention with its RoPE tables and a residual (tests/test_fuzz.py's transformer form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = models.DiffAttention(64, 8, 4, repeat="expand")
+        cos, sin = models.rope_tables(8, 16, False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x):
+        return x + self.attn(x, self.cos, self.sin)
+
+
+def _facades(model: nn.Module) -> dict[str, torch.Tensor]:
+    from dynashard.load.registered import facades
+
+    return {f"{prefix}.{a}" if prefix else a: f for prefix, module in model.named_modules()
+            for a, f in facades(module).items()}

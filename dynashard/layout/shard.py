@@ -208,6 +208,8 @@ class LayoutMap:
     held_outputs: dict[torch.fx.Node, Shard] = dataclasses.field(default_factory=dict)
     # low-rank updates (LoRA) by each member's node (match_adapters.find_low_rank_updates)
     updates: Mapping[torch.fx.Node, Any] = dataclasses.field(default_factory=dict)
+    # weight -> (dim, split) an earlier graph cut it by (PlanContext.presplit): a rowwise weight's cut follows it
+    presplit: Mapping[torch.fx.Node, tuple[int, Split]] = dataclasses.field(default_factory=dict)
     _gathered: set[tuple[Read, torch.fx.Node]] = dataclasses.field(default_factory=set)
     _summed: set[torch.fx.Node] = dataclasses.field(default_factory=set)
 

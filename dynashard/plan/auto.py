@@ -219,7 +219,7 @@ def follow_earlier_splits(ctx: PlanContext, decisions: dict) -> None:
             decisions[m.node] = Decision(Style.REPLICATE,
                                          "kept whole: a graph compiled earlier reads this weight whole")
             continue
-        dim = ctx.presplit.get(m.weight)
+        dim = ctx.presplit[m.weight][0] if m.weight in ctx.presplit else None
         if dim is None or split_dim(m, decisions[m.node].style) == dim or ctx.blocked[m.node] \
                 or m.kind.refused_dim(dim) is not None:
             continue

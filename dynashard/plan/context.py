@@ -24,6 +24,7 @@ from dynashard.capture.aliases import mutated_roots
 from dynashard.capture.match_adapters import LowRankUpdate, find_low_rank_updates
 from dynashard.capture.records import LinearMatch
 from dynashard.layout.mesh import Mesh
+from dynashard.layout.split import Split
 from dynashard.options import Options
 
 
@@ -38,7 +39,7 @@ class PlanContext:
     # placeholders holding the same value on every rank (parameters under replicated weights); they
     # matter only with inputs="per_rank"
     uniform_inputs: frozenset[torch.fx.Node]
-    presplit: Mapping[torch.fx.Node, int]  # weight -> the dim an earlier graph cut it on
+    presplit: Mapping[torch.fx.Node, tuple[int, Split]]  # weight -> the dim and split an earlier graph cut it by
     prewhole: frozenset[torch.fx.Node]  # weights a graph compiled earlier reads whole
     updates: Mapping[torch.fx.Node, LowRankUpdate]  # low-rank updates (LoRA), by each member's node
     written: frozenset[torch.fx.Node]  # values an in-place op writes into
@@ -46,7 +47,7 @@ class PlanContext:
     @classmethod
     def build(cls, linears: list[LinearMatch], other_uses: dict[torch.fx.Node, list[str]], graph: torch.fx.Graph,
               options: Options, world: int, rank: int, uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
-              presplit: dict[torch.fx.Node, int] | None = None,
+              presplit: dict[torch.fx.Node, tuple[int, Split]] | None = None,
               prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> PlanContext:
         by_node = {m.node: m for m in linears}
         mesh = Mesh(world, rank, per_rank=options.inputs == "per_rank", sequence=options.sequence_parallel,

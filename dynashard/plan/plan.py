@@ -67,20 +67,20 @@ def make_plan(
     world: int,
     rank: int,
     uniform_inputs: frozenset[torch.fx.Node] = frozenset(),
-    presplit: dict[torch.fx.Node, int] | None = None,
+    presplit: dict[torch.fx.Node, tuple[int, Split]] | None = None,
     prewhole: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset(),
 ) -> Plan:
     """The plan of one graph: :func:`plan_with` its cuts; with a sharded KV cache (auto plan), also
     without holding any graph input sharded, keeping whichever plan shards more weight."""
     ctx = PlanContext.build(linears, other_uses, graph, options, world, rank, uniform_inputs, presplit, prewhole)
     user = None if ctx.auto else user_decisions(ctx)
-    cuts = Cuts()
+    cuts = Cuts.following(ctx)
     plan = plan_with(ctx, cuts, user)
     if cuts.states and ctx.auto:
         # A cache held sharded follows k's cut; where attention then needs another cut (GQA heads
         # that do not divide the world) the auto plan may keep the projections whole instead. Keep
         # whichever plan shards more weight: the cache sharded, or gathered k/v into a whole cache.
-        other = plan_with(ctx, Cuts(allow_states=False), user)
+        other = plan_with(ctx, Cuts.following(ctx, allow_states=False), user)
         if _sharded_numel(ctx, other.decisions) > _sharded_numel(ctx, plan.decisions):
             plan = other
     return plan
@@ -232,8 +232,8 @@ def _sharded_numel(ctx: PlanContext, decisions: dict) -> int:
 def _describe_cuts(ctx: PlanContext, decisions: dict, splits: dict) -> None:
     for m in ctx.linears:
         split, d = splits.get(m.node), decisions[m.node]
-        if split is None or d.style != Style.COLWISE:
-            continue
+        if split is None or d.style != Style.COLWISE or split == even(m.out_features):
+            continue  # (an even cut is the default: nothing to say)
         what = str(split.parts[0])
         if len(split.parts) > 1:
             what = f"{len(split.parts)} components of {'/'.join(map(str, split.parts))}"

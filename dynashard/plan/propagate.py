@@ -74,7 +74,8 @@ def propagate(
     split, dim, origins: a KV cache the graph writes head-sharded k/v into).
     """
     linears = ctx.by_node
-    lm = LayoutMap(ctx.mesh, styles={}, splits=dict(splits or {}), written=ctx.written, updates=ctx.updates)
+    lm = LayoutMap(ctx.mesh, styles={}, splits=dict(splits or {}), written=ctx.written, updates=ctx.updates,
+                   presplit=ctx.presplit)
     paths = _WeightPaths.of(ctx)
     for node in ctx.graph.nodes:
         if node in (states or {}):  # a cache held sharded (a graph input, or allocated by the graph)

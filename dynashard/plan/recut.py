@@ -20,7 +20,10 @@ heads) cannot deal to every rank ask for finer units instead (``WishKind.REFINE`
 Invariants: a round only changes cuts (and, for the auto plan, forces styles), never the graph;
 the same layer of every block is re-cut together, and every use of one weight of one kind; a weight
 shared by uses of different kinds (a tied head and its embedding) keeps its cut;
-a re-cut never leaves a rank holding nothing it held before. Stopping at the round limit is safe.
+a re-cut never leaves a rank holding nothing it held before; a colwise output whose weight an earlier graph
+cut (``parallelize``'s, without gradients, then a training compile's) starts from that cut and is never re-cut
+(``Cuts.pinned``): its full value is gone, so a rule that needs another cut gathers. Stopping at the round limit
+is safe.
 """
 
 from __future__ import annotations
@@ -56,6 +59,18 @@ class Cuts:
     # graph inputs held sharded (KV caches written from head-sharded k/v): placeholder -> split, dim, origins
     states: dict[torch.fx.Node, tuple[Split, int, frozenset[torch.fx.Node]]] = dataclasses.field(default_factory=dict)
     allow_states: bool = True
+    # colwise outputs whose weight an earlier graph cut (and freed): their split is that cut, never re-cut
+    pinned: frozenset[torch.fx.Node] = frozenset()
+
+    @classmethod
+    def following(cls, ctx: PlanContext, allow_states: bool = True) -> Cuts:
+        """The cuts to start from: each colwise output whose weight an earlier graph cut on its output dim
+        split as that cut (``ctx.presplit``), pinned. A rule that needs another cut of it gathers instead: the
+        full weight is gone, and a different split would be refused when the weights are cut."""
+        splits = {m.node: split for m in ctx.linears
+                  if (cut := ctx.presplit.get(m.weight)) is not None and cut[0] == m.out_dim
+                  for split in [cut[1]]}
+        return cls(splits=splits, allow_states=allow_states, pinned=frozenset(splits))
 
 
 def recut_until_stable(ctx: PlanContext, cuts: Cuts, decide: Callable[[list[Wish]], dict[torch.fx.Node, Decision]]
@@ -118,7 +133,7 @@ def _grant(ctx: PlanContext, wishes: list[Wish], cuts: Cuts) -> bool:
             continue
         for o in w.origins:
             m = by_node[o]
-            if len(uses[m.weight]) > 1 and o not in family:
+            if (len(uses[m.weight]) > 1 and o not in family) or o in cuts.pinned:
                 continue
             o = family[o][0] if o in family else o
             current = splits.get(o, even(m.out_features))
@@ -162,11 +177,12 @@ def _grant(ctx: PlanContext, wishes: list[Wish], cuts: Cuts) -> bool:
         changed = True
     recut = {o: (before.get(o, even(by_node[o].out_features)), split) for o, split in splits.items()
              if split != before.get(o)}
-    _recut_siblings(recut, splits, linears, uses, family)
+    _recut_siblings(recut, splits, linears, uses, family, cuts.pinned)
     return changed
 
 
-def _recut_siblings(recut: dict, splits: dict, linears: Sequence[LinearMatch], uses: dict, family: dict) -> None:
+def _recut_siblings(recut: dict, splits: dict, linears: Sequence[LinearMatch], uses: dict, family: dict,
+                    pinned: frozenset[torch.fx.Node]) -> None:
     """The same layer of the other blocks (``layers.3.attn.wqkv`` for ``layers.0.attn.wqkv``: the same
     name but for its block numbers, the same width, the same cut so far) is re-cut as ``recut`` re-cut it.
 
@@ -182,7 +198,7 @@ def _recut_siblings(recut: dict, splits: dict, linears: Sequence[LinearMatch], u
     for m in linears:
         change = by_pattern.get((_block_pattern(m.fqn), m.out_features))
         members = family.get(m.node, [m.node])
-        if change is None or len(uses[m.weight]) != len(members) or any(n in recut for n in members):
+        if change is None or len(uses[m.weight]) != len(members) or any(n in recut or n in pinned for n in members):
             continue
         if all(splits.get(n, even(m.out_features)) == change[0] for n in members):
             for n in members:

@@ -50,11 +50,11 @@ Source = Callable[[torch.Tensor, "ShardSpec | None"], torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class EarlierCuts:
-    """What earlier compiles did to a graph's inputs, by input slot: the dim each cut one was split on
-    (later uses follow it: its full value is gone), and those a compiled program reads whole (cutting
-    them would free what it reads). Handed to the planner, which reads no store."""
+    """What earlier compiles did to a graph's inputs, by input slot: the dim each cut one was split on and
+    its split (later uses follow both: its full value is gone), and those a compiled program reads whole
+    (cutting them would free what it reads). Handed to the planner, which reads no store."""
 
-    split: dict[int, int] = dataclasses.field(default_factory=dict)
+    split: dict[int, tuple[int, Split]] = dataclasses.field(default_factory=dict)
     whole: frozenset[int] = frozenset()
 
 
@@ -259,7 +259,8 @@ class WeightStore:
 
     def earlier_cuts(self, inputs: list[Any]) -> EarlierCuts:
         """What earlier compiles (or ``parallelize``) did to a graph's ``inputs``, by input slot."""
-        split = {i: self._shards[t].spec.dim for i, t in enumerate(inputs) if torch.is_tensor(t) and t in self._shards}
+        split = {i: (self._shards[t].spec.dim, self._shards[t].spec.split) for i, t in enumerate(inputs)
+                 if torch.is_tensor(t) and t in self._shards}
         whole = frozenset(i for i, t in enumerate(inputs) if torch.is_tensor(t) and t in self._read_whole)
         return EarlierCuts(split, whole)
 

@@ -192,6 +192,10 @@ def _rowwise(lm: LayoutMap, match: LinearMatch, record: Record) -> Record:
     if isinstance(match.kind, GroupQuantized):  # (columns in whole groups of the quantization)
         record.weight_split = rowwise_split(lm, match, record.weight_split if usable else None)
         usable = usable and record.weight_split == features_split(lm, match)
+    earlier = lm.presplit.get(match.weight)
+    if earlier is not None and earlier[0] == match.in_dim:  # cut by an earlier graph (and freed): that cut
+        usable = usable and earlier[1] == features_split(lm, match)
+        record.weight_split = earlier[1]
     # an input sharded some other way is gathered, then this rank's features taken (lowerings.py)
     if usable:
         how = Read.LOCAL
