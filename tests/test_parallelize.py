@@ -279,6 +279,29 @@ def test_a_bfloat16_checkpoint_is_read_in_the_float32_models_dtype(rank, world, 
 
 
 @on_ranks
+def test_a_parameter_no_graph_reads_is_loaded_whole_from_the_checkpoint(rank, world, tmp_path):
+    """A model built on meta whose forward never reads one of its parameters (the fuzz's attention: a per-head
+    scale ``g`` its plain form leaves alone): ``parallelize(checkpoint=...)`` reads that one whole after the example,
+    a plain tensor again. It raised "this tensor's storage was freed by dynashard, and its shard is gone" on every
+    rank: its facade's ``copy_`` wrote into a shard it never had (found by tests/test_checkpoint_fuzz.py)."""
+    from tests.test_fuzz import Attention
+
+    torch.manual_seed(0)
+    reference = Attention(8, 4).eval()
+    ckpt = f"{tmp_path}/attention.safetensors"
+    if rank == 0:
+        save_file(reference.state_dict(), ckpt)
+    dist.barrier()
+    with dynashard.empty_weights():
+        model = Attention(8, 4).eval()
+    dynashard.parallelize(model, torch.randn(1, 5, 8), options=EAGER, checkpoint=ckpt)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        err = _err(model(x), reference(x))
+    assert err < ATOL and type(model.g) is torch.nn.Parameter and torch.equal(model.g, reference.g), (err, model.g)
+
+
+@on_ranks
 def test_hf_gpt2_loads_from_save_pretrained_and_exports_back(rank, world, tmp_path):
     """HF GPT-2 as save_pretrained writes it (several files and an index; the tied LM head absent),
     and as from_pretrained maps it; exported back as an HF directory, then again as one file."""

@@ -98,8 +98,8 @@ def materialize(params: list[torch.Tensor], source: Source) -> None:
         if is_storage_less(p) and not STORE.is_sharded(p):
             value = source(p, None)
             p.untyped_storage().resize_(p.numel() * p.element_size())  # (a contiguous facade, offset 0)
-            with torch.no_grad():
-                p.copy_(value)
             p.__dict__.pop("__deepcopy__", None)  # whole again: copies and saves like any tensor
             p.untyped_storage().__dict__.pop(FREED, None)
-            unbecome(p)
+            unbecome(p)  # (first: a facade's copy_ writes into its shard, and this one has none)
+            with torch.no_grad():
+                p.copy_(value)
