@@ -29,7 +29,7 @@ from dynashard.analysis import Analysis, analyse, inline_regions, shard_fakes
 from dynashard.capture import subclass_inputs
 from dynashard.comm.collectives import BACKWARD, apply_conversion, group_name, reduce_scatter_is_slow
 from dynashard.comm.protocol import COMPILE, agreed, peer_failure, resolve_group, wrap
-from dynashard.errors import NotSupportedError, UsageError
+from dynashard.errors import NotSupportedError, ShardNotHeldError, UsageError
 from dynashard.options import Options, parse_options, with_mode
 from dynashard.report import progress
 from dynashard.report.table import GraphReport, plan_summary
@@ -378,8 +378,9 @@ def trainability(analysis: Analysis) -> compile_cache.Trainability:
     else:
         whole = [n for n, lay in lm.layouts.items() if lay is not None and lay.split.whole]
         if whole:
-            why = (f"a fused weight with parts held whole on every rank ({whole[0].name}: fewer K/V heads than "
-                   "ranks); each rank's gradient of a whole part would be partial")
+            why = (f"a fused weight with parts held whole on every rank ({whole[0].name}: K/V heads the ranks cannot "
+                   "cut alongside their query heads, e.g. fewer K/V heads than ranks; explain() says why); each "
+                   "rank's gradient of a whole part would be partial")
     return compile_cache.Trainability(
         sparse=tuple(m.fqn for m in analysis.plan.sharded() if m.kind.sparse(m.node)),
         per_rank=lm.per_rank and not lm.stacked, why=why, random=_random_on_shards(analysis))
@@ -502,6 +503,19 @@ def _check_weights(analysis: Analysis, example_inputs: list[Any], sharded: dict[
     for i, node in enumerate(analysis.inputs):
         t = example_inputs[i]
         if i not in sharded and i not in analysis.params and torch.is_tensor(t) and STORE.is_sharded(t):
+            if (weight := STORE.weight_of(t)) is not None:
+                # torch 2.11: after Dynamo skips a parallelized model's frame (an error raised while tracing it),
+                # the frame runs eagerly and Dynamo compiles the calls inside it as frames of their own, which
+                # get the weights as arguments (Linear.forward: "L['args'][1]")
+                error = ShardNotHeldError(
+                    f"dynashard: input {analysis.names[i]!r} is the weight {weight!r}, which dynashard sharded (its "
+                    f"full value is gone), reached as an argument of a part of the model's call compiled on its own "
+                    f"({_why_whole(analysis, node)}). Dynamo compiles such a part after it skipped the whole call's "
+                    "frame: for an error raised in the model's code while tracing, or a graph break it could not "
+                    "handle (TORCH_LOGS=graph_breaks names it). Expected the model's whole call compiled, which "
+                    "reads its weights as parameters.")
+                error.needs = f"{weight!r} is read whole by a part of the call Dynamo compiled on its own"
+                raise error
             # (a compiled graph would read a storage-less tensor: Inductor's kernels do not ask the facade)
             raise UsageError(
                 f"dynashard: input {analysis.names[i]!r} is a tensor an earlier dynashard graph returned as this "

@@ -245,9 +245,9 @@ def _loss(out: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def _refused(e: BaseException, world: int, kv_heads: int | None) -> bool:
-    """The one refusal a training compile may make here (as in the training fuzz): K/V heads fewer than the ranks,
-    held whole by a fused weight."""
-    return kv_heads is not None and kv_heads < world and "fewer K/V heads than ranks" in str(e)
+    """The one refusal a training compile may make here (as in the training fuzz): K/V heads held whole by a fused
+    weight (fewer than the ranks, or fewer of its units)."""
+    return kv_heads is not None and "parts held whole on every rank" in str(e)
 
 
 def _kv_heads(c: dict) -> int | None:

@@ -167,7 +167,11 @@ def test_a_call_dynamo_runs_uncompiled_is_said_as_that(fake_group):
     dynashard.parallelize(model, x, options=OPTIONS)  # (planned without gradients)
     with pytest.raises(UsageError, match=r"Dynamo ran this call of _NoBackwardHere \(parallelized\) uncompiled") as e:
         model(x)
-    assert "'up.weight'" in str(e.value) and "submodule" not in str(e.value), e.value
+    # (torch 2.11 compiles the calls inside the skipped frame on their own: the backend names the weight one of them
+    # reads as an argument, as the store filed it there: 'up')
+    said = str(e.value)
+    assert ("'up.weight'" in said or "'up' is read whole by a part of the call" in said) and "submodule" not in said, \
+        said
     with torch.no_grad():  # a call Dynamo compiles runs sharded again (the skipped frame is not skipped for good)
         assert model(x).shape == (2, 8)
 

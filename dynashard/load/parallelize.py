@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -190,16 +191,12 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
             return original(*args, **kwargs)
         if getattr(inside, "on", False):  # (Dynamo left this frame uncompiled: the call runs eagerly)
             _refuse_past_the_recompile_limit(model, code[0])
-            try:
+            with _said_as_uncompiled(model, code[0]):
                 return original(*args, **kwargs)
-            except ShardNotHeldError as e:
-                # (Dynamo marked the frame to run uncompiled from now on: forgotten, so that the model's next call,
-                # one Dynamo can compile, runs sharded again instead of meeting the facades every time)
-                private_regions.forget_frame(code[0])
-                raise _uncompiled(model, e) from e
         inside.on = True
         try:
-            return compiled(*args, **kwargs)
+            with _said_as_uncompiled(model, code[0]):  # (torch 2.11: a part compiled on its own, in this call)
+                return compiled(*args, **kwargs)
         finally:
             inside.on = False
 
@@ -215,6 +212,22 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
     code = [forward.__code__]
     compiled = torch.compile(forward, backend="dynashard", options=options)
     model.forward = forward
+
+
+@contextlib.contextmanager
+def _said_as_uncompiled(model: nn.Module, code: Any) -> Iterator[None]:
+    """A shard read eagerly inside the model's call (a frame Dynamo skipped), or read as an argument by a part of
+    the call Dynamo compiled on its own after skipping the frame (torch 2.11; the backend raises it): said as
+    :func:`_uncompiled`. Dynamo marked the frame to run uncompiled from now on: forgotten, so that the model's
+    next call, one Dynamo can compile, runs sharded again instead of meeting the facades every time."""
+    try:
+        yield
+    except Exception as e:
+        shard_error = e if isinstance(e, ShardNotHeldError) else private.backend_error(e)
+        if not isinstance(shard_error, ShardNotHeldError):
+            raise
+        private_regions.forget_frame(code)
+        raise _uncompiled(model, shard_error) from e
 
 
 def _uncompiled(model: nn.Module, error: ShardNotHeldError) -> UsageError:

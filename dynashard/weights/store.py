@@ -106,6 +106,11 @@ class WeightStore:
         """``local``, a shard made by a program or derived from another, filed under its new ``facade``."""
         self._shards[facade] = _Entry(spec, local, name, held=True)
 
+    def weight_of(self, t: torch.Tensor) -> str | None:
+        """The FQN of the weight ``t`` is the facade of (None: not one, or a shard a program made, a cache)."""
+        entry = self._shards.get(t)
+        return None if entry is None or entry.held else entry.fqn
+
     def spec_of_any(self, t: torch.Tensor) -> ShardSpec | None:
         entry = self._shards.get(t)
         return None if entry is None else entry.spec
