@@ -191,11 +191,11 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
             return original(*args, **kwargs)
         if getattr(inside, "on", False):  # (Dynamo left this frame uncompiled: the call runs eagerly)
             _refuse_past_the_recompile_limit(model, code[0])
-            with _said_as_uncompiled(model, code[0]):
+            with _said_as_uncompiled(model, code[0], eager=True):
                 return original(*args, **kwargs)
         inside.on = True
         try:
-            with _said_as_uncompiled(model, code[0]):  # (torch 2.11: a part compiled on its own, in this call)
+            with _said_as_uncompiled(model, code[0], eager=False):  # (torch 2.11: a part compiled on its own)
                 return compiled(*args, **kwargs)
         finally:
             inside.on = False
@@ -215,15 +215,16 @@ def _run_calls_through_dynashard(model: nn.Module, options: Any) -> None:
 
 
 @contextlib.contextmanager
-def _said_as_uncompiled(model: nn.Module, code: Any) -> Iterator[None]:
-    """A shard read eagerly inside the model's call (a frame Dynamo skipped), or read as an argument by a part of
-    the call Dynamo compiled on its own after skipping the frame (torch 2.11; the backend raises it): said as
-    :func:`_uncompiled`. Dynamo marked the frame to run uncompiled from now on: forgotten, so that the model's
-    next call, one Dynamo can compile, runs sharded again instead of meeting the facades every time."""
+def _said_as_uncompiled(model: nn.Module, code: Any, eager: bool) -> Iterator[None]:
+    """A shard read eagerly inside the model's call (``eager``: a frame Dynamo skipped), or read as an argument by
+    a part of the call Dynamo compiled on its own after skipping the frame (torch 2.11; the backend raises it, in
+    either branch): said as :func:`_uncompiled`. (A shard read by eager code between the graphs of a compiled call
+    keeps the facade's own error.) Dynamo marked the frame to run uncompiled from now on: forgotten, so that the
+    model's next call, one Dynamo can compile, runs sharded again instead of meeting the facades every time."""
     try:
         yield
     except Exception as e:
-        shard_error = e if isinstance(e, ShardNotHeldError) else private.backend_error(e)
+        shard_error = e if eager and isinstance(e, ShardNotHeldError) else private.backend_error(e)
         if not isinstance(shard_error, ShardNotHeldError):
             raise
         private_regions.forget_frame(code)
