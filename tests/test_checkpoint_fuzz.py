@@ -116,9 +116,8 @@ def _example(c: dict) -> torch.Tensor:
     return torch.randn(c["shape"], generator=torch.Generator().manual_seed(c["case"]))
 
 
-def _save(rank: int, world: int, root: str) -> list[str]:
+def _save(rank: int, world: int, root: str) -> None:
     """Every case saved at this world: parallelized with its first plan, saved by its route."""
-    failures = []
     for c in _cases():
         if c["save_world"] != world:
             continue
@@ -135,7 +134,6 @@ def _save(rank: int, world: int, root: str) -> list[str]:
         else:
             dynashard.export_safetensors(model, path)
         dist.barrier()
-    return failures
 
 
 def _load(rank: int, world: int, root: str) -> list[str]:
@@ -257,7 +255,7 @@ def _kv_heads(c: dict) -> int | None:
     return _draw(r)[2]
 
 
-def _train_save(rank: int, world: int, root: str) -> list[str]:
+def _train_save(rank: int, world: int, root: str) -> None:
     """Each case trained one step at this world, its model and optimizer state saved by its route."""
     for c in _train_cases():
         if c["save_world"] != world:
@@ -282,7 +280,6 @@ def _train_save(rank: int, world: int, root: str) -> list[str]:
             if rank == 0:
                 torch.save({"model": msd, "optim": osd}, path)
         dist.barrier()
-    return []
 
 
 def _train_load(rank: int, world: int, root: str) -> tuple[list[str], int]:
